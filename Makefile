@@ -1,0 +1,26 @@
+# `make demo` and `make test` do all set-up themselves on a fresh machine.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export WANDB_MODE ?= offline
+export HF_HUB_OFFLINE ?= 1
+
+.PHONY: demo test bench tables clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -e '.[all]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m slamb.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m bench.optimizer_step
+
+clean:
+	rm -rf $(VENV) .pytest_cache

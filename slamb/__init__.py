@@ -1,0 +1,10 @@
+"""SLAMB and its baselines over torch.distributed, with an exact byte ledger."""
+from . import comm
+from .comm import CommLedger
+from .ddp import attach_ledger, wrap_model
+from .optim import LAMB, SLAMB
+from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
+
+__version__ = "0.1.0"
+__all__ = ["SLAMB", "LAMB", "CommLedger", "comm", "wrap_model", "attach_ledger", "create_optimizer", "OPTIMIZERS",
+           "param_groups_weight_decay"]

@@ -1,0 +1,4 @@
+from .lamb import LAMB
+from .slamb import SLAMB
+
+__all__ = ["LAMB", "SLAMB"]

@@ -1,0 +1,71 @@
+"""Pieces every optimizer of the package shares: argument checks, the trust
+ratio guard, the rank-agreed decision on non-finite gradients."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import comm
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+
+
+def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=False) -> None:
+    """``ValueError`` naming the setting and its allowed range when ``value`` is outside it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if not ok:
+        left = "(" if lo_open else "["
+        right = ")" if hi_open else "]"
+        lo_s = "-inf" if lo is None else repr(lo)
+        hi_s = "inf" if hi is None else repr(hi)
+        raise ValueError(f"invalid {name}={value!r}: must be a number in {left}{lo_s}, {hi_s}{right}")
+
+
+def check_betas(betas) -> None:
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"invalid betas={betas!r}: must be a pair (beta1, beta2), each in [0, 1)")
+    check_range("betas[0]", betas[0], 0.0, 1.0, hi_open=True)
+    check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
+
+
+def check_choice(name: str, value, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"invalid {name}={value!r}: must be one of {list(choices)}")
+
+
+def safe_ratio(num: torch.Tensor, den: torch.Tensor, default: float) -> torch.Tensor:
+    """``num / den`` where both are positive, ``default`` elsewhere (LAMB's trust-ratio guard)."""
+    ok = (num > 0) & (den > 0)
+    return torch.where(ok, num / torch.where(ok, den, 1.0), torch.full_like(num, default))
+
+
+def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str = "", agree: bool = True) -> bool:
+    """Decide, identically on every rank, what a step does with non-finite gradients.
+
+    ``agree=False`` decides locally: for gradients that are already averaged,
+    hence the same on every rank. Returns True when the step must be skipped. With ``policy="raise"`` raises
+    ``FloatingPointError`` on every rank, before any state is touched, so the
+    run loses nothing. ``"ignore"`` checks nothing and costs nothing.
+    """
+    if policy == "ignore" or not grads:
+        return False
+    maxabs = torch.stack(torch._foreach_norm(grads, ord=math.inf, dtype=torch.float32))
+    local_bad = ~torch.isfinite(maxabs)
+    found = comm.agree_any(local_bad.any(), ledger=ledger, group=group) if agree else bool(local_bad.any())
+    if not found:
+        return False
+    if policy == "skip":
+        return True
+    bad_names = [names[i] for i in torch.nonzero(local_bad).flatten().tolist()]
+    here = (f"this rank's non-finite gradients: {', '.join(bad_names[:8])}"
+            + (" ..." if len(bad_names) > 8 else "")) if bad_names else "another rank has non-finite gradients"
+    raise FloatingPointError(
+        f"{where}non-finite (NaN/inf) gradients at this step ({here}); optimizer state and parameters "
+        "are untouched. Fixes: lower the learning rate or clip gradients; with fp16 use a loss scaler "
+        "and nonfinite='skip' so every rank skips the step together."
+    )

@@ -1,0 +1,68 @@
+"""A fixed flat layout of a list of parameters.
+
+Optimizers that exchange a packed subset of their state keep that state in
+one flat buffer per quantity and hand per-parameter views to
+``optimizer.state`` (so ``state_dict()`` holds everything). The layout also
+turns per-tensor scalars into per-element vectors and back, which is how the
+layer-wise trust ratios are computed without a Python loop over layers.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class FlatLayout:
+    def __init__(self, params: list[torch.Tensor], group_index: list[int]):
+        if not params:
+            raise ValueError("no parameter has a gradient: nothing to optimize")
+        devices = {p.device for p in params}
+        dtypes = {p.dtype for p in params}
+        if len(devices) > 1 or len(dtypes) > 1:
+            raise ValueError(
+                f"parameters span devices {sorted(map(str, devices))} and dtypes {sorted(map(str, dtypes))}; "
+                "a flat-state optimizer needs one device and one dtype: create one optimizer per device/dtype"
+            )
+        self.params = params
+        self.device = params[0].device
+        self.dtype = params[0].dtype
+        self.numels = [p.numel() for p in params]
+        self.shapes = [p.shape for p in params]
+        self.offsets = [0]
+        for n in self.numels:
+            self.offsets.append(self.offsets[-1] + n)
+        self.numel = self.offsets[-1]
+        # groups are contiguous runs of the layout: (group index, first param, end param)
+        self.groups: list[tuple[int, int, int]] = []
+        for i, g in enumerate(group_index):
+            if self.groups and self.groups[-1][0] == g:
+                self.groups[-1] = (g, self.groups[-1][1], i + 1)
+            else:
+                self.groups.append((g, i, i + 1))
+        self._sizes = torch.tensor(self.numels, dtype=torch.long, device=self.device)
+
+    def zeros(self, dtype=None) -> torch.Tensor:
+        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+
+    def views(self, buf: torch.Tensor, lo: int = 0, hi: int | None = None) -> list[torch.Tensor]:
+        """Shaped per-parameter views of ``buf``, a buffer over parameters ``lo:hi``."""
+        hi = len(self.params) if hi is None else hi
+        base = self.offsets[lo]
+        return [buf[self.offsets[i] - base:self.offsets[i + 1] - base].view(self.shapes[i])
+                for i in range(lo, hi)]
+
+    def span(self, lo: int, hi: int) -> slice:
+        return slice(self.offsets[lo], self.offsets[hi])
+
+    def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([t.reshape(-1) for t in tensors])
+
+    def segment_norms(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """L2 norm of each parameter's segment of ``flat`` (a buffer over parameters ``lo:hi``)."""
+        parts = list(torch.split(flat, self.numels[lo:hi]))
+        return torch.stack(torch._foreach_norm(parts))
+
+    def expand(self, per_tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar."""
+        return torch.repeat_interleave(
+            per_tensor, self._sizes[lo:hi], output_size=self.offsets[hi] - self.offsets[lo]
+        )

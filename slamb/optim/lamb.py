@@ -1,0 +1,128 @@
+"""LAMB (You et al., ICLR 2020) on gradients the caller has averaged (DDP).
+
+u = m_hat / (sqrt(v_hat) + eps) + wd * p, trust = ||p|| / ||u|| (1 when a norm
+is 0, optionally clamped), p -= lr * trust * u. DeepSpeed's BERT baseline is
+``bias_correction=False, trust_clamp=(0.01, 0.3)``; NVIDIA's recipe puts
+biases and LayerNorm in a group with ``weight_decay=0``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.optim import Optimizer
+
+from .. import comm
+from ._common import NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip, safe_ratio
+
+
+def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
+    m.mul_(b1).add_(g, alpha=1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+    u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
+    trust = safe_ratio(p.norm(), u.norm(), 1.0)
+    if trust_clamp is not None:
+        trust = trust.clamp(*trust_clamp)
+    p.sub_(lr * trust * u)
+
+
+def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
+    torch._foreach_mul_(ms, b1)
+    torch._foreach_add_(ms, grads, alpha=1 - b1)
+    torch._foreach_mul_(vs, b2)
+    torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+    bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
+    denom = torch._foreach_div(vs, bc2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    u = torch._foreach_div(ms, bc1)
+    torch._foreach_div_(u, denom)
+    if wd != 0:
+        torch._foreach_add_(u, params, alpha=wd)
+    trust = safe_ratio(torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)), 1.0)
+    if trust_clamp is not None:
+        trust = trust.clamp(*trust_clamp)
+    torch._foreach_mul_(u, list((trust * -lr).unbind()))
+    torch._foreach_add_(params, u)
+
+
+class LAMB(Optimizer):
+    """Data-parallel LAMB. Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``,
+    ``bias_correction``, ``trust_clamp`` (``None`` or ``(min, max)``).
+
+    Gradients must already be averaged (use :func:`slamb.wrap_model`, whose DDP
+    hook records the gradient bytes in ``self.ledger``). ``nonfinite`` as in
+    :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
+    the decision is too.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
+                 weight_decay: float = 0.0, bias_correction: bool = True, trust_clamp=None,
+                 foreach: bool | None = None, nonfinite: str = "raise", process_group=None,
+                 ledger: comm.CommLedger | None = None):
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                        bias_correction=bias_correction, trust_clamp=trust_clamp)
+        super().__init__(params, defaults)
+        self.foreach = True if foreach is None else foreach
+        self.nonfinite = nonfinite
+        self.process_group = process_group
+        self.ledger = ledger or comm.CommLedger()
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_range("lr", g["lr"], 0.0, lo_open=True)
+        check_betas(g["betas"])
+        check_range("eps", g["eps"], 0.0, lo_open=True)
+        check_range("weight_decay", g["weight_decay"], 0.0)
+        clamp = g["trust_clamp"]
+        if clamp is not None:
+            clamp = tuple(clamp)
+            if len(clamp) != 2 or not 0 <= clamp[0] <= clamp[1]:
+                raise ValueError(f"invalid trust_clamp={clamp!r}: must be None or (min, max) with 0 <= min <= max")
+            g["trust_clamp"] = clamp
+
+    def comm_stats(self) -> dict:
+        return self.ledger.summary()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            work.append((group, params))
+        grads = [p.grad for _, params in work for p in params]
+        names = [f"{tuple(p.shape)}" for _, params in work for p in params]
+        if nonfinite_skip(grads, names, self.nonfinite, ledger=None, where="LAMB: ", agree=False):
+            self.ledger.end_step()
+            return loss
+        for group, params in work:
+            states = [self.state[p] for p in params]
+            for s in states:
+                s["step"] += 1
+            b1, b2 = group["betas"]
+            hyper = dict(t=int(states[0]["step"]), lr=group["lr"], b1=b1, b2=b2, eps=group["eps"],
+                         wd=group["weight_decay"], bias_correction=group["bias_correction"],
+                         trust_clamp=group["trust_clamp"])
+            ms = [s["exp_avg"] for s in states]
+            vs = [s["exp_avg_sq"] for s in states]
+            gs = [p.grad for p in params]
+            if self.foreach:
+                lamb_foreach(params, gs, ms, vs, **hyper)
+            else:
+                for p, g, m, v in zip(params, gs, ms, vs):
+                    lamb_reference(p, g, m, v, **hyper)
+        self.ledger.end_step()
+        return loss

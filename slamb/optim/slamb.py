@@ -1,0 +1,407 @@
+"""SLAMB (Xu et al., ICML 2023): LAMB whose workers average only a shared
+random subset of their momentum each step.
+
+Step t of worker i, numbered as in ``docs/algorithm.md`` (the specification):
+
+1. no gradient all-reduce: g is the local gradient;
+2. local moments m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2 (v is never sent);
+3. a mask M_t, identical on every worker, drawn from (seed, t): the
+   ``cyclic`` (v1) or ``bernoulli`` (v2) policy of ``masks.py``, plus every
+   coordinate of a tensor with ``dim() == 1`` or fewer than
+   ``min_compress_numel`` elements;
+4. m[M_t] = mean over workers of m[M_t]: ONE all-reduce of the packed entries;
+5. the Adam direction (v1 and v2 place bias correction and eps differently);
+6. the freshness r of each element: 1 where averaged now, decaying by b3 per
+   step since (v1 keeps the age c and takes r = b3^c, v2 keeps r);
+7. two layer-wise trust ratios (fresh / stale entries) blended by r, and a
+   step size blended between lr (fresh) and lr/sqrt(n) (stale);
+8. after the updates of steps 1, H+1, 2H+1, ... the parameters are averaged.
+
+``foreach=False`` runs the per-tensor reference functions ``v1_reference`` /
+``v2_reference`` (the spec written out); the default fast path does the same
+math on flat buffers. Both share the mask, the exchange and the sync.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from .. import comm
+from ..ddp import no_comm_hook
+from ._common import (NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip,
+                      safe_ratio)
+from .flat import FlatLayout
+from .masks import MASK_POLICIES, make_mask
+
+VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
+_AGE = {"v1": "staleness", "v2": "freshness"}  # the per-element state of step 6
+
+
+def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    """Step 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t."""
+    u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
+    if p.dim() == 1:  # plain LAMB: no clamp, no blending
+        p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
+        return
+    r = torch.pow(b3, age)
+    phi_s = safe_ratio(p[sel].norm(), u[sel].norm(), 1.0)
+    phi_l = safe_ratio(p[~sel].norm(), u[~sel].norm(), 1.0)
+    trust = (r * phi_s + (1 - r) * phi_l).clamp(c_min, c_max)
+    eta = r * lr + (1 - r) * lr / math.sqrt(n)
+    p.sub_(trust * eta * u)
+
+
+def v2_reference(p, m, v, r, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
+    """Step 5-7 of v2 for one tensor; the fresh entries are those with r == 1."""
+    a = (m / (v.sqrt() + eps)) * (math.sqrt(1 - b2**t) / (1 - b1**t))
+    fresh, stale = r == 1, r < 1
+    phi_s = safe_ratio(p[fresh].norm(), a[fresh].norm(), 1.0).clamp(c_min, c_max)
+    phi_l = safe_ratio(p[stale].norm(), a[stale].norm(), 0.0).clamp(0.0, c_max)
+    u = a + wd * p
+    p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
+
+
+class SLAMB(Optimizer):
+    """SLAMB over torch.distributed (any backend, any device, or no process group).
+
+    Per parameter group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``beta3``,
+    ``c_min``, ``c_max``. For the whole optimizer (they shape the collective):
+    ``compress_ratio`` (k), ``sync_interval`` (H), ``min_compress_numel`` (T),
+    ``variant``, ``mask``, ``comm_dtype``, ``seed``, ``process_group``.
+
+    ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``
+    (the CIFAR-10 compression warm-up does so each epoch); the next step's
+    mask uses it, and a cyclic mask re-cuts its permutation into int(1/k) chunks.
+
+    Wrap the model with :func:`slamb.wrap_model` (DDP that broadcasts the
+    initial parameters but keeps gradients local) or call ``backward()`` on an
+    unwrapped model: gradients must NOT be all-reduced.
+
+    The flat layout is fixed at the first step: the parameters that have a
+    gradient then. A later step where one of them has no gradient treats it
+    as zero, so every rank still packs the same entries.
+
+    ``nonfinite``: what a step does when any rank's gradients hold NaN/inf,
+    decided identically on every rank before any state changes: ``"raise"``
+    (``FloatingPointError``), ``"skip"`` (no update, step not counted) or
+    ``"ignore"`` (no check; saves one 4-byte all-reduce and a host sync).
+    """
+
+    communicates_itself = True
+
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.0,
+        compress_ratio: float = 0.1,
+        beta3: float = 0.99,
+        sync_interval: int = 100,
+        c_min: float = 0.01,
+        c_max: float = 1000.0,
+        min_compress_numel: int = 9000,
+        variant: str = "v2",
+        mask: str | None = None,
+        comm_dtype: torch.dtype | None = None,
+        seed: int = 0,
+        process_group=None,
+        foreach: bool | None = None,
+        nonfinite: str = "raise",
+        ledger: comm.CommLedger | None = None,
+    ):
+        check_choice("variant", variant, VARIANTS)
+        check_choice("mask", mask, (None, *MASK_POLICIES))
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        if not (isinstance(sync_interval, int) and sync_interval >= 1):
+            raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
+        if not (isinstance(min_compress_numel, int) and min_compress_numel >= 0):
+            raise ValueError(f"invalid min_compress_numel={min_compress_numel!r}: must be an integer >= 0")
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
+            raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None or a floating torch.dtype")
+        if not isinstance(seed, int):
+            raise ValueError(f"invalid seed={seed!r}: must be an integer")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
+                        c_min=c_min, c_max=c_max)
+        super().__init__(params, defaults)
+        self.variant = variant
+        self.mask_policy = mask or VARIANTS[variant]
+        self.compress_ratio = compress_ratio
+        self.sync_interval = sync_interval
+        self.min_compress_numel = min_compress_numel
+        self.comm_dtype = comm_dtype
+        self.seed = seed
+        self.process_group = process_group
+        self.foreach = True if foreach is None else foreach
+        self.nonfinite = nonfinite
+        self.ledger = ledger or comm.CommLedger()
+        self._layout: FlatLayout | None = None
+        self._step = 0
+        self._last_mask: torch.Tensor | None = None
+
+    # -- settings -----------------------------------------------------------------
+
+    @property
+    def compress_ratio(self) -> float:
+        return self._compress_ratio
+
+    @compress_ratio.setter
+    def compress_ratio(self, k: float) -> None:
+        check_range("compress_ratio", k, 0.0, 1.0, lo_open=True)
+        self._compress_ratio = float(k)
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_layout", None) is not None:
+            raise RuntimeError("SLAMB's flat layout is fixed at the first step: add parameter groups before it")
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_range("lr", g["lr"], 0.0, lo_open=True)
+        check_betas(g["betas"])
+        check_range("eps", g["eps"], 0.0, lo_open=True)
+        check_range("weight_decay", g["weight_decay"], 0.0)
+        check_range("beta3", g["beta3"], 0.0, 1.0, hi_open=True)
+        check_range("c_min", g["c_min"], 0.0)
+        check_range("c_max", g["c_max"], 0.0, lo_open=True)
+        if g["c_min"] > g["c_max"]:
+            raise ValueError(f"invalid c_min={g['c_min']} > c_max={g['c_max']}: need c_min <= c_max")
+
+    # -- inspection ---------------------------------------------------------------
+
+    def last_sync_mask(self) -> torch.Tensor | None:
+        """Flat bool tensor (layout order) of the momentum entries averaged at the last step."""
+        return self._last_mask
+
+    def comm_stats(self) -> dict:
+        return self.ledger.summary()
+
+    def ddp_comm_hook(self):
+        return None, no_comm_hook
+
+    # -- state ----------------------------------------------------------------------
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _build(self, ids: list[int] | None = None) -> None:
+        """Fix the flat layout; adopt per-parameter state already present (a loaded checkpoint)."""
+        everything = self._all_params()
+        if ids is None:
+            ids = [i for i, p in enumerate(everything) if p.grad is not None]
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        params = [everything[i] for i in ids]
+        layout = FlatLayout(params, [group_of[i] for i in ids])
+        self._check_layout_agrees(layout)
+        keys = ("exp_avg", "exp_avg_sq", _AGE[self.variant])
+        fill = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "staleness": 0.0, "freshness": 1.0}
+        self._flat = {}
+        for key in keys:
+            if all(key in self.state[p] for p in params):
+                flat = layout.flatten([self.state[p][key].to(layout.device, layout.dtype) for p in params])
+            else:
+                flat = layout.zeros().fill_(fill[key])
+            self._flat[key] = flat
+            for p, view in zip(params, layout.views(flat)):
+                self.state[p][key] = view
+        dense = [torch.arange(layout.offsets[i], layout.offsets[i + 1], device=layout.device)
+                 for i, p in enumerate(params) if p.dim() == 1 or p.numel() < self.min_compress_numel]
+        self._dense_index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.long, device=layout.device)
+        self._one_dim = torch.tensor([p.dim() == 1 for p in params], device=layout.device)
+        self._names = [f"param[{i}] {tuple(p.shape)}" for i, p in zip(ids, params)]
+        self._mask_fn = make_mask(self.mask_policy, layout.numel, self.seed, layout.device)
+        self._layout, self._layout_ids = layout, ids
+
+    def _check_layout_agrees(self, layout: FlatLayout) -> None:
+        n = comm.world_size(self.process_group)
+        if n == 1:
+            return
+        signature = torch.tensor([layout.numel, len(layout.numels),
+                                  sum((i + 1) * k for i, k in enumerate(layout.numels)) % (2**31)],
+                                 dtype=torch.long, device=layout.device)
+        everyone = torch.empty(n * 3, dtype=torch.long, device=layout.device)
+        comm.all_gather_into_tensor(everyone, signature, kind="control", ledger=self.ledger,
+                                    group=self.process_group)
+        if not bool((everyone.view(n, 3) == signature).all()):
+            raise RuntimeError(
+                "SLAMB: the ranks disagree on the set of parameters with gradients at the first step "
+                f"(numel, tensors, checksum per rank: {everyone.view(n, 3).tolist()}); every rank must "
+                "build the same model and compute gradients for the same parameters"
+            )
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["slamb"] = {
+            "step": self._step,
+            "compress_ratio": self.compress_ratio,
+            "variant": self.variant,
+            "mask": self.mask_policy,
+            "seed": self.seed,
+            "world_size": comm.world_size(self.process_group),
+            "rank": comm.rank(self.process_group),
+            "layout_ids": None if self._layout is None else list(self._layout_ids),
+            "layout_numels": None if self._layout is None else list(self._layout.numels),
+            "ledger": self.ledger.state_dict(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get("slamb")
+        if extra is None:
+            raise ValueError("not a SLAMB state dict (no 'slamb' entry): it was saved by another optimizer")
+        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
+        if extra["world_size"] != n:
+            raise ValueError(
+                f"SLAMB checkpoint saved with world size {extra['world_size']}, this run has {n}: each worker "
+                f"keeps its own moments, which cannot be redistributed. Resume with {extra['world_size']} "
+                "workers, or start the optimizer afresh (load only the model)."
+            )
+        if extra["rank"] != r:
+            raise ValueError(
+                f"SLAMB checkpoint of rank {extra['rank']} loaded on rank {r}: each rank must load the "
+                "optimizer state it saved (save one optimizer state per rank)"
+            )
+        if (extra["variant"], extra["mask"]) != (self.variant, self.mask_policy):
+            raise ValueError(
+                f"SLAMB checkpoint has variant={extra['variant']!r}, mask={extra['mask']!r}; this optimizer "
+                f"has variant={self.variant!r}, mask={self.mask_policy!r}: construct it with the saved ones"
+            )
+        ids = extra["layout_ids"]
+        if ids is not None:
+            everything = self._all_params()
+            if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
+                raise ValueError("SLAMB checkpoint was saved for a different parameter layout (shapes differ)")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "slamb"})
+        self._step = int(extra["step"])
+        self.compress_ratio = extra["compress_ratio"]
+        self.seed = int(extra["seed"])
+        self.ledger.load_state_dict(extra["ledger"])
+        self._layout = None
+        self._last_mask = None
+        if ids is not None:
+            self._build(ids)
+
+    # -- the step -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._layout is None:
+            self._build()
+        layout = self._layout
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layout.params]  # step 1
+        if nonfinite_skip(grads, self._names, self.nonfinite, ledger=self.ledger,
+                          group=self.process_group, where="SLAMB: "):
+            self.ledger.end_step()
+            return loss
+
+        self._step += 1
+        t, n = self._step, comm.world_size(self.process_group)
+        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
+
+        for gi, lo, hi in layout.groups:  # step 2
+            b1, b2 = self.param_groups[gi]["betas"]
+            span = layout.span(lo, hi)
+            self._moments(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2)
+
+        mask = self._mask_fn(t, self.compress_ratio)  # step 3
+        mask[self._dense_index] = True
+        self._average(m, mask, n)  # step 4
+
+        for gi, lo, hi in layout.groups:  # step 6
+            span = layout.span(lo, hi)
+            if self.variant == "v1":
+                age[span].add_(1).masked_fill_(mask[span], 0)
+            else:
+                age[span].mul_(self.param_groups[gi]["beta3"]).masked_fill_(mask[span], 1)
+
+        for gi, lo, hi in layout.groups:  # steps 5 and 7
+            group, span = self.param_groups[gi], layout.span(lo, hi)
+            b1, b2 = group["betas"]
+            hyper = dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
+                         c_min=group["c_min"], c_max=group["c_max"], n=n)
+            if self.variant == "v1":
+                hyper["b3"] = group["beta3"]
+            args = (layout.params[lo:hi], m[span], v[span], age[span], mask[span])
+            if self.foreach:
+                (self._v1_flat if self.variant == "v1" else self._v2_flat)(lo, hi, *args, **hyper)
+            else:
+                for p, *views in zip(args[0], *(layout.views(x, lo, hi) for x in args[1:])):
+                    if self.variant == "v1":
+                        v1_reference(p, *views, **hyper)
+                    else:
+                        v2_reference(p, *views[:3], **hyper)
+
+        if (t - 1) % self.sync_interval == 0:  # step 8
+            self._sync_params()
+        self._last_mask = mask
+        self.ledger.end_step()
+        return loss
+
+    def _moments(self, ms, vs, grads, b1, b2) -> None:
+        if self.foreach:
+            torch._foreach_mul_(ms, b1)
+            torch._foreach_add_(ms, grads, alpha=1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
+        else:
+            for m, v, g in zip(ms, vs, grads):
+                m.mul_(b1).add_(g, alpha=1 - b1)
+                v.mul_(b2).addcmul_(g, g, value=1 - b2)
+
+    def _average(self, m: torch.Tensor, mask: torch.Tensor, n: int) -> None:
+        """m[mask] = mean over ranks: one all-reduce, in ``comm_dtype``, no indices sent."""
+        if n == 1:
+            return
+        packed = m[mask]
+        if self.comm_dtype is not None:
+            packed = packed.to(self.comm_dtype)
+        comm.all_reduce_mean_(packed, kind="momentum", ledger=self.ledger, group=self.process_group)
+        m.masked_scatter_(mask, packed.to(m.dtype))
+
+    def _sync_params(self) -> None:
+        params = self._layout.params
+        flat = self._layout.flatten(params)
+        comm.all_reduce_mean_(flat, kind="params", ledger=self.ledger, group=self.process_group)
+        torch._foreach_copy_(params, self._layout.views(flat))
+
+    def _split_norms(self, x: torch.Tensor, sel: torch.Tensor, lo: int, hi: int):
+        """Per-tensor norms of the selected and of the other entries of ``x``."""
+        part = torch.where(sel, x, 0.0)
+        selected = self._layout.segment_norms(part, lo, hi)
+        torch.sub(x, part, out=part)
+        return selected, self._layout.segment_norms(part, lo, hi)
+
+    def _v1_flat(self, lo, hi, params, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+        layout = self._layout
+        u = torch.div(m, 1 - b1**t).div_(torch.div(v, 1 - b2**t).sqrt_().add_(eps))
+        p = layout.flatten(params)
+        u.add_(p, alpha=wd)
+        p_s, p_l = self._split_norms(p, sel, lo, hi)
+        u_s, u_l = self._split_norms(u, sel, lo, hi)
+        phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
+        r = torch.pow(b3, age)
+        trust = torch.lerp(layout.expand(phi_l, lo, hi), layout.expand(phi_s, lo, hi), r)
+        one_dim = self._one_dim[lo:hi]  # plain LAMB: r == 1 there, so only the clamp must go
+        c_lo = torch.where(one_dim, 0.0, c_min)
+        c_hi = torch.where(one_dim, math.inf, c_max)
+        trust.clamp_(layout.expand(c_lo, lo, hi), layout.expand(c_hi, lo, hi))
+        eta = r.mul_(lr - lr / math.sqrt(n)).add_(lr / math.sqrt(n))
+        torch._foreach_sub_(params, layout.views(trust.mul_(eta).mul_(u), lo, hi))
+
+    def _v2_flat(self, lo, hi, params, m, v, r, sel, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
+        layout = self._layout
+        a = torch.div(m, v.sqrt().add_(eps)).mul_(math.sqrt(1 - b2**t) / (1 - b1**t))
+        p = layout.flatten(params)
+        p_s, p_l = self._split_norms(p, sel, lo, hi)
+        a_s, a_l = self._split_norms(a, sel, lo, hi)
+        phi_s = safe_ratio(p_s, a_s, 1.0).clamp_(c_min, c_max)
+        phi_l = safe_ratio(p_l, a_l, 0.0).clamp_(0.0, c_max)
+        u = a.add_(p, alpha=wd)
+        coef = torch.lerp(layout.expand(phi_l * (lr / math.sqrt(n)), lo, hi),
+                          layout.expand(phi_s * lr, lo, hi), r)
+        torch._foreach_sub_(params, layout.views(u.mul_(coef), lo, hi))
