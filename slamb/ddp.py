@@ -10,7 +10,6 @@ happens to the gradient buckets during backward depends on the optimizer:
 * optimizers with their own exchange (DGC, 1-bit LAMB): the hook returned by
   their ``ddp_comm_hook()``.
 """
-from __future__ import annotations
 
 import dataclasses
 
@@ -21,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 from . import comm
 
 
-def no_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future:
+def no_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut
@@ -34,7 +33,7 @@ class RecordingState:
     kind: str = "grads"
 
 
-def recording_allreduce_hook(state: RecordingState, bucket: dist.GradBucket) -> torch.futures.Future:
+def recording_allreduce_hook(state: RecordingState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP's default averaging all-reduce, with the bucket's bytes in the ledger."""
     buf = bucket.buffer()
     n = comm.world_size(state.process_group)

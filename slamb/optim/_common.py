@@ -54,7 +54,8 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     """
     if policy == "ignore" or not grads:
         return False
-    maxabs = torch.stack(torch._foreach_norm(grads, ord=math.inf, dtype=torch.float32))
+    # the max-norm of finite values is finite in any dtype, so no up-cast is needed
+    maxabs = torch.stack([x.float() for x in torch._foreach_norm(grads, ord=math.inf)])
     local_bad = ~torch.isfinite(maxabs)
     found = comm.agree_any(local_bad.any(), ledger=ledger, group=group) if agree else bool(local_bad.any())
     if not found:

@@ -91,24 +91,20 @@ class LAMB(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = []
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            for p in params:
-                state = self.state[p]
-                if not state:
-                    state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            work.append((group, params))
+        work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
+        work = [(g, params) for g, params in work if params]
         grads = [p.grad for _, params in work for p in params]
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
         if nonfinite_skip(grads, names, self.nonfinite, ledger=None, where="LAMB: ", agree=False):
             self.ledger.end_step()
             return loss
         for group, params in work:
+            for p in params:
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.tensor(0.0)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             states = [self.state[p] for p in params]
             for s in states:
                 s["step"] += 1

@@ -209,7 +209,8 @@ class SLAMB(Optimizer):
                  for i, p in enumerate(params) if p.dim() == 1 or p.numel() < self.min_compress_numel]
         self._dense_index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.long, device=layout.device)
         self._one_dim = torch.tensor([p.dim() == 1 for p in params], device=layout.device)
-        self._names = [f"param[{i}] {tuple(p.shape)}" for i, p in zip(ids, params)]
+        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        self._names = [f"{names[i] or f'param[{i}]'} {tuple(p.shape)}" for i, p in zip(ids, params)]
         self._mask_fn = make_mask(self.mask_policy, layout.numel, self.seed, layout.device)
         self._layout, self._layout_ids = layout, ids
 
@@ -387,8 +388,8 @@ class SLAMB(Optimizer):
         r = torch.pow(b3, age)
         trust = torch.lerp(layout.expand(phi_l, lo, hi), layout.expand(phi_s, lo, hi), r)
         one_dim = self._one_dim[lo:hi]  # plain LAMB: r == 1 there, so only the clamp must go
-        c_lo = torch.where(one_dim, 0.0, c_min)
-        c_hi = torch.where(one_dim, math.inf, c_max)
+        c_lo = torch.full(one_dim.shape, c_min, dtype=trust.dtype, device=trust.device).masked_fill_(one_dim, 0.0)
+        c_hi = torch.full(one_dim.shape, c_max, dtype=trust.dtype, device=trust.device).masked_fill_(one_dim, math.inf)
         trust.clamp_(layout.expand(c_lo, lo, hi), layout.expand(c_hi, lo, hi))
         eta = r.mul_(lr - lr / math.sqrt(n)).add_(lr / math.sqrt(n))
         torch._foreach_sub_(params, layout.views(trust.mul_(eta).mul_(u), lo, hi))

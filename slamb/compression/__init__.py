@@ -1,0 +1,1 @@
+"""Gradient compression primitives shared by the optimizers (sparsification, 1-bit quantization)."""

@@ -1,0 +1,25 @@
+"""The harness every pipeline shares (CIFAR-10, Swin/ImageNet, BERT, SQuAD).
+
+* :mod:`.distributed`: the one launch path (torchrun, or local workers via the
+  elastic launcher), process-group set-up, the fault-injection test hook;
+* :mod:`.seeding`: per-rank seeds, deterministic mode, RNG state for checkpoints;
+* :mod:`.checkpoint`: atomic, rank-aware checkpoints and auto-resume;
+* :mod:`.run`: the run directory (config, git revision, metrics.jsonl /
+  metrics.json, wandb, progress bar) and the ledger's byte columns;
+* :mod:`.data`: per-rank index batches (``DistributedSampler.set_epoch``);
+* :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
+* :mod:`.tables`: results tables and plots from run directories.
+"""
+from .build import build_optimizer, check_trainer, optimizer_kwargs, run_from_hydra
+from .checkpoint import Checkpointer, restore_training, save_training, unwrap
+from .data import ShardedBatches, eval_shard
+from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
+from .run import RunLogger, comm_metrics, comm_totals, git_revision
+from .seeding import seed_everything
+
+__all__ = [
+    "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "restore_training",
+    "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
+    "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "git_revision",
+    "seed_everything",
+]

@@ -1,0 +1,86 @@
+"""Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+
+from .. import registry
+from ..optim._common import check_choice
+from ..schedules import COMPRESSION_WARMUPS
+from .distributed import launch
+
+PRECISIONS = ("fp32", "bf16")
+RESUME = ("auto", "never")
+# optimizer config keys the harness consumes; every other key is a setting of the optimizer class
+HARNESS_KEYS = ("name", "weight_decay", "no_decay", "compression_warmup")
+
+
+def check_trainer(t) -> None:
+    """Clear errors for trainer settings, before any worker starts."""
+    n = t["nproc_per_node"]
+    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
+        raise ValueError(f"invalid trainer.nproc_per_node={n!r}: must be an integer >= 1 (local workers)")
+    r = t["max_restarts"]
+    if not (isinstance(r, int) and r >= 0):
+        raise ValueError(f"invalid trainer.max_restarts={r!r}: must be an integer >= 0")
+    check_choice("trainer.precision", t["precision"], PRECISIONS)
+    check_choice("trainer.resume", t["resume"], RESUME)
+    try:
+        torch.device(t["device"]) if t["device"] != "auto" else None
+    except RuntimeError as e:
+        raise ValueError(f"invalid trainer.device={t['device']!r}: use auto, cpu, cuda, ... ({e})") from None
+    every = t["checkpoint"]["every_epochs"]
+    if not (isinstance(every, int) and every >= 1):
+        raise ValueError(f"invalid trainer.checkpoint.every_epochs={every!r}: must be an integer >= 1")
+
+
+def optimizer_kwargs(ocfg) -> dict:
+    """The keyword settings of ``create_optimizer`` from an optimizer config (dtype names -> torch dtypes)."""
+    settings = {k: v for k, v in dict(ocfg).items() if k not in HARNESS_KEYS}
+    for key, value in settings.items():
+        if key.endswith("dtype") and isinstance(value, str):
+            dtype = getattr(torch, value, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"invalid optimizer.{key}={value!r}: must name a torch dtype (float16, bfloat16)")
+            settings[key] = dtype
+        elif isinstance(value, list):
+            settings[key] = tuple(value)
+    return settings
+
+
+def build_optimizer(model: torch.nn.Module, ocfg):
+    """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``)."""
+    opt = registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
+                                    no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
+    warmup = ocfg.get("compression_warmup")
+    if warmup is not None:
+        if not hasattr(opt, "compress_ratio"):
+            raise ValueError(f"optimizer.compression_warmup={warmup!r} is set but optimizer {ocfg['name']!r} has "
+                             "no compress_ratio: set optimizer.compression_warmup=null")
+        if isinstance(warmup, str) and warmup not in COMPRESSION_WARMUPS:
+            raise ValueError(f"invalid optimizer.compression_warmup={warmup!r}: must be null, a list of "
+                             f"per-epoch ratios or one of {sorted(COMPRESSION_WARMUPS)}")
+    return opt
+
+
+def run_from_hydra(worker, cfg):
+    """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
+
+    The job's run directory is Hydra's output directory. With
+    ``trainer.resume=never`` an existing checkpoint there is discarded first.
+    """
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from .distributed import under_torchrun
+
+    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    check_trainer(container["trainer"])
+    run_dir = HydraConfig.get().runtime.output_dir
+    ckpt = Path(run_dir) / "ckpt"
+    if container["trainer"]["resume"] == "never" and ckpt.exists() and not under_torchrun():
+        shutil.rmtree(ckpt)
+    return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
+                  max_restarts=container["trainer"]["max_restarts"])

@@ -1,0 +1,134 @@
+"""Distributed set-up and the one launch path of every pipeline.
+
+``launch(worker, cfg, run_dir)`` runs ``worker(cfg, run_dir)`` on every
+worker:
+
+* under ``torchrun`` (any number of nodes) it simply calls it: torchrun
+  already started one process per worker;
+* otherwise, with ``trainer.nproc_per_node > 1``, it starts that many local
+  workers itself through torch's elastic launcher (the engine behind
+  torchrun), on a fresh rendezvous port, with ``trainer.max_restarts``;
+* with one worker it calls it in-process, without a process group.
+
+Test hook: ``SLAMB_FAULT_AT_STEP=N`` kills (``os._exit``) the worker of rank
+``SLAMB_FAULT_RANK`` (default 0) just before its N-th optimizer step, on the
+first attempt of the job only, so that restarts (``--max-restarts``) and
+auto-resume can be exercised.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+import uuid
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+
+FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
+
+
+@dataclasses.dataclass(frozen=True)
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def under_torchrun() -> bool:
+    """True in a worker that torchrun or the elastic launcher started."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def restart_count() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """``auto``: the local accelerator of this worker when there is one, else the CPU."""
+    if name == "auto":
+        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        if acc is None:
+            return torch.device("cpu")
+        return torch.device(acc.type, local_rank % torch.accelerator.device_count())
+    device = torch.device(name)
+    if device.type != "cpu" and device.index is None:
+        device = torch.device(device.type, local_rank)
+    return device
+
+
+def init_distributed(device: str = "auto", threads_per_worker: int | None = None,
+                     timeout_s: float = 1800) -> DistEnv:
+    """Join the job's process group (env:// from torchrun / the launcher) or run alone.
+
+    Reuses a process group that already exists (tests, notebooks). Backend:
+    NCCL on CUDA, gloo elsewhere. CPU threads default to cores / local workers.
+    """
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    dev = resolve_device(device, local_rank)
+    if dev.type != "cpu":
+        torch.accelerator.set_device_index(dev.index)
+    if threads_per_worker is None:
+        threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, local_world))
+    torch.set_num_threads(threads_per_worker)
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if backend == "nccl" else None)
+    return DistEnv(comm.rank(), comm.world_size(), local_rank, local_world, dev)
+
+
+def barrier() -> None:
+    if comm.world_size() > 1:
+        dist.barrier()
+
+
+def maybe_inject_fault(step: int, env: DistEnv) -> None:
+    """The ``SLAMB_FAULT_AT_STEP`` test hook (see the module docstring)."""
+    at = os.environ.get(FAULT_ENV)
+    if at and restart_count() == 0 and step == int(at) and env.rank == int(os.environ.get(FAULT_RANK_ENV, "0")):
+        print(f"[fault injection] rank {env.rank} exits before step {step} ({FAULT_ENV}={at})", flush=True)
+        os._exit(17)
+
+
+def _worker_entry(worker, cfg, run_dir):
+    """Elastic-launcher entry point (module level, so spawn can pickle it)."""
+    try:
+        return worker(cfg, run_dir)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: int = 0):
+    """Run ``worker(cfg, run_dir)`` on every worker; returns rank 0's result.
+
+    ``cfg`` must be picklable (a plain dict) when workers are started here.
+    """
+    if under_torchrun() or nproc_per_node <= 1:
+        return _worker_entry(worker, cfg, run_dir)
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    config = LaunchConfig(
+        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
+        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+        start_method="spawn", monitor_interval=0.2,
+    )
+    results = elastic_launch(config, _worker_entry)(worker, cfg, run_dir)
+    return results[0]

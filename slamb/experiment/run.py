@@ -1,0 +1,126 @@
+"""The run directory of a job: resolved config, provenance, metrics, wandb, progress bar.
+
+Written by rank 0 only::
+
+    config.yaml      the resolved config of the job
+    meta.json        git revision (and whether the tree was dirty), command, world size, versions
+    metrics.jsonl    one line per epoch (appended; truncated to the resumed epoch on resume)
+    metrics.json     the final summary (last epoch, best top-1, totals, wall time)
+
+Communication columns come from the optimizer's ledger (bytes this rank handed
+to collectives, by kind): ``bytes/<kind>`` for the epoch and ``bytes_cum/<kind>``
+since the start of the run (restored on resume).
+"""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from .checkpoint import atomic_write_json
+from .distributed import DistEnv
+
+
+def git_revision(repo: Path | None = None) -> dict:
+    """Commit and dirtiness of the checkout the code runs from ("unknown" outside git)."""
+    cwd = repo or Path(__file__).resolve().parents[2]
+    try:
+        rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
+                             timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=cwd,
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip() != ""
+        return {"commit": rev, "dirty": dirty}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def comm_totals(optimizer) -> dict[str, int]:
+    """Cumulative payload bytes this rank handed to collectives, by kind and ``all``."""
+    return {k: int(v["payload"]) for k, v in optimizer.comm_stats()["total"].items()}
+
+
+def comm_metrics(totals: dict[str, int], before: dict[str, int]) -> dict[str, int]:
+    """Per-period and cumulative byte columns from two :func:`comm_totals` snapshots."""
+    out = {}
+    for kind, total in sorted(totals.items()):
+        out[f"bytes/{kind}"] = total - before.get(kind, 0)
+        out[f"bytes_cum/{kind}"] = total
+    out.setdefault("bytes/all", 0)
+    out.setdefault("bytes_cum/all", 0)
+    return out
+
+
+class RunLogger:
+    def __init__(self, run_dir, cfg: dict, env: DistEnv, *, wandb: bool = False, wandb_project: str = "slamb",
+                 progress: bool = True, resume_epoch: int = 0):
+        self.dir = Path(run_dir)
+        self.env = env
+        self.progress_enabled = progress and env.is_main
+        self._wandb = None
+        if not env.is_main:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        from omegaconf import OmegaConf
+
+        (self.dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
+        atomic_write_json({
+            "git": git_revision(), "command": sys.argv, "world_size": env.world_size, "device": str(env.device),
+            "torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+        }, self.dir / "meta.json")
+        self._truncate_metrics(resume_epoch)
+        if wandb:
+            self._wandb = self._init_wandb(cfg, wandb_project)
+
+    def _truncate_metrics(self, resume_epoch: int) -> None:
+        """Drop lines of epochs the resumed run will redo (written after the checkpoint it resumes from)."""
+        path = self.dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("epoch", 0) < resume_epoch]
+        path.write_text("".join(line + "\n" for line in keep))
+
+    def _init_wandb(self, cfg: dict, project: str):
+        import wandb
+
+        id_file = self.dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        return wandb.init(project=project, name=cfg.get("name"), id=run_id, resume="allow", config=cfg,
+                          dir=str(self.dir), mode=os.environ.get("WANDB_MODE", "offline"))
+
+    def progress(self, iterable, total: int, desc: str):
+        """A tqdm bar on rank 0 (when enabled), the bare iterable elsewhere."""
+        if not self.progress_enabled:
+            return iterable
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+
+    def log(self, metrics: dict) -> None:
+        if not self.env.is_main:
+            return
+        with open(self.dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self._wandb is not None:
+            self._wandb.log(metrics, step=metrics.get("step"))
+        shown = {k: v for k, v in metrics.items() if not k.startswith("bytes/") and k != "time"}
+        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in shown.items()),
+              flush=True)
+
+    def history(self) -> list[dict]:
+        path = self.dir / "metrics.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    def finish(self, summary: dict) -> None:
+        if not self.env.is_main:
+            return
+        atomic_write_json(summary, self.dir / "metrics.json")
+        if self._wandb is not None:
+            self._wandb.summary.update(summary)
+            self._wandb.finish()

@@ -1,0 +1,486 @@
+"""DGC: Deep Gradient Compression (Lin et al., ICLR 2018) over torch.distributed.
+
+Momentum SGD whose workers exchange only the largest entries of a locally
+accumulated update. Step t of worker i (the spec: baselines.md, "DGC"):
+
+1. (optional) local clipping: the local gradient is scaled so that its norm
+   is at most ``clip_norm / sqrt(n)`` (the paper's rule for clipping before
+   accumulation, so that the sum of n workers keeps the usual bound);
+2. momentum correction and local accumulation, per element of every tensor
+   with ``dim() > 1``: ``u = m u + g; acc = acc + u`` (Nesterov:
+   ``u = (u + g) m; acc = acc + u + g``);
+3. sparsification of ``acc`` per tensor: about ``k = ceil(density * numel)``
+   entries chosen by a sampled threshold (:mod:`slamb.compression.topk`);
+4. momentum factor masking: where an entry is sent, ``acc`` and ``u`` are
+   zeroed (``acc`` keeps the fp16 rounding error when values travel in fp16);
+5. exchange: every rank's (values, indices) all-gathered, summed into a
+   dense tensor in rank order, divided by n; tensors with ``dim() <= 1`` are
+   all-reduced densely (then get momentum after averaging, as in DGC's code);
+6. update ``p -= lr * (averaged sparse gradient + weight-decay direction)``
+   with plain SGD: the momentum is already inside the accumulation.
+
+Choices, each named:
+
+* Weight decay follows DGC's own ``DGCSGD``: ``wd * p`` is identical on every
+  rank, so it is neither accumulated nor sent; it gets its own momentum
+  buffer (``decay_momentum``) and is added to the averaged sparse gradient.
+  By linearity this equals momentum SGD on ``g + wd * p`` at density 1.
+* Density 1 means no compression (DGC's ``compress_ratio < 1`` test): every
+  tensor is all-reduced and momentum applies after averaging, which is
+  exactly ``torch.optim.SGD`` on averaged gradients. When the density returns
+  to 1 after sparse steps, the pending residuals and local momenta are
+  averaged once (kind ``"residual"``) so nothing accumulated is lost.
+* Variable k per worker: the ranks first all-gather their counts (one int64
+  each, kind ``"control"``), then every rank pads its values and indices to
+  the largest count and all-gathers them (kinds ``"sparse_values"``,
+  ``"sparse_indices"``). The ledger records the padded payloads, which is
+  what crosses the wire. Indices are positions in the flat concatenation of
+  the compressed tensors, so one pair of collectives serves all of them.
+* The exchange happens in :meth:`step`, not in a DDP comm hook: the clipping
+  of step 1 needs the whole local gradient, the non-finite decision must be
+  agreed before any accumulator changes, and the threshold search needs host
+  synchronisations that would stall the autograd thread inside a hook. So
+  :meth:`ddp_comm_hook` returns the package's ``no_comm_hook`` (DDP sends
+  nothing) and the step runs three collectives in all, whatever the number
+  of tensors, plus one dense all-reduce.
+* The sum of the gathered entries runs rank by rank (each rank's indices are
+  distinct), so it is the same to the last bit on every rank and device:
+  parameters never drift apart.
+* The density is set per epoch: ``opt.set_epoch(e)`` takes
+  ``warmup_densities[e]`` for the first epochs, then ``density`` (the
+  target); ``opt.density = x`` sets it directly. Default warm-up: the seed's
+  (0.25, 0.063, 0.015, 0.004), then 0.001; pass ``warmup_densities=()`` for
+  none (DGC's ImageNet runs).
+* The sample start of the threshold estimate comes from a generator owned by
+  the optimizer (``seed``), saved in ``state_dict()``.
+
+The all-gather costs ``(n - 1) * k`` per rank, so DGC's volume grows with the
+number of workers (the paper's known limit), unlike an all-reduce.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim import Optimizer
+
+from .. import comm
+from ..compression.topk import num_selected, sampled_topk_mask
+from ..ddp import no_comm_hook
+from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip
+from .flat import FlatLayout
+
+DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
+_FP16_MAX = torch.finfo(torch.float16).max
+
+
+def momentum_direction_(u: torch.Tensor, g: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
+    """Advance the momentum ``u`` by ``g`` in place; return the update direction.
+
+    DGC's form: plain ``u = m u + g`` (direction ``u``, returned as ``u``
+    itself); Nesterov ``u = (u + g) m`` (direction ``u + g``). Both equal
+    ``torch.optim.SGD``'s directions, whose buffer is ``u / m`` in the Nesterov case.
+    """
+    if nesterov:
+        u.add_(g).mul_(momentum)
+        return u + g
+    return u.mul_(momentum).add_(g)
+
+
+def _check_layouts_agree(layouts, ledger, group) -> None:
+    """Every rank must compress and average the same tensors, or the flat indices mean different things."""
+    n = comm.world_size(group)
+    if n == 1:
+        return
+    sig = []
+    for layout in layouts:
+        numels = layout.numels if layout is not None else []
+        sig += [sum(numels), len(numels), sum((i + 1) * k for i, k in enumerate(numels)) % (2**31)]
+    device = next(lay.device for lay in layouts if lay is not None)
+    mine = torch.tensor(sig, dtype=torch.long, device=device)
+    everyone = torch.empty(n * len(sig), dtype=torch.long, device=device)
+    comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=ledger, group=group)
+    if not bool((everyone.view(n, -1) == mine).all()):
+        raise RuntimeError(
+            "DGC: the ranks disagree on the parameters with gradients at the first step (numel, tensors, checksum "
+            f"of the compressed and dense sets per rank: {everyone.view(n, -1).tolist()}); every rank must build "
+            "the same model and compute gradients for the same parameters"
+        )
+
+
+class DGC(Optimizer):
+    """Deep Gradient Compression over torch.distributed (any backend, any device, or no process group).
+
+    Per parameter group: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``.
+    For the whole optimizer: ``density`` (the target fraction of each
+    compressed tensor sent per step), ``warmup_densities`` (per-epoch
+    densities before the target; see :meth:`set_epoch`), ``sample_ratio``
+    (fraction of a tensor sampled for the threshold, >= 0.01),
+    ``density_bounds`` (accepted count range as multiples of k, DGC's
+    (0.8, 1.3)), ``max_adjust_iters`` (threshold corrections before the exact
+    top-k fallback), ``momentum_masking``, ``clip_norm`` (None: no clipping),
+    ``fp16_values``, ``int32_indices``, ``seed``, ``process_group``,
+    ``nonfinite`` (as in :class:`slamb.SLAMB`).
+
+    Tensors with ``dim() > 1`` are compressed; the others are all-reduced.
+    Wrap the model with :func:`slamb.wrap_model` (DDP broadcasts the initial
+    parameters and sends no gradients) or call ``backward()`` on an unwrapped
+    model: gradients must be local. All parameters must share one device
+    and dtype; the set with gradients at the first step is fixed then (a
+    later missing gradient counts as zero). State is per rank (local
+    momentum and residuals): save and load one optimizer state per rank.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float = 0.1,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        density: float = 0.001,
+        warmup_densities=DEFAULT_WARMUP,
+        sample_ratio: float = 0.01,
+        density_bounds: tuple[float, float] = (0.8, 1.3),
+        max_adjust_iters: int = 10,
+        momentum_masking: bool = True,
+        clip_norm: float | None = None,
+        fp16_values: bool = False,
+        int32_indices: bool = False,
+        seed: int = 0,
+        process_group=None,
+        nonfinite: str = "raise",
+        ledger: comm.CommLedger | None = None,
+    ):
+        check_range("density", density, 0.0, 1.0, lo_open=True)
+        if isinstance(warmup_densities, (str, bytes)) or not hasattr(warmup_densities, "__iter__"):
+            raise ValueError(f"invalid warmup_densities={warmup_densities!r}: must be a list of per-epoch "
+                             "densities in (0, 1], or () for no warm-up")
+        warmup_densities = tuple(warmup_densities)
+        for e, d in enumerate(warmup_densities):
+            check_range(f"warmup_densities[{e}]", d, 0.0, 1.0, lo_open=True)
+        check_range("sample_ratio", sample_ratio, 0.01, 1.0)
+        if not (isinstance(density_bounds, (tuple, list)) and len(density_bounds) == 2):
+            raise ValueError(f"invalid density_bounds={density_bounds!r}: must be a pair (lower, upper) with "
+                             "0 < lower <= 1 <= upper, e.g. DGC's (0.8, 1.3)")
+        check_range("density_bounds[0]", density_bounds[0], 0.0, 1.0, lo_open=True)
+        check_range("density_bounds[1]", density_bounds[1], 1.0)
+        if not (isinstance(max_adjust_iters, int) and max_adjust_iters >= 0):
+            raise ValueError(f"invalid max_adjust_iters={max_adjust_iters!r}: must be an integer >= 0")
+        if clip_norm is not None:
+            check_range("clip_norm", clip_norm, 0.0, lo_open=True)
+        for name, flag in (("momentum_masking", momentum_masking), ("fp16_values", fp16_values),
+                           ("int32_indices", int32_indices)):
+            if not isinstance(flag, bool):
+                raise ValueError(f"invalid {name}={flag!r}: must be True or False")
+        if not isinstance(seed, int):
+            raise ValueError(f"invalid seed={seed!r}: must be an integer")
+        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults)
+        self.target_density = float(density)
+        self.warmup_densities = warmup_densities
+        self.sample_ratio = float(sample_ratio)
+        self.density_bounds = (float(density_bounds[0]), float(density_bounds[1]))
+        self.max_adjust_iters = max_adjust_iters
+        self.momentum_masking = momentum_masking
+        self.clip_norm = clip_norm
+        self.value_dtype = torch.float16 if fp16_values else None
+        self.index_dtype = torch.int32 if int32_indices else torch.int64
+        self.seed = seed
+        self.process_group = process_group
+        self.nonfinite = nonfinite
+        self.ledger = ledger or comm.CommLedger()
+        self.generator = torch.Generator().manual_seed(seed)
+        self.epoch = 0
+        self.density = self.density_at(0)
+        self._sparse: FlatLayout | None = None
+        self._dense: FlatLayout | None = None
+        self._built = False
+        self._step = 0
+        self._sparse_pending = False  # local residuals/momenta exist (a compressed step ran since density 1)
+        self._last: dict | None = None
+
+    # -- settings -----------------------------------------------------------------
+
+    @property
+    def density(self) -> float:
+        return self._density
+
+    @density.setter
+    def density(self, value: float) -> None:
+        check_range("density", value, 0.0, 1.0, lo_open=True)
+        self._density = float(value)
+
+    def density_at(self, epoch: int) -> float:
+        """The warm-up schedule: ``warmup_densities[epoch]`` while it lasts, then the target density."""
+        if not (isinstance(epoch, int) and epoch >= 0):
+            raise ValueError(f"invalid epoch={epoch!r}: must be an integer >= 0 (epochs count from 0)")
+        return self.warmup_densities[epoch] if epoch < len(self.warmup_densities) else self.target_density
+
+    def set_epoch(self, epoch: int) -> float:
+        """Call at the start of each epoch (0-based); sets and returns the density of that epoch."""
+        self.density = self.density_at(epoch)
+        self.epoch = epoch
+        return self.density
+
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_built", False):
+            raise RuntimeError("DGC's flat layout is fixed at the first step: add parameter groups before it")
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_range("lr", g["lr"], 0.0)
+        check_range("momentum", g["momentum"], 0.0, 1.0, hi_open=True)
+        check_range("weight_decay", g["weight_decay"], 0.0)
+        if not isinstance(g["nesterov"], bool):
+            raise ValueError(f"invalid nesterov={g['nesterov']!r}: must be True or False")
+        if g["nesterov"] and g["momentum"] == 0:
+            raise ValueError("invalid nesterov=True with momentum=0: Nesterov needs a momentum in (0, 1)")
+
+    # -- inspection ---------------------------------------------------------------
+
+    def comm_stats(self) -> dict:
+        return self.ledger.summary()
+
+    def ddp_comm_hook(self):
+        return None, no_comm_hook
+
+    def last_exchange(self) -> dict | None:
+        """What the last compressed step sent and received (None before one ran).
+
+        ``density``; per compressed tensor ``k`` and ``counts`` (this rank's);
+        ``sent`` (this rank's total), ``counts_by_rank``, ``padded`` (the count
+        every rank sent, padding included); ``indices`` / ``values`` (this
+        rank's, flat positions over the compressed tensors, values in their
+        wire dtype); ``averaged`` (the flat averaged sparse gradient, the same
+        on every rank; a buffer reused by the next step); ``exact`` (tensors
+        that fell back to an exact top-k) and ``passes`` (threshold passes).
+        """
+        return self._last
+
+    # -- state ----------------------------------------------------------------------
+
+    def _all_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def _build(self, ids: list[int] | None = None) -> None:
+        """Fix the two flat layouts; adopt per-parameter state already present (a loaded checkpoint)."""
+        everything = self._all_params()
+        if ids is None:
+            ids = [i for i, p in enumerate(everything) if p.grad is not None]
+        if not ids:
+            raise ValueError("no parameter has a gradient: nothing to optimize")
+        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+        sparse_ids = [i for i in ids if everything[i].dim() > 1]
+        dense_ids = [i for i in ids if everything[i].dim() <= 1]
+
+        def layout(which):
+            return FlatLayout([everything[i] for i in which], [group_of[i] for i in which]) if which else None
+
+        self._sparse, self._dense = layout(sparse_ids), layout(dense_ids)
+        devices = {lay.device for lay in (self._sparse, self._dense) if lay is not None}
+        dtypes = {lay.dtype for lay in (self._sparse, self._dense) if lay is not None}
+        if len(devices) > 1 or len(dtypes) > 1:
+            raise ValueError(f"parameters span devices {sorted(map(str, devices))} and dtypes "
+                             f"{sorted(map(str, dtypes))}: create one DGC optimizer per device/dtype")
+        if self._sparse is not None and self.index_dtype == torch.int32 and self._sparse.numel >= 2**31:
+            raise ValueError(f"int32_indices=True, but the compressed tensors hold {self._sparse.numel} elements, "
+                             "more than int32 positions can address: use int32_indices=False")
+        _check_layouts_agree((self._sparse, self._dense), self.ledger, self.process_group)
+        self._flat = {}
+        for lay, keys in ((self._sparse, ("momentum", "accumulation", "decay_momentum")),
+                          (self._dense, ("momentum",))):
+            if lay is None:
+                continue
+            for key in keys:
+                if all(key in self.state[p] for p in lay.params):
+                    flat = lay.flatten([self.state[p][key].to(lay.device, lay.dtype) for p in lay.params])
+                else:
+                    flat = lay.zeros()
+                self._flat[(lay is self._sparse, key)] = flat
+                for p, view in zip(lay.params, lay.views(flat)):
+                    self.state[p][key] = view
+        if self._sparse is not None:
+            self._avg = self._sparse.zeros()
+            self._mask = self._sparse.zeros(torch.bool)
+        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
+        self._names = [f"{names[i] or f'param[{i}]'} {tuple(everything[i].shape)}" for i in sparse_ids + dense_ids]
+        self._layout_ids = ids
+        self._built = True
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["dgc"] = {
+            "step": self._step,
+            "epoch": self.epoch,
+            "density": self.density,
+            "sparse_pending": self._sparse_pending,
+            "generator": self.generator.get_state(),
+            "world_size": comm.world_size(self.process_group),
+            "rank": comm.rank(self.process_group),
+            "layout_ids": list(self._layout_ids) if self._built else None,
+            "layout_numels": [self._all_params()[i].numel() for i in self._layout_ids] if self._built else None,
+            "ledger": self.ledger.state_dict(),
+        }
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        extra = state_dict.get("dgc")
+        if extra is None:
+            raise ValueError("not a DGC state dict (no 'dgc' entry): it was saved by another optimizer")
+        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
+        if extra["world_size"] != n or extra["rank"] != r:
+            raise ValueError(
+                f"DGC checkpoint of rank {extra['rank']} of {extra['world_size']} loaded on rank {r} of {n}: each "
+                "worker keeps its own residuals and momenta, so each rank must load the state it saved, with the "
+                "same number of workers (or start the optimizer afresh and load only the model)"
+            )
+        ids = extra["layout_ids"]
+        if ids is not None:
+            everything = self._all_params()
+            if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
+                raise ValueError("DGC checkpoint was saved for a different parameter layout (shapes differ)")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "dgc"})
+        self._step = int(extra["step"])
+        self.epoch = int(extra["epoch"])
+        self.density = extra["density"]
+        self._sparse_pending = bool(extra["sparse_pending"])
+        self.generator.set_state(extra["generator"])
+        self.ledger.load_state_dict(extra["ledger"])
+        self._built, self._last = False, None
+        if ids is not None:
+            self._build(ids)
+
+    # -- the step -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._built:
+            self._build()
+        sparse, dense = self._sparse, self._dense
+        grads = {lay is sparse: [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
+                 for lay in (sparse, dense) if lay is not None}
+        if nonfinite_skip(grads.get(True, []) + grads.get(False, []), self._names, self.nonfinite,
+                          ledger=self.ledger, group=self.process_group, where="DGC: "):
+            self.ledger.end_step()
+            return loss
+
+        self._step += 1
+        n = comm.world_size(self.process_group)
+        compress = sparse is not None and self.density < 1.0
+        flat = {key: (sparse if key else dense).flatten(gs) for key, gs in grads.items()}  # copies: p.grad stays
+        if self.clip_norm is not None:  # step 1
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(f, dtype=torch.float32) for f in flat.values()]))
+            coef = torch.clamp((self.clip_norm / math.sqrt(n)) / (total + 1e-6), max=1.0)
+            for f in flat.values():
+                f.mul_(coef)
+
+        on_average = [key for key in (False, True) if key in flat and not (key and compress)]
+        if on_average:  # dense tensors (and, at density 1, all of them): averaged, then momentum
+            self._average_dense([flat[key] for key in on_average])
+            pending = self._flush_residuals() if True in on_average and self._sparse_pending else None
+            for key in on_average:
+                self._dense_update(sparse if key else dense, key, flat[key], pending if key else None)
+        if compress:  # steps 2-6
+            self._compressed_update(flat[True], n)
+        self.ledger.end_step()
+        return loss
+
+    def _average_dense(self, parts: list[torch.Tensor]) -> None:
+        buf = torch.cat(parts) if len(parts) > 1 else parts[0]
+        wire = buf if self.value_dtype is None else buf.to(self.value_dtype)
+        comm.all_reduce_mean_(wire, kind="grads", ledger=self.ledger, group=self.process_group)
+        if wire is not buf:
+            buf.copy_(wire)
+        if len(parts) > 1:
+            torch._foreach_copy_(parts, list(buf.split([p.numel() for p in parts])))
+
+    def _flush_residuals(self) -> torch.Tensor:
+        """Back to density 1 after compressed steps: average the local momenta, return the mean residual."""
+        u, acc, decay = (self._flat[(True, k)] for k in ("momentum", "accumulation", "decay_momentum"))
+        buf = torch.cat([u + decay, acc])
+        comm.all_reduce_mean_(buf, kind="residual", ledger=self.ledger, group=self.process_group)
+        u.copy_(buf[:u.numel()])
+        decay.zero_()
+        acc.zero_()
+        self._sparse_pending = False
+        return buf[u.numel():]
+
+    def _dense_update(self, layout: FlatLayout, key: bool, g: torch.Tensor, pending: torch.Tensor | None) -> None:
+        u = self._flat[(key, "momentum")]
+        for gi, lo, hi in layout.groups:
+            group, span = self.param_groups[gi], layout.span(lo, hi)
+            params = layout.params[lo:hi]
+            if group["weight_decay"] != 0:
+                torch._foreach_add_(layout.views(g[span], lo, hi), params, alpha=group["weight_decay"])
+            d = momentum_direction_(u[span], g[span], group["momentum"], group["nesterov"])
+            if pending is not None:
+                d = d + pending[span]
+            torch._foreach_add_(params, layout.views(d, lo, hi), alpha=-group["lr"])
+
+    def _compressed_update(self, g: torch.Tensor, n: int) -> None:
+        layout = self._sparse
+        u, acc, decay = (self._flat[(True, k)] for k in ("momentum", "accumulation", "decay_momentum"))
+        for gi, lo, hi in layout.groups:  # step 2
+            group, span = self.param_groups[gi], layout.span(lo, hi)
+            acc[span].add_(momentum_direction_(u[span], g[span], group["momentum"], group["nesterov"]))
+
+        ks = [num_selected(numel, self.density) for numel in layout.numels]  # step 3
+        lower, upper = self.density_bounds
+        sel = sampled_topk_mask(acc.abs(), layout.numels, ks, generator=self.generator,
+                                sample_ratio=self.sample_ratio, lower=lower, upper=upper,
+                                max_iters=self.max_adjust_iters, out=self._mask)
+        mask = sel.mask
+        indices = mask.nonzero().view(-1)
+        values = acc[indices]
+        if self.value_dtype is None:  # step 4
+            acc.masked_fill_(mask, 0)
+        else:  # the fp16 rounding error stays in the accumulator (exact: x - fp16(x) fits in fp32)
+            values = values.clamp_(-_FP16_MAX, _FP16_MAX).to(self.value_dtype)
+            acc.index_put_((indices,), acc[indices].sub_(values.to(acc.dtype)))
+        if self.momentum_masking:
+            pass
+
+        counts = self._exchange(indices, values, n)  # step 5
+
+        for gi, lo, hi in layout.groups:  # step 6
+            group, span = self.param_groups[gi], layout.span(lo, hi)
+            params = layout.params[lo:hi]
+            d = self._avg[span]
+            if group["weight_decay"] != 0:
+                decayed = torch._foreach_mul(params, group["weight_decay"])
+                d = d + momentum_direction_(decay[span], layout.flatten(decayed), group["momentum"],
+                                            group["nesterov"])
+            torch._foreach_add_(params, layout.views(d, lo, hi), alpha=-group["lr"])
+        self._sparse_pending = True
+        self._last = dict(density=self.density, k=ks, counts=sel.counts, sent=indices.numel(),
+                          counts_by_rank=counts, padded=max(counts), indices=indices, values=values,
+                          averaged=self._avg, exact=[i for i, e in enumerate(sel.exact) if e], passes=sel.passes)
+
+    def _exchange(self, indices: torch.Tensor, values: torch.Tensor, n: int) -> list[int]:
+        """All-gather every rank's (values, indices) padded to the largest count; average into ``self._avg``."""
+        device, group = indices.device, self.process_group
+        mine = torch.tensor([indices.numel()], dtype=torch.int64, device=device)
+        counts = torch.empty(n, dtype=torch.int64, device=device)
+        comm.all_gather_into_tensor(counts, mine, kind="control", ledger=self.ledger, group=group)
+        counts = counts.tolist()
+        cap = max(counts)
+        send_v = torch.zeros(cap, dtype=values.dtype, device=device)
+        send_i = torch.zeros(cap, dtype=self.index_dtype, device=device)
+        send_v[:indices.numel()] = values
+        send_i[:indices.numel()] = indices
+        all_v = torch.empty(n * cap, dtype=values.dtype, device=device)
+        all_i = torch.empty(n * cap, dtype=self.index_dtype, device=device)
+        comm.all_gather_into_tensor(all_v, send_v, kind="sparse_values", ledger=self.ledger, group=group)
+        comm.all_gather_into_tensor(all_i, send_i, kind="sparse_indices", ledger=self.ledger, group=group)
+        avg = self._avg.zero_()
+        for r, c in enumerate(counts):  # rank order: the same sum, bit for bit, on every rank
+            lo = r * cap
+            avg.index_add_(0, all_i[lo:lo + c].long(), all_v[lo:lo + c].to(avg.dtype))
+        avg.div_(n)
+        return counts
