@@ -43,7 +43,7 @@ from ..optim._common import check_range
 
 __all__ = ["MIN_SAMPLE_TOPK", "Selection", "num_selected", "sample_stride", "sampled_topk_mask", "sampled_topk"]
 
-MIN_SAMPLE_TOPK = 8
+MIN_SAMPLE_TOPK = 16
 
 
 @dataclasses.dataclass

@@ -444,7 +444,7 @@ class DGC(Optimizer):
             values = values.clamp_(-_FP16_MAX, _FP16_MAX).to(self.value_dtype)
             acc.index_put_((indices,), acc[indices].sub_(values.to(acc.dtype)))
         if self.momentum_masking:
-            pass
+            u.masked_fill_(mask, 0)
 
         counts = self._exchange(indices, values, n)  # step 5
 

@@ -196,8 +196,9 @@ class OnebitLamb(Optimizer):
         return self.ledger.summary()
 
     def lamb_coeffs(self) -> torch.Tensor | None:
-        """Per tensor (layout order): the frozen coefficient times the last factor (DeepSpeed's
-        ``get_lamb_coeffs`` in the compression stage), or None before the first step."""
+        """Per tensor (layout order): the coefficient EMA times the last factor, i.e. the LAMB
+        coefficient of the last compression step (in the warm-up, the EMA so far), or None
+        before the first step."""
         if self._layout is None:
             return None
         return self._scalar["lamb_coeff_freeze"] * self._scalar["last_factor"]
