@@ -38,7 +38,6 @@ class FlatLayout:
                 self.groups[-1] = (g, self.groups[-1][1], i + 1)
             else:
                 self.groups.append((g, i, i + 1))
-        self._sizes = torch.tensor(self.numels, dtype=torch.long, device=self.device)
 
     def zeros(self, dtype=None) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
@@ -63,6 +62,8 @@ class FlatLayout:
 
     def expand(self, per_tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
         """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar."""
-        return torch.repeat_interleave(
-            per_tensor, self._sizes[lo:hi], output_size=self.offsets[hi] - self.offsets[lo]
-        )
+        out = torch.empty(self.offsets[hi] - self.offsets[lo], dtype=per_tensor.dtype, device=self.device)
+        views = self.views(out, lo, hi)
+        # a broadcast copy per segment: no host read, and no per-coordinate index as repeat_interleave builds
+        torch._foreach_copy_(views, [s.expand(v.shape) for s, v in zip(per_tensor.unbind(), views)])
+        return out

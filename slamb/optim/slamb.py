@@ -205,9 +205,14 @@ class SLAMB(Optimizer):
             self._flat[key] = flat
             for p, view in zip(params, layout.views(flat)):
                 self.state[p][key] = view
-        dense = [torch.arange(layout.offsets[i], layout.offsets[i + 1], device=layout.device)
-                 for i, p in enumerate(params) if p.dim() == 1 or p.numel() < self.min_compress_numel]
-        self._dense_index = torch.cat(dense) if dense else torch.zeros(0, dtype=torch.long, device=layout.device)
+        dense = [i for i, p in enumerate(params) if p.dim() == 1 or p.numel() < self.min_compress_numel]
+        runs = []  # maximal ranges of consecutive always-averaged coordinates
+        for i in dense:
+            if runs and runs[-1][1] == layout.offsets[i]:
+                runs[-1][1] = layout.offsets[i + 1]
+            else:
+                runs.append([layout.offsets[i], layout.offsets[i + 1]])
+        self._dense_views = (lambda flat: [flat[a:b] for a, b in runs]) if runs else None
         self._one_dim = torch.tensor([p.dim() == 1 for p in params], device=layout.device)
         names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
         self._names = [f"{names[i] or f'param[{i}]'} {tuple(p.shape)}" for i, p in zip(ids, params)]
@@ -310,7 +315,10 @@ class SLAMB(Optimizer):
             self._moments(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2)
 
         mask = self._mask_fn(t, self.compress_ratio)  # step 3
-        mask[self._dense_index] = True
+        if self._dense_views is not None:
+            stale = mask.logical_not_()
+            torch._foreach_zero_(self._dense_views(stale))
+            mask = stale.logical_not_()
         self._average(m, mask, n)  # step 4
 
         for gi, lo, hi in layout.groups:  # step 6
@@ -377,32 +385,47 @@ class SLAMB(Optimizer):
         torch.sub(x, part, out=part)
         return selected, self._layout.segment_norms(part, lo, hi)
 
+    # The flat paths turn the per-tensor factors into Python scalars (one host read per group)
+    # so that the element-wise blend runs as fused multi-tensor ops with per-tensor scalars,
+    # with one model-sized temporary instead of one per factor.
+
     def _v1_flat(self, lo, hi, params, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
         layout = self._layout
-        u = torch.div(m, 1 - b1**t).div_(torch.div(v, 1 - b2**t).sqrt_().add_(eps))
+        u = torch.div(m, 1 - b1**t)
+        u.div_(torch.div(v, 1 - b2**t).sqrt_().add_(eps))
         p = layout.flatten(params)
         u.add_(p, alpha=wd)
         p_s, p_l = self._split_norms(p, sel, lo, hi)
         u_s, u_l = self._split_norms(u, sel, lo, hi)
+        del p
         phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
+        one_dim = self._one_dim[lo:hi]  # plain LAMB there: r == 1, so only the clamp must go
+        c_lo = torch.full_like(phi_s, c_min).masked_fill_(one_dim, 0.0)
+        c_hi = torch.full_like(phi_s, c_max).masked_fill_(one_dim, math.inf)
+        slope, base, c_lo, c_hi = torch.stack([phi_s - phi_l, phi_l, c_lo, c_hi]).tolist()
         r = torch.pow(b3, age)
-        trust = torch.lerp(layout.expand(phi_l, lo, hi), layout.expand(phi_s, lo, hi), r)
-        one_dim = self._one_dim[lo:hi]  # plain LAMB: r == 1 there, so only the clamp must go
-        c_lo = torch.full(one_dim.shape, c_min, dtype=trust.dtype, device=trust.device).masked_fill_(one_dim, 0.0)
-        c_hi = torch.full(one_dim.shape, c_max, dtype=trust.dtype, device=trust.device).masked_fill_(one_dim, math.inf)
-        trust.clamp_(layout.expand(c_lo, lo, hi), layout.expand(c_hi, lo, hi))
-        eta = r.mul_(lr - lr / math.sqrt(n)).add_(lr / math.sqrt(n))
-        torch._foreach_sub_(params, layout.views(trust.mul_(eta).mul_(u), lo, hi))
+        trust = torch._foreach_mul(layout.views(r, lo, hi), slope)  # r*phi_s + (1-r)*phi_l
+        torch._foreach_add_(trust, base)
+        torch._foreach_clamp_min_(trust, c_lo)
+        torch._foreach_clamp_max_(trust, c_hi)
+        eta = r.mul_(lr - lr / math.sqrt(n)).add_(lr / math.sqrt(n))  # r*lr + (1-r)*lr/sqrt(n)
+        torch._foreach_mul_(trust, layout.views(eta, lo, hi))
+        torch._foreach_addcmul_(params, layout.views(u, lo, hi), trust, value=-1)
 
     def _v2_flat(self, lo, hi, params, m, v, r, sel, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         layout = self._layout
-        a = torch.div(m, v.sqrt().add_(eps)).mul_(math.sqrt(1 - b2**t) / (1 - b1**t))
+        a = v.sqrt().add_(eps)
+        torch.div(m, a, out=a).mul_(math.sqrt(1 - b2**t) / (1 - b1**t))
         p = layout.flatten(params)
         p_s, p_l = self._split_norms(p, sel, lo, hi)
         a_s, a_l = self._split_norms(a, sel, lo, hi)
         phi_s = safe_ratio(p_s, a_s, 1.0).clamp_(c_min, c_max)
         phi_l = safe_ratio(p_l, a_l, 0.0).clamp_(0.0, c_max)
         u = a.add_(p, alpha=wd)
-        coef = torch.lerp(layout.expand(phi_l * (lr / math.sqrt(n)), lo, hi),
-                          layout.expand(phi_s * lr, lo, hi), r)
-        torch._foreach_sub_(params, layout.views(u.mul_(coef), lo, hi))
+        del p
+        # lr*phi_s*r + lr/sqrt(n)*phi_l*(1-r) = r*slope + base
+        base = phi_l * (lr / math.sqrt(n))
+        slope, base = torch.stack([phi_s * lr - base, base]).tolist()
+        coef = torch._foreach_mul(layout.views(r, lo, hi), slope)
+        torch._foreach_add_(coef, base)
+        torch._foreach_addcmul_(params, layout.views(u, lo, hi), coef, value=-1)

@@ -1,0 +1,31 @@
+"""Parameter shapes of the paper's models, from the real model definitions built on the meta device
+(no memory, no weights)."""
+from __future__ import annotations
+
+import torch
+
+
+def bert_shapes(size: str = "base") -> list[tuple[int, ...]]:
+    from transformers import BertConfig, BertForPreTraining
+
+    dims = {"base": (768, 12, 12), "large": (1024, 24, 16)}[size]
+    hidden, layers, heads = dims
+    config = BertConfig(vocab_size=30528, hidden_size=hidden, num_hidden_layers=layers,
+                        num_attention_heads=heads, intermediate_size=4 * hidden)
+    with torch.device("meta"):
+        model = BertForPreTraining(config)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def resnet110_shapes() -> list[tuple[int, ...]]:
+    """CIFAR ResNet-110 (He et al. 2016, option-A shortcuts): 3 stages x 18 basic blocks."""
+    shapes = [(16, 3, 3, 3), (16,), (16,)]
+    for cin, cout in ((16, 16), (16, 32), (32, 64)):
+        for block in range(18):
+            first_in = cin if block == 0 else cout
+            shapes += [(cout, first_in, 3, 3), (cout,), (cout,), (cout, cout, 3, 3), (cout,), (cout,)]
+    return shapes + [(10, 64), (10,)]
+
+
+MODELS = {"bert_base": lambda: bert_shapes("base"), "bert_large": lambda: bert_shapes("large"),
+          "resnet110": resnet110_shapes}
