@@ -2,9 +2,9 @@
 from . import comm
 from .comm import CommLedger
 from .ddp import attach_ledger, wrap_model
-from .optim import LAMB, SLAMB
+from .optim import DGC, LAMB, SLAMB, OnebitLamb
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
 
 __version__ = "0.1.0"
-__all__ = ["SLAMB", "LAMB", "CommLedger", "comm", "wrap_model", "attach_ledger", "create_optimizer", "OPTIMIZERS",
+__all__ = ["SLAMB", "LAMB", "OnebitLamb", "DGC", "CommLedger", "comm", "wrap_model", "attach_ledger", "create_optimizer", "OPTIMIZERS",
            "param_groups_weight_decay"]

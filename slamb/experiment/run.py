@@ -77,12 +77,12 @@ class RunLogger:
             self._wandb = self._init_wandb(cfg, wandb_project)
 
     def _truncate_metrics(self, resume_epoch: int) -> None:
-        """Drop lines of epochs the resumed run will redo (written after the checkpoint it resumes from)."""
+        """Drop lines of epochs the resumed run will redo: those after the ``resume_epoch`` epochs it completed."""
         path = self.dir / "metrics.jsonl"
         if not path.exists():
             return
         keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("epoch", 0) < resume_epoch]
+                if line.strip() and json.loads(line).get("epoch", 0) <= resume_epoch]
         path.write_text("".join(line + "\n" for line in keep))
 
     def _init_wandb(self, cfg: dict, project: str):

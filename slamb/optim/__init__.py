@@ -1,4 +1,6 @@
+from .dgc import DGC
 from .lamb import LAMB
+from .onebit_lamb import OnebitLamb
 from .slamb import SLAMB
 
-__all__ = ["LAMB", "SLAMB"]
+__all__ = ["DGC", "LAMB", "OnebitLamb", "SLAMB"]

@@ -68,7 +68,7 @@ from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
 from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip
-from .flat import FlatLayout
+from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 
 DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -85,27 +85,6 @@ def momentum_direction_(u: torch.Tensor, g: torch.Tensor, momentum: float, neste
         u.add_(g).mul_(momentum)
         return u + g
     return u.mul_(momentum).add_(g)
-
-
-def _check_layouts_agree(layouts, ledger, group) -> None:
-    """Every rank must compress and average the same tensors, or the flat indices mean different things."""
-    n = comm.world_size(group)
-    if n == 1:
-        return
-    sig = []
-    for layout in layouts:
-        numels = layout.numels if layout is not None else []
-        sig += [sum(numels), len(numels), sum((i + 1) * k for i, k in enumerate(numels)) % (2**31)]
-    device = next(lay.device for lay in layouts if lay is not None)
-    mine = torch.tensor(sig, dtype=torch.long, device=device)
-    everyone = torch.empty(n * len(sig), dtype=torch.long, device=device)
-    comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=ledger, group=group)
-    if not bool((everyone.view(n, -1) == mine).all()):
-        raise RuntimeError(
-            "DGC: the ranks disagree on the parameters with gradients at the first step (numel, tensors, checksum "
-            f"of the compressed and dense sets per rank: {everyone.view(n, -1).tolist()}); every rank must build "
-            "the same model and compute gradients for the same parameters"
-        )
 
 
 class DGC(Optimizer):
@@ -266,18 +245,13 @@ class DGC(Optimizer):
     def _build(self, ids: list[int] | None = None) -> None:
         """Fix the two flat layouts; adopt per-parameter state already present (a loaded checkpoint)."""
         everything = self._all_params()
-        if ids is None:
-            ids = [i for i, p in enumerate(everything) if p.grad is not None]
+        ids = params_with_grad(self) if ids is None else ids
         if not ids:
-            raise ValueError("no parameter has a gradient: nothing to optimize")
-        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
+            raise ValueError("DGC: no parameter has a gradient: nothing to optimize")
         sparse_ids = [i for i in ids if everything[i].dim() > 1]
         dense_ids = [i for i in ids if everything[i].dim() <= 1]
-
-        def layout(which):
-            return FlatLayout([everything[i] for i in which], [group_of[i] for i in which]) if which else None
-
-        self._sparse, self._dense = layout(sparse_ids), layout(dense_ids)
+        self._sparse = FlatLayout.of(self, sparse_ids) if sparse_ids else None
+        self._dense = FlatLayout.of(self, dense_ids) if dense_ids else None
         devices = {lay.device for lay in (self._sparse, self._dense) if lay is not None}
         dtypes = {lay.dtype for lay in (self._sparse, self._dense) if lay is not None}
         if len(devices) > 1 or len(dtypes) > 1:
@@ -286,25 +260,16 @@ class DGC(Optimizer):
         if self._sparse is not None and self.index_dtype == torch.int32 and self._sparse.numel >= 2**31:
             raise ValueError(f"int32_indices=True, but the compressed tensors hold {self._sparse.numel} elements, "
                              "more than int32 positions can address: use int32_indices=False")
-        _check_layouts_agree((self._sparse, self._dense), self.ledger, self.process_group)
+        check_layouts_agree((self._sparse, self._dense), ledger=self.ledger, group=self.process_group, who="DGC")
         self._flat = {}
         for lay, keys in ((self._sparse, ("momentum", "accumulation", "decay_momentum")),
                           (self._dense, ("momentum",))):
-            if lay is None:
-                continue
-            for key in keys:
-                if all(key in self.state[p] for p in lay.params):
-                    flat = lay.flatten([self.state[p][key].to(lay.device, lay.dtype) for p in lay.params])
-                else:
-                    flat = lay.zeros()
-                self._flat[(lay is self._sparse, key)] = flat
-                for p, view in zip(lay.params, lay.views(flat)):
-                    self.state[p][key] = view
+            for key in keys if lay is not None else ():
+                self._flat[(lay is self._sparse, key)] = lay.adopt(self.state, key)
         if self._sparse is not None:
             self._avg = self._sparse.zeros()
             self._mask = self._sparse.zeros(torch.bool)
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        self._names = [f"{names[i] or f'param[{i}]'} {tuple(everything[i].shape)}" for i in sparse_ids + dense_ids]
+        self._names = param_labels(self, sparse_ids + dense_ids)
         self._layout_ids = ids
         self._built = True
 

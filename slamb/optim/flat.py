@@ -10,6 +10,41 @@ from __future__ import annotations
 
 import torch
 
+from .. import comm
+
+
+def params_with_grad(optimizer) -> list[int]:
+    """Indices (in the optimizer's parameter order, as in ``state_dict()``) of parameters with a gradient."""
+    return [i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]) if p.grad is not None]
+
+
+def param_labels(optimizer, ids: list[int]) -> list[str]:
+    """Names for error messages: torch's named parameter groups where given, else the index."""
+    everything = [(n, p) for g in optimizer.param_groups
+                  for n, p in zip(g.get("param_names", [None] * len(g["params"])), g["params"])]
+    return [f"{everything[i][0] or f'param[{i}]'} {tuple(everything[i][1].shape)}" for i in ids]
+
+
+def check_layouts_agree(layouts, *, ledger, group, who: str) -> None:
+    """Every rank must lay out the same tensors, or a packed entry means different things on each."""
+    n = comm.world_size(group)
+    live = [lay for lay in layouts if lay is not None]
+    if n == 1 or not live:
+        return
+    sig = []
+    for lay in layouts:
+        numels = lay.numels if lay is not None else []
+        sig += [sum(numels), len(numels), sum((i + 1) * k for i, k in enumerate(numels)) % (2**31)]
+    mine = torch.tensor(sig, dtype=torch.long, device=live[0].device)
+    everyone = torch.empty(n * len(sig), dtype=torch.long, device=live[0].device)
+    comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=ledger, group=group)
+    if not bool((everyone.view(n, -1) == mine).all()):
+        raise RuntimeError(
+            f"{who}: the ranks disagree on the parameters with gradients at the first step (numel, tensors, "
+            f"checksum per rank: {everyone.view(n, -1).tolist()}); every rank must build the same model and "
+            "compute gradients for the same parameters"
+        )
+
 
 class FlatLayout:
     def __init__(self, params: list[torch.Tensor], group_index: list[int]):
@@ -38,6 +73,28 @@ class FlatLayout:
                 self.groups[-1] = (g, self.groups[-1][1], i + 1)
             else:
                 self.groups.append((g, i, i + 1))
+
+    @classmethod
+    def of(cls, optimizer, ids: list[int]) -> "FlatLayout":
+        """The layout of the optimizer's parameters ``ids`` (indices in its parameter order)."""
+        everything = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
+        return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids])
+
+    def adopt(self, state: dict, key: str, fill: float = 0.0, per_tensor: bool = False) -> torch.Tensor:
+        """One flat buffer for ``state[p][key]`` of every parameter, which then holds views of it.
+
+        Values already in ``state`` (a loaded checkpoint) are carried over, else ``fill``.
+        ``per_tensor``: one scalar per parameter (0-d views) instead of one per element.
+        """
+        if all(key in state[p] for p in self.params):
+            flat = self.flatten([state[p][key].to(self.device, self.dtype) for p in self.params])
+        else:
+            flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
+                              dtype=self.dtype, device=self.device)
+        views = flat.unbind() if per_tensor else self.views(flat)
+        for p, view in zip(self.params, views):
+            state[p][key] = view
+        return flat
 
     def zeros(self, dtype=None) -> torch.Tensor:
         return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)

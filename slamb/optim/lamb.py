@@ -15,17 +15,21 @@ from ._common import NONFINITE_POLICIES, check_betas, check_choice, check_range,
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
+    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
     m.mul_(b1).add_(g, alpha=1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
-    trust = safe_ratio(p.norm(), u.norm(), 1.0)
+    p_norm, u_norm = p.norm(), u.norm()
+    trust = safe_ratio(p_norm, u_norm, 1.0)
     if trust_clamp is not None:
         trust = trust.clamp(*trust_clamp)
     p.sub_(lr * trust * u)
+    return trust, (p_norm > 0) & (u_norm > 0)
 
 
 def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
+    """The step of a list of tensors; returns :func:`lamb_reference`'s figures, one per tensor."""
     torch._foreach_mul_(ms, b1)
     torch._foreach_add_(ms, grads, alpha=1 - b1)
     torch._foreach_mul_(vs, b2)
@@ -38,11 +42,13 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     torch._foreach_div_(u, denom)
     if wd != 0:
         torch._foreach_add_(u, params, alpha=wd)
-    trust = safe_ratio(torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)), 1.0)
+    p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u))
+    trust = safe_ratio(p_norm, u_norm, 1.0)
     if trust_clamp is not None:
         trust = trust.clamp(*trust_clamp)
     torch._foreach_mul_(u, list((trust * -lr).unbind()))
     torch._foreach_add_(params, u)
+    return trust, (p_norm > 0) & (u_norm > 0)
 
 
 class LAMB(Optimizer):

@@ -77,7 +77,8 @@ from .. import comm
 from ..compression.onebit import ErrorFeedback, compressed_allreduce
 from ..ddp import RecordingState, no_comm_hook, recording_allreduce_hook
 from ._common import NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip, safe_ratio
-from .flat import FlatLayout
+from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
+from .lamb import lamb_foreach
 
 _FLAT = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "exp_avg_sq_fresh": 0.0}  # per-element state, initial value
 _SCALAR = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}  # per-tensor state
@@ -210,27 +211,14 @@ class OnebitLamb(Optimizer):
 
     def _build(self, ids: list[int] | None = None) -> None:
         """Fix the flat layout; adopt per-parameter state already present (a loaded checkpoint)."""
-        everything = self._all_params()
-        if ids is None:
-            ids = [i for i, p in enumerate(everything) if p.grad is not None]
-        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        params = [everything[i] for i in ids]
-        layout = FlatLayout(params, [group_of[i] for i in ids])
-
-        def adopt(key, fill, shape):
-            if all(key in self.state[p] for p in params):
-                return layout.flatten([self.state[p][key].to(layout.device, layout.dtype) for p in params])
-            return torch.full(shape, fill, device=layout.device, dtype=layout.dtype)
-
-        self._flat = {key: adopt(key, fill, (layout.numel,)) for key, fill in _FLAT.items()}
-        self._scalar = {key: adopt(key, fill, (len(params),)) for key, fill in _SCALAR.items()}
-        for key, flat in self._flat.items():
-            for p, view in zip(params, layout.views(flat)):
-                self.state[p][key] = view
-        for key, vec in self._scalar.items():
-            for i, p in enumerate(params):
-                self.state[p][key] = vec[i]  # a 0-d view: state_dict() sees the live value
-        self._names = [f"param[{i}] {tuple(p.shape)}" for i, p in zip(ids, params)]
+        ids = params_with_grad(self) if ids is None else ids
+        if not ids:
+            raise ValueError("OnebitLamb: no parameter has a gradient: nothing to optimize")
+        layout = FlatLayout.of(self, ids)
+        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="OnebitLamb")
+        self._flat = {key: layout.adopt(self.state, key, fill) for key, fill in _FLAT.items()}
+        self._scalar = {key: layout.adopt(self.state, key, fill, per_tensor=True) for key, fill in _SCALAR.items()}
+        self._names = param_labels(self, ids)
         self._layout, self._layout_ids = layout, ids
 
     def _error_feedback(self) -> ErrorFeedback:
@@ -302,11 +290,10 @@ class OnebitLamb(Optimizer):
             self.ledger.end_step()
             return loss
         self._step += 1
-        g = layout.flatten(grads)
         if compressing:
-            self._compression_step(g)
+            self._compression_step(layout.flatten(grads))
         else:
-            self._warmup_step(g)
+            self._warmup_step(grads)
             if self._step == self.freeze_step:
                 self._freeze()
         self.ledger.end_step()
@@ -317,24 +304,18 @@ class OnebitLamb(Optimizer):
         bc = group["bias_correction"]
         return b1, b2, (1 - b1**t if bc else 1.0), (1 - b2**t if bc else 1.0)
 
-    def _warmup_step(self, g: torch.Tensor) -> None:
+    def _warmup_step(self, grads: list[torch.Tensor]) -> None:
+        """LAMB with the coefficient clamped to [min_coeff, max_coeff], plus the coefficient's EMA."""
         layout, t = self._layout, self._step
         m, v, cf = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._scalar["lamb_coeff_freeze"]
         for gi, lo, hi in layout.groups:
-            group, span, params = self.param_groups[gi], layout.span(lo, hi), layout.params[lo:hi]
-            b1, b2, bc1, bc2 = self._moments_of(group, t)
-            m[span].mul_(b1).add_(g[span], alpha=1 - b1)
-            v[span].mul_(b2).addcmul_(g[span], g[span], value=1 - b2)
-            u = torch.div(m[span], bc1).div_(torch.div(v[span], bc2).sqrt_().add_(group["eps"]))
-            if group["weight_decay"] != 0:
-                torch._foreach_add_(layout.views(u, lo, hi), params, alpha=group["weight_decay"])
-            w_norm = torch.stack(torch._foreach_norm(params))
-            u_norm = layout.segment_norms(u, lo, hi)
-            coeff = safe_ratio(w_norm, u_norm, 1.0).clamp_(group["min_coeff"], group["max_coeff"])
-            counted = (w_norm > 0) & (u_norm > 0)
+            group, span = self.param_groups[gi], layout.span(lo, hi)
+            b1, b2 = group["betas"]
+            coeff, counted = lamb_foreach(
+                layout.params[lo:hi], grads[lo:hi], layout.views(m[span], lo, hi), layout.views(v[span], lo, hi),
+                t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
+                bias_correction=group["bias_correction"], trust_clamp=(group["min_coeff"], group["max_coeff"]))
             cf[lo:hi] = torch.where(counted, torch.lerp(coeff, cf[lo:hi], self.coeff_beta), cf[lo:hi])
-            u.mul_(layout.expand(coeff * group["lr"], lo, hi))
-            torch._foreach_sub_(params, layout.views(u, lo, hi))
 
     def _freeze(self) -> None:
         layout = self._layout

@@ -32,7 +32,7 @@ from .. import comm
 from ..ddp import no_comm_hook
 from ._common import (NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip,
                       safe_ratio)
-from .flat import FlatLayout
+from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .masks import MASK_POLICIES, make_mask
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
@@ -182,59 +182,29 @@ class SLAMB(Optimizer):
 
     # -- state ----------------------------------------------------------------------
 
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
-
     def _build(self, ids: list[int] | None = None) -> None:
         """Fix the flat layout; adopt per-parameter state already present (a loaded checkpoint)."""
-        everything = self._all_params()
-        if ids is None:
-            ids = [i for i, p in enumerate(everything) if p.grad is not None]
-        group_of = [gi for gi, g in enumerate(self.param_groups) for _ in g["params"]]
-        params = [everything[i] for i in ids]
-        layout = FlatLayout(params, [group_of[i] for i in ids])
-        self._check_layout_agrees(layout)
-        keys = ("exp_avg", "exp_avg_sq", _AGE[self.variant])
-        fill = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "staleness": 0.0, "freshness": 1.0}
-        self._flat = {}
-        for key in keys:
-            if all(key in self.state[p] for p in params):
-                flat = layout.flatten([self.state[p][key].to(layout.device, layout.dtype) for p in params])
-            else:
-                flat = layout.zeros().fill_(fill[key])
-            self._flat[key] = flat
-            for p, view in zip(params, layout.views(flat)):
-                self.state[p][key] = view
-        dense = [i for i, p in enumerate(params) if p.dim() == 1 or p.numel() < self.min_compress_numel]
+        ids = params_with_grad(self) if ids is None else ids
+        if not ids:
+            raise ValueError("SLAMB: no parameter has a gradient: nothing to optimize")
+        layout = FlatLayout.of(self, ids)
+        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
+        age = _AGE[self.variant]
+        self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
+                      "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
+                      age: layout.adopt(self.state, age, fill=0.0 if age == "staleness" else 1.0)}
         runs = []  # maximal ranges of consecutive always-averaged coordinates
-        for i in dense:
-            if runs and runs[-1][1] == layout.offsets[i]:
-                runs[-1][1] = layout.offsets[i + 1]
-            else:
-                runs.append([layout.offsets[i], layout.offsets[i + 1]])
+        for i, p in enumerate(layout.params):
+            if p.dim() == 1 or p.numel() < self.min_compress_numel:
+                if runs and runs[-1][1] == layout.offsets[i]:
+                    runs[-1][1] = layout.offsets[i + 1]
+                else:
+                    runs.append([layout.offsets[i], layout.offsets[i + 1]])
         self._dense_views = (lambda flat: [flat[a:b] for a, b in runs]) if runs else None
-        self._one_dim = torch.tensor([p.dim() == 1 for p in params], device=layout.device)
-        names = [n for g in self.param_groups for n in g.get("param_names", [None] * len(g["params"]))]
-        self._names = [f"{names[i] or f'param[{i}]'} {tuple(p.shape)}" for i, p in zip(ids, params)]
+        self._one_dim = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+        self._names = param_labels(self, ids)
         self._mask_fn = make_mask(self.mask_policy, layout.numel, self.seed, layout.device)
         self._layout, self._layout_ids = layout, ids
-
-    def _check_layout_agrees(self, layout: FlatLayout) -> None:
-        n = comm.world_size(self.process_group)
-        if n == 1:
-            return
-        signature = torch.tensor([layout.numel, len(layout.numels),
-                                  sum((i + 1) * k for i, k in enumerate(layout.numels)) % (2**31)],
-                                 dtype=torch.long, device=layout.device)
-        everyone = torch.empty(n * 3, dtype=torch.long, device=layout.device)
-        comm.all_gather_into_tensor(everyone, signature, kind="control", ledger=self.ledger,
-                                    group=self.process_group)
-        if not bool((everyone.view(n, 3) == signature).all()):
-            raise RuntimeError(
-                "SLAMB: the ranks disagree on the set of parameters with gradients at the first step "
-                f"(numel, tensors, checksum per rank: {everyone.view(n, 3).tolist()}); every rank must "
-                "build the same model and compute gradients for the same parameters"
-            )
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
@@ -275,7 +245,7 @@ class SLAMB(Optimizer):
             )
         ids = extra["layout_ids"]
         if ids is not None:
-            everything = self._all_params()
+            everything = [p for g in self.param_groups for p in g["params"]]
             if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
                 raise ValueError("SLAMB checkpoint was saved for a different parameter layout (shapes differ)")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "slamb"})
