@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 
-def bert_shapes(size: str = "base") -> list[tuple[int, ...]]:
+def bert_shapes(size: str = "base", layers: int | None = None) -> list[tuple[int, ...]]:
+    """BertForPreTraining (tied decoder) of BERT-Base or -Large, optionally with fewer encoder layers."""
     from transformers import BertConfig, BertForPreTraining
 
-    dims = {"base": (768, 12, 12), "large": (1024, 24, 16)}[size]
-    hidden, layers, heads = dims
+    hidden, depth, heads = {"base": (768, 12, 12), "large": (1024, 24, 16)}[size]
+    layers = depth if layers is None else layers
     config = BertConfig(vocab_size=30528, hidden_size=hidden, num_hidden_layers=layers,
                         num_attention_heads=heads, intermediate_size=4 * hidden)
     with torch.device("meta"):

@@ -8,7 +8,10 @@ happens to the gradient buckets during backward depends on the optimizer:
 * optimizers that communicate themselves (SLAMB): a hook that sends nothing,
   so each rank keeps its local gradient;
 * optimizers with their own exchange (DGC, 1-bit LAMB): the hook returned by
-  their ``ddp_comm_hook()``.
+  their ``ddp_comm_hook()``;
+* optimizers whose model must not be wrapped at all (JointSpar, which freezes
+  a different set of layers every round, more than DDP's reducer can follow):
+  ``uses_ddp = False``; they broadcast the initial parameters themselves.
 """
 
 import dataclasses
@@ -58,7 +61,7 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
     Returns ``model`` itself when there is no process group (one worker).
     ``ddp_kwargs`` go to :class:`DistributedDataParallel` (``device_ids``, ...).
     """
-    if comm.world_size(process_group) == 1:
+    if comm.world_size(process_group) == 1 or not getattr(optimizer, "uses_ddp", True):
         return model
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
     custom = getattr(optimizer, "ddp_comm_hook", None)

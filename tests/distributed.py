@@ -1,38 +1,4 @@
-"""Run a test body in N gloo processes on 127.0.0.1 and collect what each returns."""
-from __future__ import annotations
+"""Multi-process tests run their bodies through the package's local launcher."""
+from slamb.experiment.local import run_local as run
 
-import os
-import socket
-import tempfile
-
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, fn, world_size, port, outdir, args):
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    try:
-        torch.save(fn(rank, world_size, *args), os.path.join(outdir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run(fn, world_size: int, *args):
-    """``fn(rank, world_size, *args)`` in ``world_size`` processes; returns the list of results by rank.
-
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
-    An exception in any worker fails the call.
-    """
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=True)
-        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+__all__ = ["run"]

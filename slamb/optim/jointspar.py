@@ -40,8 +40,9 @@ Choices the paper leaves open, made here:
   or the LARS trust ratio ``trust_coeff*||w_d|| / (||g_d|| + wd*||w_d||)``
   (JointSpar-LARS; 1 for 1-D tensors when ``lars_exclude_1d``). Active layers
   contribute u_d / p_d. The trust ratio is computed on the unscaled g_d and the
-  1/p_d applied after it: LARS's normalisation would otherwise cancel the
-  rescaling and bias the estimate towards rarely sampled layers being too slow;
+  1/p_d applied after it: a trust ratio of g_d/p_d would cancel the rescaling,
+  and a layer sampled with probability p_d would move, in expectation, only
+  p_d times as far as dense LARS moves it;
 * heavy-ball momentum on that sparse estimate, m = mu m + u/p (u/p = 0 for
   inactive layers), w -= lr m: the momentum of an inactive layer decays by mu
   and the layer still moves along it. m stays an unbiased estimate of the
@@ -60,13 +61,16 @@ Choices the paper leaves open, made here:
   agrees without any communication.
 
 Communication the optimizer does besides the gradients: at the first round
-(of a fresh run) it broadcasts the parameters from rank 0 (kind ``"params"``),
+(of a fresh run) a 24-byte check that every rank holds the same layers (kind
+``"control"``) and the broadcast of rank 0's parameters (kind ``"params"``),
 the job DDP does for other optimizers. Buffers (BatchNorm statistics) are not
 synchronised: they stay per rank.
 
 Why no DDP: its reducer expects a gradient for every parameter at every step,
 and with ``find_unused_parameters`` it all-reduces a map of the used ones (bytes
-outside the ledger). ``ddp_comm_hook`` therefore raises a clear error.
+outside the ledger). ``uses_ddp = False`` makes :func:`slamb.wrap_model` return
+the plain model, and ``ddp_comm_hook`` raises a clear error for code that would
+wrap it anyway.
 """
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip, safe_ratio
-from .flat import FlatLayout
+from .flat import FlatLayout, check_layouts_agree, param_labels
 from .masks import step_seed
 
 
@@ -123,14 +127,14 @@ def update_distribution(prob: torch.Tensor, active: torch.Tensor, norms: torch.T
       same round's importance-weighted estimate of l(p). This makes ``lr``
       scale-free (the gradient scale changes by orders of magnitude during
       training) and gives sum_d p_d G_d = budget: the normalised gradient is 1
-      per unit of budget on average, and exactly 1 for every free layer at the
-      optimum p_d proportional to a_d;
+      per unit of budget on average, and 1 in expectation for every layer
+      strictly between the bounds at the optimum p_d proportional to a_d;
     * log q = log p + lr * G, then :func:`project_capped` onto
       {sum = budget, p_min <= p <= 1} (the Bregman projection that matches
       the exponentiated gradient).
 
     A round with nothing observed (no active layer, all-zero or non-finite
-    norms) leaves p unchanged. ``lr = 0`` keeps p fixed (uniform sampling).
+    norms) leaves p unchanged. ``lr = 0`` keeps p as it is.
     """
     if lr == 0:
         return prob
@@ -183,13 +187,15 @@ class JointSpar(Optimizer):
     when the averaged gradients hold NaN/inf. They are the same on every rank,
     so the decision is local and costs no collective.
 
-    Settings of the seed (the paper): lr 0.1 with linear scaling, 5 warm-up
-    epochs of 90, x0.1 at epochs 30, 50, 70, local batch 1024, momentum 0.9.
-    With ``dist_lr=0.003`` the distribution needs a few hundred rounds to
-    adapt; much larger steps oscillate when the budget is small.
+    Settings of the seed (the paper; the schedule is the training loop's):
+    lr 0.1 with linear scaling, 5 warm-up epochs of 90, x0.1 at epochs 30, 50,
+    70, local batch 1024. In simulations with fixed layer norms,
+    ``dist_lr=0.003`` brings the variance within 5% of its optimum in about
+    300 rounds; 0.01 is three times faster but oscillates when the budget is
+    small (kappa*D = 16 of 160 layers, p_min = 0.01).
     """
 
-    communicates_itself = True
+    uses_ddp = False  # slamb.wrap_model returns the plain model
 
     def __init__(
         self,
@@ -231,13 +237,13 @@ class JointSpar(Optimizer):
         self.nonfinite = nonfinite
         self.ledger = ledger or comm.CommLedger()
 
-        owner = [(gi, p) for gi, g in enumerate(self.param_groups) for p in g["params"] if p.requires_grad]
-        if not owner:
+        everything = [p for g in self.param_groups for p in g["params"]]
+        ids = [i for i, p in enumerate(everything) if p.requires_grad]
+        if not ids:
             raise ValueError("JointSpar: no parameter has requires_grad=True: there is no layer to sample")
-        self._layers = [p for _, p in owner]
-        self._layout = FlatLayout(self._layers, [gi for gi, _ in owner])  # one device, one dtype
-        self._group_layers = [[i for i, (gi, _) in enumerate(owner) if gi == g] for g in range(len(self.param_groups))]
-        self._names = [f"layer[{i}] {tuple(p.shape)}" for i, p in enumerate(self._layers)]
+        self._layout = FlatLayout.of(self, ids)  # one device, one dtype
+        self._layers = self._layout.params
+        self._names = param_labels(self, ids)
         self._norm_dtype = torch.promote_types(self._layout.dtype, torch.float32)  # half precision: fp32 norms
         self._trusted = [not (lars_exclude_1d and p.dim() <= 1) for p in self._layers]
         self._prob = torch.full((len(self._layers),), self.kappa, dtype=torch.float64)
@@ -288,6 +294,7 @@ class JointSpar(Optimizer):
         return self.ledger.summary()
 
     def ddp_comm_hook(self):
+        """Only reached by code that wraps the model in DDP despite ``uses_ddp = False``."""
         raise RuntimeError(
             "JointSpar averages the active layers' gradients itself and freezes the others each round, which "
             "DDP's reducer cannot follow: do not wrap the model in DDP. Use the plain model, call "
@@ -300,10 +307,13 @@ class JointSpar(Optimizer):
     def sample_round(self) -> torch.Tensor:
         """Draw this round's active layers and freeze the others; call before the forward pass.
 
-        Every rank must call it at the same points (it is a collective at the
-        first round of a fresh run). Returns the draw (bool, layer order).
+        Every rank must call it at the same points: at the first round of a
+        fresh run it checks that the ranks hold the same layers (kind
+        ``"control"``) and broadcasts rank 0's parameters (kind ``"params"``).
+        Returns the draw (bool, layer order).
         """
         if self._round == 0:
+            check_layouts_agree([self._layout], ledger=self.ledger, group=self.process_group, who="JointSpar")
             self._broadcast_params()
         self._round += 1
         gen = torch.Generator().manual_seed(step_seed(self.seed, self._round))
@@ -401,10 +411,8 @@ class JointSpar(Optimizer):
 
         g_norms = torch._foreach_norm(averaged, dtype=self._norm_dtype) if idx else []
         where = {i: k for k, i in enumerate(idx)}  # layer -> position among the active ones
-        for gi, group in enumerate(self.param_groups):
-            members = self._group_layers[gi]
-            if not members:
-                continue
+        for gi, lo, hi in self._layout.groups:
+            group, members = self.param_groups[gi], range(lo, hi)
             hyper = dict(lr=group["lr"], momentum=group["momentum"], wd=group["weight_decay"])
             if self.foreach:
                 self._update_foreach(members, averaged, g_norms, where, **hyper)
@@ -444,6 +452,5 @@ class JointSpar(Optimizer):
                                    torch.stack([g_norms[where[i]] for i in trusted]) + wd * w_norms, 1.0)
                 torch._foreach_mul_([averaged[where[i]] for i in trusted], list(trust.unbind()))
             torch._foreach_mul_(u, [1.0 / float(self._prob[i]) for i in on])
-            first = members[0]
-            torch._foreach_add_([bufs[i - first] for i in on], u)
+            torch._foreach_add_([bufs[i - members[0]] for i in on], u)
         torch._foreach_add_(params, bufs, alpha=-lr)

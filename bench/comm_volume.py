@@ -1,0 +1,225 @@
+"""Bytes each optimizer hands to the collectives, measured with the ledger.
+
+    python -m bench.comm_volume [--workers 4] [--out results/comm_volume.md]
+
+Four gloo workers train a stand-in model that holds parameters of the real
+shapes and whose gradient is a synthetic one per rank and step (the loss is
+sum(p * g)); each optimizer is built by name through the registry and wrapped
+by :func:`slamb.wrap_model`, so every byte counted is one that its real
+collectives (DDP hooks included) were handed.
+
+ResNet-110 is measured whole. BERT-Large (336M parameters) does not fit four
+times in this machine's memory with optimizer state, so it is measured with
+1, 2 and 3 encoder layers of BERT-Large's width; bytes are a sum over tensors
+(per-tensor top-k, per-tensor dense/compressed choice, a Bernoulli mask over
+coordinates), hence linear in the depth: the 1- and 2-layer runs give the
+embeddings+heads part and the per-layer part, the 3-layer run checks the fit
+(its error is reported), and 24 layers is the extrapolation.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+
+import torch
+
+import slamb
+from slamb.experiment.local import run_local
+
+PHASE1_STEPS, ONEBIT_WARMUP = 7038, 1000
+MEASURE_STEPS = 3
+
+# name in the table -> (registry name, settings)
+OPTIMIZERS = {
+    "LAMB": ("lamb", {}),
+    "SGD-M": ("sgd", {"lr": 0.1, "momentum": 0.9}),
+    "AdamW": ("adamw", {}),
+    "1-bit LAMB": ("onebit_lamb", {"freeze_step": 1}),
+    "SLAMB fp32 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100}),
+    "SLAMB fp16 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100,
+                                            "comm_dtype": torch.float16}),
+    "DGC (density 0.001)": ("dgc", {"density": 0.001, "warmup_densities": ()}),
+    "JointSpar-LARS": ("jointspar_lars", {}),
+}
+
+
+class StandIn(torch.nn.Module):
+    def __init__(self, shapes):
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.weights = torch.nn.ParameterList(
+            [torch.nn.Parameter(torch.randn(s, generator=gen) * 0.02) for s in shapes])
+
+    def forward(self, grads):
+        return sum((p * g).sum() for p, g in zip(self.weights, grads) if p.requires_grad)
+
+
+def measure_worker(rank, world, shapes, names):
+    out = {}
+    for label in names:
+        name, settings = OPTIMIZERS[label]
+        model = StandIn(shapes)
+        opt = slamb.create_optimizer(name, model, **settings)
+        wrapped = slamb.wrap_model(model, opt)
+        steps = []
+        for t in range(1, MEASURE_STEPS + 1):
+            gen = torch.Generator().manual_seed(1000 * rank + t)
+            grads = [torch.randn(p.shape, generator=gen) for p in model.weights]
+            if hasattr(opt, "sample_round"):
+                opt.sample_round()
+            loss = wrapped(grads)
+            if torch.is_tensor(loss) and loss.requires_grad:
+                loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            last = opt.comm_stats()["last_step"]
+            steps.append({k: (v["payload"], v["wire"]) for k, v in last.items() if k != "all"})
+        if hasattr(opt, "unfreeze"):
+            opt.unfreeze()
+        out[label] = steps
+    return out
+
+
+def per_step_figures(label: str, steps: list[dict], numel: int) -> dict:
+    """Typical-step and amortised payload/wire bytes from the measured steps."""
+    def total(step, i, skip=()):
+        return sum(v[i] for k, v in step.items() if k not in skip)
+
+    name = OPTIMIZERS[label][0]
+    last = steps[-1]
+    row = {"step_payload": total(last, 0), "step_wire": total(last, 1)}
+    if name == "slamb":  # step 1 syncs the parameters; the others do not
+        h = OPTIMIZERS[label][1]["sync_interval"]
+        syncs = math.ceil(PHASE1_STEPS / h)
+        sync_payload, sync_wire = steps[0]["params"]
+        row["phase1_payload"] = PHASE1_STEPS * row["step_payload"] + syncs * sync_payload
+        row["phase1_wire"] = PHASE1_STEPS * row["step_wire"] + syncs * sync_wire
+        row["step_payload_amortised"] = row["step_payload"] + sync_payload / h
+    elif name == "onebit_lamb":  # step 1 is warm-up (dense gradients), then 1-bit momentum
+        row["warmup_payload"] = total(steps[0], 0, skip=("control",))
+        row["phase1_payload"] = ONEBIT_WARMUP * total(steps[0], 0) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_payload"]
+        row["phase1_wire"] = ONEBIT_WARMUP * total(steps[0], 1) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_wire"]
+    elif name.startswith("jointspar"):  # a random set of layers each round: average the rounds
+        row["step_payload"] = sum(total(s, 0, skip=("params",)) for s in steps) / len(steps)
+        row["step_wire"] = sum(total(s, 1, skip=("params",)) for s in steps) / len(steps)
+    row.setdefault("phase1_payload", PHASE1_STEPS * row["step_payload"])
+    row.setdefault("phase1_wire", PHASE1_STEPS * row["step_wire"])
+    row.setdefault("step_payload_amortised", row["phase1_payload"] / PHASE1_STEPS)
+    return row
+
+
+def measure(shapes, workers):
+    raw = run_local(measure_worker, workers, shapes, list(OPTIMIZERS))[0]  # rank 0's ledger
+    numel = sum(math.prod(s) for s in shapes)
+    return {label: per_step_figures(label, steps, numel) for label, steps in raw.items()}
+
+
+def extrapolate(by_depth: dict[int, dict], depth: int) -> tuple[dict, float]:
+    """Linear in depth from depths 1 and 2; returns the rows and the worst relative error at depth 3."""
+    worst, rows = 0.0, {}
+    for label in by_depth[1]:
+        one, two, three = (by_depth[d][label] for d in (1, 2, 3))
+        row = {}
+        for key in one:
+            per_layer = two[key] - one[key]
+            row[key] = one[key] + (depth - 1) * per_layer
+            predicted = one[key] + 2 * per_layer
+            if three[key]:
+                worst = max(worst, abs(predicted - three[key]) / three[key])
+        rows[label] = row
+    return rows, worst
+
+
+def gb(x: float) -> str:
+    return f"{x / 1e9:,.2f}"
+
+
+def mb(x: float) -> str:
+    return f"{x / 1e6:,.2f}"
+
+
+def render(results: dict, fit_error: float, workers: int) -> tuple[str, list[dict]]:
+    lines = [
+        "# Communication volume per worker",
+        "",
+        f"Generated by `python -m bench.comm_volume` ({workers} gloo workers, synthetic gradients, every byte "
+        "read from the optimizers' ledgers: payload = bytes handed to the collectives by one worker; wire = "
+        "bytes that worker sends under ring algorithms).",
+        "",
+    ]
+    csv_rows = []
+    for model, (rows, numel) in results.items():
+        lamb = rows["LAMB"]
+        onebit = rows["1-bit LAMB"]
+        lines += [f"## {model} ({numel / 1e6:.1f}M parameters)", "",
+                  "| optimizer | payload per step (MB) | vs LAMB | amortised incl. syncs/warm-up (MB) | vs LAMB "
+                  "| vs 1-bit LAMB | wire per step (MB) |",
+                  "|---|---:|---:|---:|---:|---:|---:|"]
+        for label, r in rows.items():
+            lines.append(
+                f"| {label} | {mb(r['step_payload'])} | {r['step_payload'] / lamb['step_payload']:.3f} | "
+                f"{mb(r['step_payload_amortised'])} | {r['step_payload_amortised'] / lamb['step_payload_amortised']:.3f} | "
+                f"{r['step_payload_amortised'] / onebit['step_payload_amortised']:.2f} | {mb(r['step_wire'])} |")
+            csv_rows.append({"model": model, "optimizer": label, **{k: round(v) for k, v in r.items()}})
+        lines.append("")
+    rows, _ = results["BERT-Large"]
+    lamb, onebit = rows["LAMB"]["phase1_payload"], rows["1-bit LAMB"]["phase1_payload"]
+    lines += ["## BERT-Large phase 1, whole run (7038 steps; 1-bit LAMB: 1000 warm-up steps; SLAMB: H = 100)", "",
+              "| optimizer | payload per worker (GB) | vs LAMB | vs 1-bit LAMB | wire per worker (GB) |",
+              "|---|---:|---:|---:|---:|"]
+    for label, r in rows.items():
+        lines.append(f"| {label} | {gb(r['phase1_payload'])} | {r['phase1_payload'] / lamb:.3f} | "
+                     f"{r['phase1_payload'] / onebit:.2f} | {gb(r['phase1_wire'])} |")
+    fp32 = rows["SLAMB fp32 (k=0.1, H=100)"]["phase1_payload"] / onebit
+    fp16 = rows["SLAMB fp16 (k=0.1, H=100)"]["phase1_payload"] / onebit
+    wire16 = rows["SLAMB fp16 (k=0.1, H=100)"]["phase1_wire"] / rows["1-bit LAMB"]["phase1_wire"]
+    wire32 = rows["SLAMB fp32 (k=0.1, H=100)"]["phase1_wire"] / rows["1-bit LAMB"]["phase1_wire"]
+
+    def verdict(x):
+        return "about half" if 0.4 <= x <= 0.6 else ("less than half" if x < 0.4 else "more than half")
+
+    lines += [
+        "",
+        "**Does SLAMB send about half of 1-bit LAMB?** Over a whole BERT-Large phase-1 run, in bytes handed to the "
+        f"collectives, SLAMB with fp16 momentum sends {fp16:.2f}x 1-bit LAMB's volume ({verdict(fp16)}) and with "
+        f"fp32 momentum {fp32:.2f}x ({verdict(fp32)}); on the wire (ring all-reduce vs all-to-all + all-gather) "
+        f"the ratios are {wire16:.2f}x (fp16) and {wire32:.2f}x (fp32). The claim holds for the paper's setting "
+        "(fp16 exchange, k = 0.1, H = 100, 1-bit LAMB with 1000 of 7038 steps of dense warm-up) because 1-bit "
+        "LAMB's dense warm-up dominates its total; per step in the compression stage alone, 1-bit LAMB sends "
+        "less than SLAMB (table above).",
+        "",
+        f"BERT-Large is extrapolated from 1- and 2-layer runs of its width (bytes are a sum over tensors); "
+        f"the 3-layer run is predicted to within {100 * fit_error:.3f}% by that fit.",
+        "",
+    ]
+    return "\n".join(lines), csv_rows
+
+
+def main() -> None:
+    from bench.shapes import bert_shapes, resnet110_shapes
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--out", default="results/comm_volume.md")
+    args = parser.parse_args()
+    results = {}
+    shapes = resnet110_shapes()
+    results["ResNet-110"] = (measure(shapes, args.workers), sum(math.prod(s) for s in shapes))
+    by_depth = {d: measure(bert_shapes("large", d), args.workers) for d in (1, 2, 3)}
+    rows, fit_error = extrapolate(by_depth, 24)
+    results["BERT-Large"] = (rows, sum(math.prod(s) for s in bert_shapes("large")))
+    text, csv_rows = render(results, fit_error, args.workers)
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    with open(args.out, "w") as f:
+        f.write(text)
+    with open(os.path.splitext(args.out)[0] + ".csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=sorted({k for r in csv_rows for k in r}))
+        writer.writeheader()
+        writer.writerows(csv_rows)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,37 @@
+"""Run a function in N local processes joined by a gloo process group.
+
+For tests, benchmarks and examples that need a few workers on one machine
+without a launcher; training jobs use :func:`slamb.experiment.distributed.launch`.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .distributed import free_port
+
+
+def _entry(rank, fn, world_size, port, outdir, args):
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(outdir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local(fn, world_size: int, *args) -> list:
+    """``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on 127.0.0.1; the results by rank.
+
+    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    An exception in any worker is raised here.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.spawn(_entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=True)
+        return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
