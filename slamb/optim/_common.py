@@ -33,6 +33,14 @@ def check_betas(betas) -> None:
     check_range("betas[1]", betas[1], 0.0, 1.0, hi_open=True)
 
 
+def check_adam_group(group: dict) -> None:
+    """The settings every Adam-type parameter group has."""
+    check_range("lr", group["lr"], 0.0, lo_open=True)
+    check_betas(group["betas"])
+    check_range("eps", group["eps"], 0.0, lo_open=True)
+    check_range("weight_decay", group["weight_decay"], 0.0)
+
+
 def check_choice(name: str, value, choices) -> None:
     if value not in choices:
         raise ValueError(f"invalid {name}={value!r}: must be one of {list(choices)}")

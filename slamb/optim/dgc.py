@@ -62,12 +62,12 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim import Optimizer
 
 from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
-from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip
+from ._common import check_range
+from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 
 DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
@@ -87,7 +87,7 @@ def momentum_direction_(u: torch.Tensor, g: torch.Tensor, momentum: float, neste
     return u.mul_(momentum).add_(g)
 
 
-class DGC(Optimizer):
+class DGC(LocalStateOptimizer):
     """Deep Gradient Compression over torch.distributed (any backend, any device, or no process group).
 
     Per parameter group: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``.
@@ -109,6 +109,8 @@ class DGC(Optimizer):
     later missing gradient counts as zero). State is per rank (local
     momentum and residuals): save and load one optimizer state per rank.
     """
+
+    state_key = "dgc"
 
     def __init__(
         self,
@@ -154,9 +156,9 @@ class DGC(Optimizer):
                 raise ValueError(f"invalid {name}={flag!r}: must be True or False")
         if not isinstance(seed, int):
             raise ValueError(f"invalid seed={seed!r}: must be an integer")
-        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, nesterov=nesterov)
         super().__init__(params, defaults)
+        self._setup(process_group=process_group, nonfinite=nonfinite, ledger=ledger)
         self.target_density = float(density)
         self.warmup_densities = warmup_densities
         self.sample_ratio = float(sample_ratio)
@@ -167,16 +169,11 @@ class DGC(Optimizer):
         self.value_dtype = torch.float16 if fp16_values else None
         self.index_dtype = torch.int32 if int32_indices else torch.int64
         self.seed = seed
-        self.process_group = process_group
-        self.nonfinite = nonfinite
-        self.ledger = ledger or comm.CommLedger()
         self.generator = torch.Generator().manual_seed(seed)
         self.epoch = 0
         self.density = self.density_at(0)
         self._sparse: FlatLayout | None = None
         self._dense: FlatLayout | None = None
-        self._built = False
-        self._step = 0
         self._sparse_pending = False  # local residuals/momenta exist (a compressed step ran since density 1)
         self._last: dict | None = None
 
@@ -204,7 +201,7 @@ class DGC(Optimizer):
         return self.density
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_built", False):
+        if getattr(self, "_layout_ids", None) is not None:
             raise RuntimeError("DGC's flat layout is fixed at the first step: add parameter groups before it")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
@@ -217,9 +214,6 @@ class DGC(Optimizer):
             raise ValueError("invalid nesterov=True with momentum=0: Nesterov needs a momentum in (0, 1)")
 
     # -- inspection ---------------------------------------------------------------
-
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
 
     def ddp_comm_hook(self):
         return None, no_comm_hook
@@ -238,9 +232,6 @@ class DGC(Optimizer):
         return self._last
 
     # -- state ----------------------------------------------------------------------
-
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
 
     def _build(self, ids: list[int] | None = None) -> None:
         """Fix the two flat layouts; adopt per-parameter state already present (a loaded checkpoint)."""
@@ -271,50 +262,19 @@ class DGC(Optimizer):
             self._mask = self._sparse.zeros(torch.bool)
         self._names = param_labels(self, sparse_ids + dense_ids)
         self._layout_ids = ids
-        self._built = True
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["dgc"] = {
-            "step": self._step,
-            "epoch": self.epoch,
-            "density": self.density,
-            "sparse_pending": self._sparse_pending,
-            "generator": self.generator.get_state(),
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
-            "layout_ids": list(self._layout_ids) if self._built else None,
-            "layout_numels": [self._all_params()[i].numel() for i in self._layout_ids] if self._built else None,
-            "ledger": self.ledger.state_dict(),
-        }
-        return sd
+    per_rank_reason = "each worker keeps its own residuals and momenta"
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("dgc")
-        if extra is None:
-            raise ValueError("not a DGC state dict (no 'dgc' entry): it was saved by another optimizer")
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        if extra["world_size"] != n or extra["rank"] != r:
-            raise ValueError(
-                f"DGC checkpoint of rank {extra['rank']} of {extra['world_size']} loaded on rank {r} of {n}: each "
-                "worker keeps its own residuals and momenta, so each rank must load the state it saved, with the "
-                "same number of workers (or start the optimizer afresh and load only the model)"
-            )
-        ids = extra["layout_ids"]
-        if ids is not None:
-            everything = self._all_params()
-            if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
-                raise ValueError("DGC checkpoint was saved for a different parameter layout (shapes differ)")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "dgc"})
-        self._step = int(extra["step"])
+    def _extra_state(self) -> dict:
+        return {"epoch": self.epoch, "density": self.density, "sparse_pending": self._sparse_pending,
+                "generator": self.generator.get_state()}
+
+    def _load_extra_state(self, extra: dict) -> None:
         self.epoch = int(extra["epoch"])
         self.density = extra["density"]
         self._sparse_pending = bool(extra["sparse_pending"])
         self.generator.set_state(extra["generator"])
-        self.ledger.load_state_dict(extra["ledger"])
-        self._built, self._last = False, None
-        if ids is not None:
-            self._build(ids)
+        self._last = None
 
     # -- the step -------------------------------------------------------------------
 
@@ -324,15 +284,16 @@ class DGC(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if not self._built:
+        if self._layout_ids is None:
             self._build()
         sparse, dense = self._sparse, self._dense
-        grads = {lay is sparse: [p.grad if p.grad is not None else torch.zeros_like(p) for p in lay.params]
-                 for lay in (sparse, dense) if lay is not None}
-        if nonfinite_skip(grads.get(True, []) + grads.get(False, []), self._names, self.nonfinite,
-                          ledger=self.ledger, group=self.process_group, where="DGC: "):
-            self.ledger.end_step()
+        live = [lay for lay in (sparse, dense) if lay is not None]
+        flat_grads = self._begin_step([p for lay in live for p in lay.params])
+        if flat_grads is None:
             return loss
+        grads, at = {}, 0
+        for lay in live:
+            grads[lay is sparse], at = flat_grads[at:at + len(lay.params)], at + len(lay.params)
 
         self._step += 1
         n = comm.world_size(self.process_group)

@@ -11,7 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
-from ._common import NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip, safe_ratio
+from ._common import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip, safe_ratio
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
@@ -77,10 +77,7 @@ class LAMB(Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_range("lr", g["lr"], 0.0, lo_open=True)
-        check_betas(g["betas"])
-        check_range("eps", g["eps"], 0.0, lo_open=True)
-        check_range("weight_decay", g["weight_decay"], 0.0)
+        check_adam_group(g)
         clamp = g["trust_clamp"]
         if clamp is not None:
             clamp = tuple(clamp)

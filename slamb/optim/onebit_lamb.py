@@ -71,12 +71,12 @@ import dataclasses
 import math
 
 import torch
-from torch.optim import Optimizer
 
 from .. import comm
 from ..compression.onebit import ErrorFeedback, compressed_allreduce
 from ..ddp import RecordingState, no_comm_hook, recording_allreduce_hook
-from ._common import NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip, safe_ratio
+from ._common import check_adam_group, check_range, safe_ratio
+from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .lamb import lamb_foreach
 
@@ -124,7 +124,7 @@ def staged_allreduce_hook(state: StagedHookState, bucket):
     return recording_allreduce_hook(state.recording, bucket)
 
 
-class OnebitLamb(Optimizer):
+class OnebitLamb(LocalStateOptimizer):
     """1-bit LAMB. Per parameter group: ``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``max_coeff``, ``min_coeff``, ``bias_correction``. For the whole optimizer:
     ``freeze_step`` (warm-up steps), ``coeff_beta``, ``factor_max``,
@@ -140,13 +140,14 @@ class OnebitLamb(Optimizer):
     gradient then; a later missing gradient counts as zero.
     """
 
+    state_key = "onebit"
+
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, freeze_step: int = 100000, bias_correction: bool = False,
                  max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  reset_error_on_load: bool = False, foreach: bool | None = None, nonfinite: str = "raise",
                  process_group=None, ledger: comm.CommLedger | None = None):
-        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         if not (isinstance(freeze_step, int) and not isinstance(freeze_step, bool) and freeze_step >= 1):
             raise ValueError(f"invalid freeze_step={freeze_step!r}: must be an integer >= 1 (the warm-up steps; "
                              "the frozen v and LAMB coefficients come from them)")
@@ -158,27 +159,21 @@ class OnebitLamb(Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, bias_correction=bias_correction,
                         max_coeff=max_coeff, min_coeff=min_coeff)
         super().__init__(params, defaults)
+        self._setup(process_group=process_group, nonfinite=nonfinite, ledger=ledger)
         self.freeze_step = freeze_step
         self.coeff_beta = coeff_beta
         self.factor_max, self.factor_min, self.factor_threshold = factor_max, factor_min, factor_threshold
         self.reset_error_on_load = reset_error_on_load
         self.foreach = True if foreach is None else foreach
-        self.nonfinite = nonfinite
-        self.process_group = process_group
-        self.ledger = ledger or comm.CommLedger()
         self._layout: FlatLayout | None = None
         self._errors: ErrorFeedback | None = None
-        self._step = 0
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_layout", None) is not None:
+        if getattr(self, "_layout_ids", None) is not None:
             raise RuntimeError("OnebitLamb's flat layout is fixed at the first step: add parameter groups before it")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_range("lr", g["lr"], 0.0, lo_open=True)
-        check_betas(g["betas"])
-        check_range("eps", g["eps"], 0.0, lo_open=True)
-        check_range("weight_decay", g["weight_decay"], 0.0)
+        check_adam_group(g)
         check_range("min_coeff", g["min_coeff"], 0.0)
         check_range("max_coeff", g["max_coeff"], g["min_coeff"], lo_open=g["min_coeff"] == 0)
         _check_bool("bias_correction", g["bias_correction"])
@@ -193,9 +188,6 @@ class OnebitLamb(Optimizer):
     def ddp_comm_hook(self):
         return StagedHookState(self, RecordingState(self.ledger, self.process_group)), staged_allreduce_hook
 
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
-
     def lamb_coeffs(self) -> torch.Tensor | None:
         """Per tensor (layout order): the coefficient EMA times the last factor, i.e. the LAMB
         coefficient of the last compression step (in the warm-up, the EMA so far), or None
@@ -205,9 +197,6 @@ class OnebitLamb(Optimizer):
         return self._scalar["lamb_coeff_freeze"] * self._scalar["last_factor"]
 
     # -- state ----------------------------------------------------------------------------
-
-    def _all_params(self) -> list[torch.Tensor]:
-        return [p for g in self.param_groups for p in g["params"]]
 
     def _build(self, ids: list[int] | None = None) -> None:
         """Fix the flat layout; adopt per-parameter state already present (a loaded checkpoint)."""
@@ -229,47 +218,27 @@ class OnebitLamb(Optimizer):
                                          dtype=torch.promote_types(layout.dtype, torch.float32))
         return self._errors
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["onebit"] = {
-            "step": self._step,
-            "freeze_step": self.freeze_step,
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
-            "layout_ids": None if self._layout is None else list(self._layout_ids),
-            "layout_numels": None if self._layout is None else list(self._layout.numels),
-            "error_feedback": None if self._errors is None else self._errors.state_dict(),
-            "ledger": self.ledger.state_dict(),
-        }
-        return sd
+    per_rank_reason = "its error-feedback buffers are the rank's own and chunked for that world size"
+    per_rank_alternative = "construct the optimizer with reset_error_on_load=True (DeepSpeed's behaviour)"
+
+    def _saved_per_rank(self, extra: dict) -> bool:
+        # with the buffers reset, everything left is the same on every rank (averaged gradients, then
+        # all-reduced momentum), so such a state may be loaded anywhere: DeepSpeed's behaviour
+        return extra["error_feedback"] is not None and not self.reset_error_on_load
+
+    def _extra_state(self) -> dict:
+        return {"freeze_step": self.freeze_step,
+                "error_feedback": None if self._errors is None else self._errors.state_dict()}
+
+    def _load_extra_state(self, extra: dict) -> None:
+        self.freeze_step = int(extra["freeze_step"])
+        self._layout, self._errors = None, None
 
     def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("onebit")
-        if extra is None:
-            raise ValueError("not a OnebitLamb state dict (no 'onebit' entry): it was saved by another optimizer")
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        errors = None if self.reset_error_on_load else extra["error_feedback"]
-        if errors is not None and (extra["world_size"], extra["rank"]) != (n, r):
-            raise ValueError(
-                f"OnebitLamb checkpoint of rank {extra['rank']} of {extra['world_size']} workers loaded on rank {r} "
-                f"of {n}: its error-feedback buffers are this rank's own and chunked for that world size. Resume "
-                "with the same workers, each rank loading the state it saved, or construct the optimizer with "
-                "reset_error_on_load=True (DeepSpeed's behaviour; everything else is the same on every rank)"
-            )
-        ids = extra["layout_ids"]
-        if ids is not None:
-            everything = self._all_params()
-            if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
-                raise ValueError("OnebitLamb checkpoint was saved for a different parameter layout (shapes differ)")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "onebit"})
-        self._step = int(extra["step"])
-        self.freeze_step = int(extra["freeze_step"])
-        self.ledger.load_state_dict(extra["ledger"])
-        self._layout, self._errors = None, None
-        if ids is not None:
-            self._build(ids)
-            if errors is not None:
-                self._error_feedback().load_state_dict(errors)
+        super().load_state_dict(state_dict)
+        errors = state_dict[self.state_key]["error_feedback"]
+        if errors is not None and not self.reset_error_on_load and self._layout is not None:
+            self._error_feedback().load_state_dict(errors)
 
     # -- the step -------------------------------------------------------------------------
 
@@ -279,15 +248,13 @@ class OnebitLamb(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._layout is None:
+        if self._layout_ids is None:
             self._build()
         layout = self._layout
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layout.params]
         compressing = self.compressing
         # warm-up gradients are averaged, hence equal on every rank: a local decision is a shared one
-        if nonfinite_skip(grads, self._names, self.nonfinite, ledger=self.ledger, group=self.process_group,
-                          where="OnebitLamb: ", agree=compressing):
-            self.ledger.end_step()
+        grads = self._begin_step(layout.params, agree=compressing)
+        if grads is None:
             return loss
         self._step += 1
         if compressing:

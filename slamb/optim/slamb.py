@@ -26,12 +26,11 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.optim import Optimizer
 
 from .. import comm
 from ..ddp import no_comm_hook
-from ._common import (NONFINITE_POLICIES, check_betas, check_choice, check_range, nonfinite_skip,
-                      safe_ratio)
+from ._common import check_adam_group, check_choice, check_range, safe_ratio
+from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .masks import MASK_POLICIES, make_mask
 
@@ -63,7 +62,7 @@ def v2_reference(p, m, v, r, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
-class SLAMB(Optimizer):
+class SLAMB(LocalStateOptimizer):
     """SLAMB over torch.distributed (any backend, any device, or no process group).
 
     Per parameter group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``beta3``,
@@ -90,6 +89,8 @@ class SLAMB(Optimizer):
     """
 
     communicates_itself = True
+    state_key = "slamb"
+    per_rank_reason = "each worker keeps its own moments"
 
     def __init__(
         self,
@@ -115,7 +116,6 @@ class SLAMB(Optimizer):
     ):
         check_choice("variant", variant, VARIANTS)
         check_choice("mask", mask, (None, *MASK_POLICIES))
-        check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
         if not (isinstance(sync_interval, int) and sync_interval >= 1):
             raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
         if not (isinstance(min_compress_numel, int) and min_compress_numel >= 0):
@@ -127,6 +127,7 @@ class SLAMB(Optimizer):
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
                         c_min=c_min, c_max=c_max)
         super().__init__(params, defaults)
+        self._setup(process_group=process_group, nonfinite=nonfinite, ledger=ledger)
         self.variant = variant
         self.mask_policy = mask or VARIANTS[variant]
         self.compress_ratio = compress_ratio
@@ -134,12 +135,8 @@ class SLAMB(Optimizer):
         self.min_compress_numel = min_compress_numel
         self.comm_dtype = comm_dtype
         self.seed = seed
-        self.process_group = process_group
         self.foreach = True if foreach is None else foreach
-        self.nonfinite = nonfinite
-        self.ledger = ledger or comm.CommLedger()
         self._layout: FlatLayout | None = None
-        self._step = 0
         self._last_mask: torch.Tensor | None = None
 
     # -- settings -----------------------------------------------------------------
@@ -154,14 +151,11 @@ class SLAMB(Optimizer):
         self._compress_ratio = float(k)
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_layout", None) is not None:
+        if getattr(self, "_layout_ids", None) is not None:
             raise RuntimeError("SLAMB's flat layout is fixed at the first step: add parameter groups before it")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_range("lr", g["lr"], 0.0, lo_open=True)
-        check_betas(g["betas"])
-        check_range("eps", g["eps"], 0.0, lo_open=True)
-        check_range("weight_decay", g["weight_decay"], 0.0)
+        check_adam_group(g)
         check_range("beta3", g["beta3"], 0.0, 1.0, hi_open=True)
         check_range("c_min", g["c_min"], 0.0)
         check_range("c_max", g["c_max"], 0.0, lo_open=True)
@@ -173,9 +167,6 @@ class SLAMB(Optimizer):
     def last_sync_mask(self) -> torch.Tensor | None:
         """Flat bool tensor (layout order) of the momentum entries averaged at the last step."""
         return self._last_mask
-
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
 
     def ddp_comm_hook(self):
         return None, no_comm_hook
@@ -206,57 +197,21 @@ class SLAMB(Optimizer):
         self._mask_fn = make_mask(self.mask_policy, layout.numel, self.seed, layout.device)
         self._layout, self._layout_ids = layout, ids
 
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["slamb"] = {
-            "step": self._step,
-            "compress_ratio": self.compress_ratio,
-            "variant": self.variant,
-            "mask": self.mask_policy,
-            "seed": self.seed,
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
-            "layout_ids": None if self._layout is None else list(self._layout_ids),
-            "layout_numels": None if self._layout is None else list(self._layout.numels),
-            "ledger": self.ledger.state_dict(),
-        }
-        return sd
+    def _extra_state(self) -> dict:
+        return {"compress_ratio": self.compress_ratio, "variant": self.variant, "mask": self.mask_policy,
+                "seed": self.seed}
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        extra = state_dict.get("slamb")
-        if extra is None:
-            raise ValueError("not a SLAMB state dict (no 'slamb' entry): it was saved by another optimizer")
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        if extra["world_size"] != n:
-            raise ValueError(
-                f"SLAMB checkpoint saved with world size {extra['world_size']}, this run has {n}: each worker "
-                f"keeps its own moments, which cannot be redistributed. Resume with {extra['world_size']} "
-                "workers, or start the optimizer afresh (load only the model)."
-            )
-        if extra["rank"] != r:
-            raise ValueError(
-                f"SLAMB checkpoint of rank {extra['rank']} loaded on rank {r}: each rank must load the "
-                "optimizer state it saved (save one optimizer state per rank)"
-            )
+    def _check_extra_state(self, extra: dict) -> None:
         if (extra["variant"], extra["mask"]) != (self.variant, self.mask_policy):
             raise ValueError(
                 f"SLAMB checkpoint has variant={extra['variant']!r}, mask={extra['mask']!r}; this optimizer "
                 f"has variant={self.variant!r}, mask={self.mask_policy!r}: construct it with the saved ones"
             )
-        ids = extra["layout_ids"]
-        if ids is not None:
-            everything = [p for g in self.param_groups for p in g["params"]]
-            if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
-                raise ValueError("SLAMB checkpoint was saved for a different parameter layout (shapes differ)")
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != "slamb"})
-        self._step = int(extra["step"])
+
+    def _load_extra_state(self, extra: dict) -> None:
         self.compress_ratio = extra["compress_ratio"]
-        self.seed = int(extra["seed"])
-        self.ledger.load_state_dict(extra["ledger"])
-        self._layout = None
-        self._last_mask = None
-        if ids is not None:
-            self._build(ids)
+        self.seed = int(extra["seed"])  # the masks are a function of it: resumed runs redraw the same ones
+        self._layout, self._last_mask = None, None
 
     # -- the step -------------------------------------------------------------------
 
@@ -266,13 +221,11 @@ class SLAMB(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._layout is None:
+        if self._layout_ids is None:
             self._build()
         layout = self._layout
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in layout.params]  # step 1
-        if nonfinite_skip(grads, self._names, self.nonfinite, ledger=self.ledger,
-                          group=self.process_group, where="SLAMB: "):
-            self.ledger.end_step()
+        grads = self._begin_step(layout.params)  # step 1: local gradients
+        if grads is None:
             return loss
 
         self._step += 1
