@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m slamb.demo
+	$(PY) -m cifar10.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -25,6 +25,7 @@ import uuid
 
 import torch
 import torch.distributed as dist
+from torch.distributed.rendezvous import rendezvous
 
 from .. import comm
 
@@ -89,7 +90,12 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
     torch.set_num_threads(threads_per_worker)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s),
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store, rank, world = next(rendezvous("env://", timeout=timeout))
+        # The elastic agent's store outlives a restart: without a namespace per attempt, restarted workers
+        # read the dead workers' addresses from it and gloo waits forever to connect to them.
+        store = dist.PrefixStore(f"slamb/attempt{restart_count()}", store)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=dev if backend == "nccl" else None)
     return DistEnv(comm.rank(), comm.world_size(), local_rank, local_world, dev)
 

@@ -4,8 +4,8 @@ A run directory holds ``config.yaml``, ``metrics.jsonl`` and ``metrics.json``
 (see :mod:`.run`). Runs whose config names a ``paper: {table, row, top1}``
 entry form the comparison tables, one per ``paper.table``, laid out like the
 paper's (one row per optimizer, the paper's top-1 beside ours, bytes each
-worker handed to the collectives, the ratio to LAMB, wall time); several runs
-of one row (seeds) are averaged. Runs of a ``study`` (the sweeps) form one
+worker handed to the collectives, the ratio to LAMB, wall time, and the
+config's ``paper.note`` below); several runs of one row (seeds) are averaged. Runs of a ``study`` (the sweeps) form one
 grid per study and table: final top-1 by SLAMB's beta3 x compression ratio,
 also drawn as a heat map.
 """
@@ -83,12 +83,12 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def comparison_markdown(table: str, rows: list[dict]) -> str:
+def comparison_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
     head = rows[0]
     lines = [f"### {table}", "",
-             f"{head['workers']} workers, global batch {head['global_batch']}, {head['epochs']} epochs, "
-             f"{head['params']:,} parameters. Top-1 (%) of the last epoch (mean of the runs); bytes = payload each "
-             "worker handed to the collectives over the whole run.", "",
+             (f"{head['workers']} workers, global batch {head['global_batch']}, {head['epochs']} epochs, "
+              f"{head['params']:,} parameters. Top-1 (%) of the last epoch (mean of the runs); bytes = payload "
+              "each worker handed to the collectives over the whole run."), "",
              "| Optimizer | top-1 paper | top-1 ours | best top-1 ours | bytes sent / worker | vs LAMB | wall time | runs |",
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -100,6 +100,8 @@ def comparison_markdown(table: str, rows: list[dict]) -> str:
     if slamb is not None:
         lines += ["", f"SLAMB compresses {100 * slamb['compressed_share']:.1f}% of the parameters (tensors with "
                   "dim > 1 and >= min_compress_numel elements); the rest is averaged in full every step."]
+    if note:
+        lines += ["", note.strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -179,13 +181,15 @@ def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
     for table, members in sorted(papers.items()):
         rows = comparison_rows(members)
         md, csv_path = out / f"{table}.md", out / f"{table}.csv"
-        md.write_text(comparison_markdown(table, rows))
+        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
+        md.write_text(comparison_markdown(table, rows, note))
         write_csv(rows, csv_path)
         written[table] = [md, csv_path, *_plots(table, members, out)]
     for name, members in sorted(studies.items()):
         betas, ks, grid = study_grid(members)
+        header = "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |"
         lines = [f"### {name}", "", "Final top-1 (%) by beta3 (rows) and compression ratio k (columns).", "",
-                 "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |", "|---" * (len(ks) + 1) + "|"]
+                 header, "|---" * (len(ks) + 1) + "|"]
         for b in betas:
             cells = [f"{grid[(b, k)]:.2f}" if (b, k) in grid else "-" for k in ks]
             lines.append(f"| {b} | " + " | ".join(cells) + " |")

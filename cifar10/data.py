@@ -1,0 +1,136 @@
+"""CIFAR-10 from the standard python-pickle layout, and batched augmentation.
+
+``data.dir`` is the folder ``cifar-10-batches-py`` (or its parent) as
+extracted from https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz:
+``data_batch_1`` .. ``data_batch_5``, ``test_batch`` (pickled dicts with
+``b"data"``: uint8 N x 3072, channel-major R, G, B planes of 32 x 32, and
+``b"labels"``) and ``batches.meta`` (``b"label_names"``). Nothing is
+downloaded at run time.
+
+The whole split is held as one uint8 tensor on the training device;
+augmentation (random 32 x 32 crop of the 4-pixel zero-padded image, random
+horizontal flip) runs batched there, drawn from a generator seeded by
+(seed, rank, step), so it is exactly reproducible and resumable and never
+touches the global RNG.
+"""
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
+TEST_FILE = "test_batch"
+META_FILE = "batches.meta"
+FILES = (*TRAIN_FILES, TEST_FILE, META_FILE)
+FOLDER = "cifar-10-batches-py"
+URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+MEAN = (0.4914, 0.4822, 0.4465)
+STD = (0.2470, 0.2435, 0.2616)
+PAD = 4
+
+WHERE = (f"Get CIFAR-10 (python version) from {URL}, extract it (tar xzf) and set data.dir to the "
+         f"'{FOLDER}' folder it creates; it must hold {', '.join(FILES)}.")
+
+
+def resolve_dir(path) -> Path:
+    """The folder holding the batch files: ``path`` itself or ``path/cifar-10-batches-py``."""
+    path = Path(path).expanduser()
+    if not (path / META_FILE).exists() and (path / FOLDER).is_dir():
+        path = path / FOLDER
+    missing = [f for f in FILES if not (path / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"CIFAR-10 not found in {path}: missing {', '.join(missing)}. {WHERE}")
+    return path
+
+
+def _unpickle(path: Path) -> dict:
+    try:
+        with open(path, "rb") as f:
+            obj = pickle.load(f, encoding="bytes")
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError) as e:
+        raise ValueError(f"{path} is not a CIFAR-10 python-pickle batch ({type(e).__name__}: {e}). {WHERE}") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path} holds a {type(obj).__name__}, expected a dict with b'data' and b'labels'. {WHERE}")
+    return obj
+
+
+def load_batches(path: Path, names) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 images N x 3 x 32 x 32 and int64 labels of the named batch files."""
+    xs, ys = [], []
+    for name in names:
+        batch = _unpickle(path / name)
+        if b"data" not in batch or b"labels" not in batch:
+            raise ValueError(f"{path / name}: expected keys b'data' and b'labels', found {sorted(batch)}. {WHERE}")
+        x, y = np.asarray(batch[b"data"]), np.asarray(batch[b"labels"])
+        if x.dtype != np.uint8 or x.ndim != 2 or x.shape[1] != 3072 or len(y) != len(x):
+            raise ValueError(f"{path / name}: b'data' must be uint8 N x 3072 with N labels, got {x.dtype} "
+                             f"{x.shape} and {len(y)} labels. {WHERE}")
+        if len(y) and (y.min() < 0 or y.max() > 9):
+            raise ValueError(f"{path / name}: labels must be in 0..9, found {y.min()}..{y.max()}. {WHERE}")
+        xs.append(torch.from_numpy(x.reshape(-1, 3, 32, 32).copy()))
+        ys.append(torch.from_numpy(y.astype(np.int64)))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def load_cifar10(path) -> dict:
+    """``{"train": (x, y), "test": (x, y), "classes": [...]}``; clear errors for a missing or malformed set."""
+    path = resolve_dir(path)
+    meta = _unpickle(path / META_FILE)
+    if b"label_names" not in meta:
+        raise ValueError(f"{path / META_FILE}: expected key b'label_names'. {WHERE}")
+    classes = [n.decode() if isinstance(n, bytes) else str(n) for n in meta[b"label_names"]]
+    return {"train": load_batches(path, TRAIN_FILES), "test": load_batches(path, (TEST_FILE,)), "classes": classes}
+
+
+def write_cifar10(path, train: tuple, test: tuple, classes) -> Path:
+    """Write images (uint8 N x 3 x 32 x 32) and labels in the exact CIFAR-10 pickle layout.
+
+    The training split is cut into the five ``data_batch_*`` files. Used to
+    put other image sets (the demo's digits, test fixtures) through the same pipeline.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+
+    def dump(name, x, y, label):
+        x = np.ascontiguousarray(np.asarray(x, dtype=np.uint8).reshape(len(x), 3072))
+        batch = {b"batch_label": label.encode(), b"labels": [int(v) for v in y], b"data": x,
+                 b"filenames": [f"{name}_{i}.png".encode() for i in range(len(x))]}
+        with open(path / name, "wb") as f:
+            pickle.dump(batch, f, protocol=2)
+
+    xs, ys = np.array_split(np.asarray(train[0]), 5), np.array_split(np.asarray(train[1]), 5)
+    for i, (x, y) in enumerate(zip(xs, ys)):
+        dump(TRAIN_FILES[i], x, y, f"training batch {i + 1} of 5")
+    dump(TEST_FILE, test[0], test[1], "testing batch 1 of 1")
+    with open(path / META_FILE, "wb") as f:
+        pickle.dump({b"label_names": [c.encode() for c in classes], b"num_cases_per_batch": len(xs[0]),
+                     b"num_vis": 3072}, f, protocol=2)
+    return path
+
+
+def normalize(x: torch.Tensor) -> torch.Tensor:
+    """uint8 N x 3 x H x W -> float, standardised with the CIFAR-10 channel statistics."""
+    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
+    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+    return (x.float() / 255.0 - mean) / std
+
+
+def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """Random crop (4-pixel zero padding) and horizontal flip of a uint8 batch, per image."""
+    n, _, h, w = x.shape
+    offsets = torch.randint(0, 2 * PAD + 1, (2, n), generator=generator).to(x.device)
+    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+    padded = torch.nn.functional.pad(x, (PAD, PAD, PAD, PAD))
+    rows = offsets[0, :, None] + torch.arange(h, device=x.device)  # n x h
+    cols = offsets[1, :, None] + torch.arange(w, device=x.device)  # n x w
+    cols = torch.where(flip[:, None], cols.flip(1), cols)
+    batch = torch.arange(n, device=x.device)[:, None, None]
+    return padded[batch, :, rows[:, :, None], cols[:, None, :]].permute(0, 3, 1, 2)
+
+
+def augment_generator(seed: int, rank: int, step: int) -> torch.Generator:
+    """The augmentation stream of one step of one rank (independent of everything else)."""
+    return torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)

@@ -1,0 +1,166 @@
+"""Train ResNet-110 on CIFAR-10 with any optimizer of the package.
+
+    python -m cifar10.train experiment=cifar10_resnet110_slamb              # 4 local workers
+    python -m cifar10.train experiment=cifar10_resnet110_lamb trainer.nproc_per_node=8
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        -m cifar10.train experiment=cifar10_resnet110_slamb                 # multi-node
+    python -m cifar10.train --multirun experiment=cifar10_resnet110_slamb +sweep=beta3
+
+The run directory is Hydra's output directory (``runs/<name>/<overrides>``);
+running the same command again resumes from its last checkpoint.
+
+Evaluation runs each rank's own model on its shard of the test set (no
+extra communication): under SLAMB the ranks' parameters differ between model
+syncs, so the reported top-1 is that of the workers' models, not of their average.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+import slamb
+from slamb import comm, experiment as ex
+from slamb.schedules import build_lr_scheduler, compression_ratio
+
+from .data import augment, augment_generator, load_cifar10, normalize
+from .model import build_model
+
+
+@torch.no_grad()
+def evaluate(model, x, y, env, batch_size: int) -> tuple[float, float]:
+    """(mean loss, top-1 %) over the whole test set, each rank scoring its strided shard."""
+    model.eval()
+    idx = ex.eval_shard(len(x), env)
+    sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct
+    for lo in range(0, len(idx), batch_size):
+        b = idx[lo:lo + batch_size]
+        logits = model(normalize(x[b])).float()
+        sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum()]).double()
+    return global_means(sums, len(idx))
+
+
+def global_means(sums: torch.Tensor, count: int) -> tuple[float, float]:
+    """(loss, top-1 %) over all ranks from this rank's (loss sum, correct) and sample count."""
+    totals = torch.cat([sums, sums.new_tensor([count])])
+    comm.all_reduce_sum_(totals, kind="eval", ledger=None)  # bookkeeping, not training traffic
+    loss, correct, count = totals.tolist()
+    return loss / count, 100.0 * correct / count
+
+
+def compressed_share(optimizer, model) -> float | None:
+    """Fraction of parameters SLAMB compresses (tensors with dim > 1 and >= min_compress_numel elements)."""
+    threshold = getattr(optimizer, "min_compress_numel", None)
+    if threshold is None:
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    big = sum(p.numel() for p in params if p.dim() > 1 and p.numel() >= threshold)
+    return big / sum(p.numel() for p in params)
+
+
+def train(cfg: dict, run_dir: str) -> dict:
+    plain, cfg = cfg, OmegaConf.create(cfg)
+    t, d = cfg.trainer, cfg.data
+    env = ex.init_distributed(t.device, t.threads_per_worker)
+
+    data = load_cifar10(d.dir)
+    train_x, train_y = (v.to(env.device) for v in data["train"])
+    test_x, test_y = (v.to(env.device) for v in data["test"])
+    batches = ex.ShardedBatches(len(train_x), d.batch_size_per_worker, env, seed=cfg.seed)
+    steps_per_epoch = len(batches)
+    global_batch = d.batch_size_per_worker * env.world_size
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model(cfg.model).to(env.device)
+    optimizer = ex.build_optimizer(model, plain["optimizer"])
+    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
+    scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
+    warmup = cfg.optimizer.get("compression_warmup")
+    base_k = getattr(optimizer, "compress_ratio", None)
+    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+
+    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
+    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
+        if t.resume == "auto" else None
+    progress, _ = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
+    start_epoch, step = progress["epoch"], progress["step"]
+    resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
+    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
+                       wandb_project=cfg.logger.project, progress=t.progress, resume_epoch=start_epoch)
+    if restored and env.is_main:
+        print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
+
+    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    bytes_before = ex.comm_totals(optimizer)
+    for epoch in range(start_epoch, cfg.epochs):
+        if warmup is not None:
+            optimizer.compress_ratio = compression_ratio(epoch, base_k, warmup)
+        if hasattr(optimizer, "set_epoch"):  # optimizers with their own per-epoch schedule (DGC's density)
+            optimizer.set_epoch(epoch)
+        model.train()
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
+        tic = time.perf_counter()
+        for idx in log.progress(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+            ex.maybe_inject_fault(step + 1, env)
+            x = train_x[idx]
+            x = normalize(augment(x, augment_generator(cfg.seed, env.rank, step)) if d.augment else x)
+            y = train_y[idx]
+            if hasattr(optimizer, "sample_round"):  # JointSpar: draw this round's layers, freeze the others
+                optimizer.sample_round()
+            with autocast:
+                logits = model(x)
+            loss = F.cross_entropy(logits.float(), y)
+            optimizer.zero_grad(set_to_none=True)
+            if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                loss.backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
+        if env.device.type != "cpu":
+            torch.accelerator.synchronize()
+        train_time = time.perf_counter() - tic
+        train_loss, train_top1 = global_means(sums, steps_per_epoch * d.batch_size_per_worker)
+        test_loss, test_top1 = evaluate(model, test_x, test_y, env, d.eval_batch_size)
+        bytes_now = ex.comm_totals(optimizer)
+        log.log({
+            "epoch": epoch + 1, "step": step,
+            "train_loss": train_loss, "train_top1": train_top1,
+            "test_loss": test_loss, "test_top1": test_top1,
+            "lr": optimizer.param_groups[0]["lr"], "compress_ratio": getattr(optimizer, "compress_ratio", None),
+            **ex.comm_metrics(bytes_now, bytes_before),
+            "step_time_s": train_time / steps_per_epoch, "images_per_s": steps_per_epoch * global_batch / train_time,
+            "epoch_time_s": time.perf_counter() - tic,
+        })
+        bytes_before = bytes_now
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
+                             model=model, optimizer=optimizer, scheduler=scheduler)
+
+    history = log.history() if env.is_main else []
+    summary = {
+        "name": cfg.name, "optimizer": cfg.optimizer.name, "world_size": env.world_size,
+        "global_batch": global_batch, "epochs": cfg.epochs, "steps": step,
+        "params": sum(p.numel() for p in model.parameters()),
+        "compressed_share": compressed_share(optimizer, model),
+        "final_test_top1": history[-1]["test_top1"] if history else math.nan,
+        "best_test_top1": max((h["test_top1"] for h in history), default=math.nan),
+        "bytes_total": ex.comm_totals(optimizer),
+        "wall_time_s": sum(h["epoch_time_s"] for h in history),
+        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
+    }
+    log.finish(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
+def main(cfg) -> dict:
+    return ex.run_from_hydra(train, cfg)
+
+
+if __name__ == "__main__":
+    main()

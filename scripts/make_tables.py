@@ -1,0 +1,34 @@
+"""Regenerate every results table (markdown + CSV) and plot from the run directories.
+
+    python scripts/make_tables.py [--runs runs] [--out results]
+
+Comparison tables (one per ``paper.table`` of the experiment configs, the
+paper's top-1 beside ours, bytes per worker, ratio to LAMB, wall time), the
+training curves (accuracy vs epoch and vs bytes sent) and, for sweeps, the
+beta3 x k grid and heat map. See :mod:`slamb.experiment.tables`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slamb.experiment.tables import build_tables, load_runs
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="results tables and plots from run directories")
+    parser.add_argument("--runs", default="runs", help="folder searched (recursively) for finished runs")
+    parser.add_argument("--out", default="results", help="where the tables and plots go")
+    args = parser.parse_args(argv)
+    runs = load_runs(args.runs)
+    if not runs:
+        print(f"no finished run (metrics.json) under {args.runs}: run scripts/cifar10_resnet110.sh first",
+              file=sys.stderr)
+        return 1
+    for table, files in build_tables(runs, args.out).items():
+        print(f"{table}: " + ", ".join(str(f) for f in files))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,253 @@
+"""The CIFAR-10 pipeline: data layout and errors, augmentation, model, and end-to-end runs
+(2 gloo workers) of every optimizer, resume, torchrun restarts after a killed worker, sweeps."""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from cifar10 import data as cdata
+from cifar10.model import ResNetCifar
+from cifar10.train import train
+from slamb.experiment.tables import build_tables, load_runs
+from tests import distributed
+from tests.test_configs import compose_cfg
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMING = ("step_time_s", "images_per_s", "epoch_time_s")
+# a tiny, fast job: ResNet-8 of width 4, 2 workers x 16 images, 5 steps per epoch, 2 epochs
+TINY = ["model=resnet8", "model.width=4", "data.batch_size_per_worker=16", "data.eval_batch_size=64",
+        "schedule.milestones=[1,2]", "trainer.nproc_per_node=2", "trainer.progress=false",
+        "trainer.threads_per_worker=1"]
+TWO_EPOCHS = ["epochs=2", "trainer.deterministic=true"]
+SLAMB_TINY = ["experiment=cifar10_resnet110_slamb", "optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
+
+
+def write_tiny_cifar(path: Path, n_train: int = 160, n_test: int = 40, seed: int = 0) -> Path:
+    """Random 32x32 images whose class sets the mean colour, in the exact CIFAR-10 pickle layout."""
+    rng = np.random.default_rng(seed)
+
+    def split(n):
+        y = rng.integers(0, 10, n)
+        x = rng.integers(0, 60, (n, 3, 32, 32)) + (y * 19)[:, None, None, None]
+        return x.astype(np.uint8), y
+
+    return cdata.write_cifar10(path, split(n_train), split(n_test), [f"class{i}" for i in range(10)])
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return write_tiny_cifar(tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py")
+
+
+def env(**extra):
+    return {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def history(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(a: list[dict], b: list[dict]) -> None:
+    """Same epochs, steps, accuracies, learning rates and bytes (exactly); losses to float32 rounding.
+
+    A resumed run recomputes in a fresh process, where CPU conv kernels (oneDNN) may round the last bit
+    differently; a resume that lost any state (moments, staleness, RNG, schedule) differs by orders more.
+    """
+    strip = [[{k: v for k, v in r.items() if k not in TIMING} for r in rows] for rows in (a, b)]
+    assert [sorted(r) for r in strip[0]] == [sorted(r) for r in strip[1]]
+    for ra, rb in zip(*strip):
+        for key, value in ra.items():
+            if key.endswith("_loss"):
+                assert rb[key] == pytest.approx(value, rel=1e-5), key
+            else:
+                assert rb[key] == value, key
+
+
+# ------------------------------------------------------------------------------------------ data
+
+
+def test_pickle_layout_round_trip(tiny_dir):
+    with open(tiny_dir / "data_batch_1", "rb") as f:
+        raw = pickle.load(f, encoding="bytes")
+    assert raw[b"data"].dtype == np.uint8 and raw[b"data"].shape == (32, 3072) and len(raw[b"labels"]) == 32
+    loaded = cdata.load_cifar10(tiny_dir.parent)  # the parent of cifar-10-batches-py works too
+    x, y = loaded["train"]
+    assert x.shape == (160, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
+    assert torch.equal(x[0].reshape(-1), torch.from_numpy(raw[b"data"][0]))  # R plane, then G, then B
+    assert loaded["test"][0].shape == (40, 3, 32, 32) and loaded["classes"][3] == "class3"
+
+
+def test_missing_dataset_names_the_files_and_where_to_get_them(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"missing data_batch_1, .*test_batch, batches.meta.*"
+                                                r"cifar-10-python.tar.gz.*data.dir"):
+        cdata.load_cifar10(tmp_path)
+    write_tiny_cifar(tmp_path)
+    (tmp_path / "data_batch_4").unlink()
+    with pytest.raises(FileNotFoundError, match=r"missing data_batch_4\. "):
+        cdata.load_cifar10(tmp_path)
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"not a pickle", r"data_batch_2 is not a CIFAR-10 python-pickle batch"),
+    ([1, 2], r"data_batch_2 holds a list, expected a dict"),
+    ({b"data": np.zeros((4, 1024), np.uint8), b"labels": [0] * 4},
+     r"data_batch_2: b'data' must be uint8 N x 3072 with N labels, got uint8 \(4, 1024\)"),
+    ({b"images": 1}, r"expected keys b'data' and b'labels'"),
+    ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 12]}, r"labels must be in 0..9, found 0..12"),
+])
+def test_malformed_dataset_is_a_clear_error(tmp_path, content, match):
+    write_tiny_cifar(tmp_path)
+    path = tmp_path / "data_batch_2"
+    path.write_bytes(content if isinstance(content, bytes) else pickle.dumps(content))
+    with pytest.raises(ValueError, match=match):
+        cdata.load_cifar10(tmp_path)
+
+
+def test_augment_is_a_padded_crop_and_flip_and_reproducible():
+    x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
+    out = cdata.augment(x, cdata.augment_generator(0, 0, 5))
+    assert out.shape == x.shape and out.dtype == torch.uint8
+    assert torch.equal(out, cdata.augment(x, cdata.augment_generator(0, 0, 5)))
+    assert not torch.equal(out, cdata.augment(x, cdata.augment_generator(0, 1, 5)))  # another rank's stream
+    padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
+    flips = 0
+    for i in range(64):  # every output is one of the 81 x 2 windows of its zero-padded input
+        windows = [padded[i, :, r:r + 32, c:c + 32] for r in range(9) for c in range(9)]
+        plain = any(torch.equal(out[i], w) for w in windows)
+        flipped = any(torch.equal(out[i], w.flip(2)) for w in windows)
+        assert plain or flipped
+        flips += flipped and not plain
+    assert 16 < flips < 48
+
+
+def test_resnet_option_a():
+    model = ResNetCifar(20)
+    assert sum(p.numel() for p in model.parameters()) == 269_722  # He et al.: 0.27M
+    block = model.blocks[3]  # first block of stage 2: 16 -> 32 channels, stride 2, no shortcut parameters
+    assert block.stride == 2 and block.pad == 16
+    x = torch.randn(2, 16, 32, 32)
+    shortcut = block.shortcut(x)
+    assert shortcut.shape == (2, 32, 16, 16)
+    assert torch.equal(shortcut[:, 8:24], x[:, :, ::2, ::2]) and not shortcut[:, :8].any() and not shortcut[:, 24:].any()
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 10)
+
+
+# ------------------------------------------------------------------------------- end to end (in-process)
+
+
+def e2e_worker(rank, world, jobs):
+    out = []
+    for cfg, run_dir in jobs:
+        summary = train(cfg, run_dir)
+        out.append({"summary": summary, "ledger_total": summary["bytes_total"]})
+    return out
+
+
+def test_every_optimizer_runs_end_to_end_on_two_workers(tiny_dir, tmp_path):
+    names = ("sgd", "lamb", "adamw", "jointspar", "slamb")
+    jobs = []
+    for name in names:
+        extra = SLAMB_TINY if name == "slamb" else [f"optimizer={name}"]
+        jobs.append((compose_cfg(*TINY, *TWO_EPOCHS, *extra, f"data.dir={tiny_dir}", "trainer.checkpoint.keep=2"),
+                     str(tmp_path / name)))
+    # the resume case: a copy of SLAMB's run directory as it was after its first epoch, resumed
+    jobs.append((jobs[-1][0], str(tmp_path / "slamb_resumed")))
+    results = distributed.run(e2e_worker, 2, jobs[:-1])
+    resumed_dir = tmp_path / "slamb_resumed"
+    shutil.copytree(tmp_path / "slamb", resumed_dir)
+    first, last = sorted((resumed_dir / "ckpt").glob("step*"))
+    shutil.rmtree(last)  # the resumed run must write its own
+    (resumed_dir / "ckpt" / "latest.json").write_text(json.dumps({"dir": first.name, "world_size": 2,
+                                                                   "epoch": 1, "step": 5, "resumed_from": []}))
+    (resumed_dir / "metrics.json").unlink()
+    resumed = distributed.run(e2e_worker, 2, jobs[-1:])
+
+    param_bytes = 4 * sum(p.numel() for p in ResNetCifar(8, 4).parameters())
+    for name, rank0, rank1 in zip(names, *results):
+        run_dir = tmp_path / name
+        for f in ("config.yaml", "meta.json", "metrics.jsonl", "metrics.json", "ckpt/latest.json"):
+            assert (run_dir / f).is_file(), f
+        rows = history(run_dir)
+        assert [r["epoch"] for r in rows] == [1, 2] and [r["step"] for r in rows] == [5, 10]
+        assert all(0 <= r["test_top1"] <= 100 and np.isfinite(r["train_loss"]) for r in rows)
+        base_lr = jobs[names.index(name)][0]["optimizer"]["lr"]  # x0.1 after each epoch (milestones 1, 2)
+        assert [r["lr"] for r in rows] == pytest.approx([0.1 * base_lr, 0.01 * base_lr])
+        assert rank0["ledger_total"] == rank1["ledger_total"]  # every rank sends as much
+        summary = json.loads((run_dir / "metrics.json").read_text())
+        assert summary["bytes_total"] == rank0["ledger_total"] and summary["world_size"] == 2
+        assert rows[-1]["bytes_cum/all"] == summary["bytes_total"]["all"]
+        assert json.loads((run_dir / "meta.json").read_text())["git"]["commit"]
+        if name in ("sgd", "lamb", "adamw"):  # averaged gradients: every parameter's bytes once per step
+            assert rows[0]["bytes/grads"] == 5 * param_bytes and rows[1]["bytes_cum/all"] == 10 * param_bytes
+        if name == "jointspar":  # only the sampled layers' gradients (kappa 0.5 of them on average)
+            assert 0 < rows[1]["bytes_cum/grads"] < 10 * param_bytes
+    slamb_rows = history(tmp_path / "slamb")
+    assert [r["compress_ratio"] for r in slamb_rows] == [0.5, 0.5]  # the per-epoch warm-up
+    assert 0 < slamb_rows[-1]["bytes_cum/momentum"] < 10 * param_bytes
+    assert slamb_rows[-1]["bytes_cum/params"] == 4 * param_bytes  # model syncs after steps 1, 4, 7, 10
+    assert len(list((tmp_path / "slamb" / "ckpt").glob("step*/rank*.pt"))) == 4  # 2 kept x 2 ranks
+
+    # resumed from the epoch-1 checkpoint: the same epoch-2 numbers, bytes and weights as the uninterrupted run
+    assert_same_run(history(resumed_dir), slamb_rows)
+    assert resumed[0][0]["summary"]["resumed_from"] == [1]
+    for r in range(2):
+        a = torch.load(tmp_path / "slamb/ckpt/step000000010" / f"rank{r}.pt", weights_only=False)["model"]
+        b = torch.load(resumed_dir / "ckpt/step000000010" / f"rank{r}.pt", weights_only=False)["model"]
+        assert all(torch.allclose(a[k].double(), b[k].double(), rtol=1e-5, atol=1e-6) for k in a)
+
+
+# ------------------------------------------------------------------------------ the command line
+
+
+def cli(args, extra_env=None, torchrun=None, timeout=600):
+    launcher = [str(Path(sys.executable).with_name("torchrun")), *torchrun] if torchrun else [sys.executable]
+    return subprocess.run([*launcher, "-m", "cifar10.train", *args], cwd=ROOT, env=env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run(tiny_dir, tmp_path):
+    common = [*TINY, *TWO_EPOCHS, *SLAMB_TINY, f"data.dir={tiny_dir}"]
+    plain = cli([*common, f"hydra.run.dir={tmp_path / 'plain'}"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+
+    # rank 1 dies before step 8 (mid epoch 2); torchrun restarts both workers, which resume from epoch 1
+    restarted = cli([*common, f"hydra.run.dir={tmp_path / 'restarted'}"],
+                    extra_env={"SLAMB_FAULT_AT_STEP": "8", "SLAMB_FAULT_RANK": "1"},
+                    torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "1"])
+    assert restarted.returncode == 0, restarted.stderr[-3000:]
+    assert "[fault injection] rank 1 exits before step 8" in restarted.stdout + restarted.stderr
+    summary = json.loads((tmp_path / "restarted" / "metrics.json").read_text())
+    assert summary["resumed_from"] == [1] and summary["steps"] == 10
+    assert_same_run(history(tmp_path / "restarted"), history(tmp_path / "plain"))
+
+
+def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    done = cli(["--multirun", *TINY, *SLAMB_TINY, "epochs=1", f"data.dir={tiny_dir}", "study=beta3",
+                "optimizer.beta3=0.9,0.99", f"hydra.sweep.dir={sweep_dir}"])
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = load_runs(sweep_dir)
+    assert len(runs) == 2 and len({r["dir"] for r in runs}) == 2
+    assert sorted(next(o for o in r["dir"].name.split(",") if o.startswith("optimizer.beta3")) for r in runs) == \
+        ["optimizer.beta3=0.9", "optimizer.beta3=0.99"]  # each job's run directory is named by its overrides
+    assert all(len(r["history"]) == 1 and r["summary"]["world_size"] == 2 for r in runs)
+    written = build_tables(runs, tmp_path / "tables")
+    grid = (tmp_path / "tables" / "cifar10_resnet110_beta3.csv").read_text().splitlines()
+    by_beta3 = {r["config"]["optimizer"]["beta3"]: r["summary"]["final_test_top1"] for r in runs}
+    assert grid == ["beta3,compress_ratio,top1"] + [f"{b},0.1,{by_beta3[b]}" for b in (0.9, 0.99)]
+    assert any(str(p).endswith("_heatmap.png") for p in written["cifar10_resnet110_beta3"])
+
+
+def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
+    done = cli(["trainer.nproc_per_node=1", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert done.returncode != 0
+    assert "missing data_batch_1" in done.stderr and "cifar-10-python.tar.gz" in done.stderr
