@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test bench tables clean
+.PHONY: demo test bench comm-volume tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
+
+comm-volume: $(STAMP)
+	$(PY) -m bench.comm_volume
+
+tables: $(STAMP)
+	$(PY) scripts/make_tables.py --runs runs --out results
 
 clean:
 	rm -rf $(VENV) .pytest_cache

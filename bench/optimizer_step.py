@@ -18,7 +18,6 @@ Writes ``results/bench/optimizer_step.md`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import platform
 import resource
