@@ -44,16 +44,16 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _tensors(obj, depth=0):
+def _tensors(obj, depth=0, limit=5):
     if isinstance(obj, torch.Tensor):
         yield obj
-    elif depth < 3 and isinstance(obj, dict):
+    elif depth < limit and isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors(v, depth + 1)
-    elif depth < 3 and isinstance(obj, (list, tuple)):
+    elif depth < limit and isinstance(obj, (list, tuple)):
         for v in obj:
             yield from _tensors(v, depth + 1)
-    elif depth < 3 and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
+    elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
         yield from _tensors(vars(obj), depth + 1)
 
 

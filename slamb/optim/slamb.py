@@ -137,7 +137,7 @@ class SLAMB(LocalStateOptimizer):
         self.seed = seed
         self.foreach = True if foreach is None else foreach
         self._layout: FlatLayout | None = None
-        self._last_mask: torch.Tensor | None = None
+        self._last_draw: tuple[int, float] | None = None
 
     # -- settings -----------------------------------------------------------------
 
@@ -165,8 +165,20 @@ class SLAMB(LocalStateOptimizer):
     # -- inspection ---------------------------------------------------------------
 
     def last_sync_mask(self) -> torch.Tensor | None:
-        """Flat bool tensor (layout order) of the momentum entries averaged at the last step."""
-        return self._last_mask
+        """Flat bool tensor (layout order) of the momentum entries averaged at the last step.
+
+        Redrawn on demand (a mask is a function of seed, step and k), so no step keeps one alive.
+        """
+        return None if self._last_draw is None else self._draw_mask(*self._last_draw)
+
+    def _draw_mask(self, step: int, compress_ratio: float) -> torch.Tensor:
+        """M_t (step 3): the policy's draw plus every coordinate of the always-dense tensors."""
+        mask = self._mask_fn(step, compress_ratio)
+        if self._dense_views is not None:
+            stale = mask.logical_not_()
+            torch._foreach_zero_(self._dense_views(stale))
+            mask = stale.logical_not_()
+        return mask
 
     def ddp_comm_hook(self):
         return None, no_comm_hook
@@ -211,7 +223,7 @@ class SLAMB(LocalStateOptimizer):
     def _load_extra_state(self, extra: dict) -> None:
         self.compress_ratio = extra["compress_ratio"]
         self.seed = int(extra["seed"])  # the masks are a function of it: resumed runs redraw the same ones
-        self._layout, self._last_mask = None, None
+        self._layout, self._last_draw = None, None
 
     # -- the step -------------------------------------------------------------------
 
@@ -237,11 +249,7 @@ class SLAMB(LocalStateOptimizer):
             span = layout.span(lo, hi)
             self._moments(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2)
 
-        mask = self._mask_fn(t, self.compress_ratio)  # step 3
-        if self._dense_views is not None:
-            stale = mask.logical_not_()
-            torch._foreach_zero_(self._dense_views(stale))
-            mask = stale.logical_not_()
+        mask = self._draw_mask(t, self.compress_ratio)  # step 3
         self._average(m, mask, n)  # step 4
 
         for gi, lo, hi in layout.groups:  # step 6
@@ -270,7 +278,7 @@ class SLAMB(LocalStateOptimizer):
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
-        self._last_mask = mask
+        self._last_draw = (t, self.compress_ratio)
         self.ledger.end_step()
         return loss
 
