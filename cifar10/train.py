@@ -25,6 +25,7 @@ from omegaconf import OmegaConf
 
 import slamb
 from slamb import comm, experiment as ex
+from slamb.experiment.amp import MixedPrecision
 from slamb.schedules import build_lr_scheduler, compression_ratio
 
 from .data import augment, augment_generator, load_cifar10, normalize
@@ -52,16 +53,6 @@ def global_means(sums: torch.Tensor, count: int) -> tuple[float, float]:
     return loss / count, 100.0 * correct / count
 
 
-def compressed_share(optimizer, model) -> float | None:
-    """Fraction of parameters SLAMB compresses (tensors with dim > 1 and >= min_compress_numel elements)."""
-    threshold = getattr(optimizer, "min_compress_numel", None)
-    if threshold is None:
-        return None
-    params = [p for p in model.parameters() if p.requires_grad]
-    big = sum(p.numel() for p in params if p.dim() > 1 and p.numel() >= threshold)
-    return big / sum(p.numel() for p in params)
-
-
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
@@ -77,6 +68,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model).to(env.device)
     optimizer = ex.build_optimizer(model, plain["optimizer"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    amp = MixedPrecision(t.precision, env.device)
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     warmup = cfg.optimizer.get("compression_warmup")
@@ -86,7 +79,9 @@ def train(cfg: dict, run_dir: str) -> dict:
     ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
     restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
         if t.resume == "auto" else None
-    progress, _ = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
+    progress, extra = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
+    if extra:
+        amp.load_state_dict(extra["amp"])
     start_epoch, step = progress["epoch"], progress["step"]
     resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
     log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
@@ -94,7 +89,6 @@ def train(cfg: dict, run_dir: str) -> dict:
     if restored and env.is_main:
         print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
 
-    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
     bytes_before = ex.comm_totals(optimizer)
     for epoch in range(start_epoch, cfg.epochs):
         if warmup is not None:
@@ -111,13 +105,13 @@ def train(cfg: dict, run_dir: str) -> dict:
             y = train_y[idx]
             if hasattr(optimizer, "sample_round"):  # JointSpar: draw this round's layers, freeze the others
                 optimizer.sample_round()
-            with autocast:
+            with amp.autocast():
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), y)
             optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
-                loss.backward()
-            optimizer.step()
+                amp.backward(loss)
+            amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
             step += 1
             sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
@@ -139,14 +133,14 @@ def train(cfg: dict, run_dir: str) -> dict:
         bytes_before = bytes_now
         if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
             ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
-                             model=model, optimizer=optimizer, scheduler=scheduler)
+                             model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
 
     history = log.history() if env.is_main else []
     summary = {
         "name": cfg.name, "optimizer": cfg.optimizer.name, "world_size": env.world_size,
         "global_batch": global_batch, "epochs": cfg.epochs, "steps": step,
         "params": sum(p.numel() for p in model.parameters()),
-        "compressed_share": compressed_share(optimizer, model),
+        "compressed_share": ex.compressed_share(optimizer, model),
         "final_test_top1": history[-1]["test_top1"] if history else math.nan,
         "best_test_top1": max((h["test_top1"] for h in history), default=math.nan),
         "bytes_total": ex.comm_totals(optimizer),

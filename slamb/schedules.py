@@ -6,7 +6,12 @@ with the checkpoint) and are stepped once per optimizer step:
 
 * :class:`MultiStep`: x gamma at given epochs (CIFAR-10: x0.1 at 100 and 150);
 * :class:`WarmupPolyDecay`: linear warm-up then polynomial decay to zero
-  (BERT / NVIDIA LAMB recipe, degree 0.5).
+  (BERT / NVIDIA LAMB recipe, degree 0.5);
+* :class:`WarmupExpDecay`: polynomial (degree 2) warm-up then exponential decay,
+  DeepSpeed bing_bert's ``lr_schedule: EE`` (``warmup_exp_decay_exp``) of the
+  authors' DeepSpeed BERT runs;
+* :class:`WarmupCosine`: linear warm-up then cosine decay, timm's per-step
+  ``CosineLRScheduler`` (Swin recipe).
 
 :func:`compression_ratio` is SLAMB's per-epoch compression warm-up of the
 CIFAR-10 recipe: k_e = max(list[e], k), the last entry kept after the list.
@@ -59,7 +64,37 @@ class WarmupPolyDecay:
         return max(0.0, 1.0 - progress) ** self.power
 
 
-SCHEDULES = ("constant", "multistep", "warmup_poly")
+class WarmupExpDecay:
+    """``(step / warmup_steps) ** degree`` during warm-up, then ``decay_rate ** ((step - warmup_steps) / decay_steps)``.
+
+    DeepSpeed's ``warmup_exp_decay_exp`` with the warm-up given in steps
+    (DeepSpeed: ``warmup_proportion * total_steps``); unlike :class:`WarmupPolyDecay`
+    the LR never reaches zero, so runs may be extended past the planned length.
+    """
+
+    def __init__(self, warmup_steps: int, decay_rate: float, decay_steps: int, degree: float = 2.0):
+        if warmup_steps < 0:
+            raise ValueError(f"invalid schedule.warmup_steps={warmup_steps}: must be >= 0")
+        check_range("schedule.decay_rate", decay_rate, 0.0, 1.0, lo_open=True)
+        if decay_steps < 1:
+            raise ValueError(f"invalid schedule.decay_steps={decay_steps}: must be >= 1")
+        check_range("schedule.degree", degree, 0.0, lo_open=True)
+        self.warmup_steps, self.decay_steps = int(warmup_steps), int(decay_steps)
+        self.decay_rate, self.degree = float(decay_rate), float(degree)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return (step / self.warmup_steps) ** self.degree
+        return self.decay_rate ** ((step - self.warmup_steps) / self.decay_steps)
+
+
+SCHEDULES = ("constant", "multistep", "warmup_poly", "warmup_exp", "warmup_cosine")
+
+
+def warmup_steps(cfg, total_steps: int) -> int:
+    """``cfg.warmup_steps`` when set, else ``ceil(cfg.warmup_fraction * total_steps)`` (0 when neither)."""
+    steps = cfg.get("warmup_steps")
+    return math.ceil(cfg.get("warmup_fraction", 0.0) * total_steps) if steps is None else int(steps)
 
 
 def lr_multiplier(cfg, steps_per_epoch: int, total_steps: int):
@@ -70,10 +105,13 @@ def lr_multiplier(cfg, steps_per_epoch: int, total_steps: int):
     if name == "multistep":
         return MultiStep(cfg["milestones"], cfg["gamma"], steps_per_epoch)
     if name == "warmup_poly":
-        warmup = cfg.get("warmup_steps")
-        if warmup is None:
-            warmup = math.ceil(cfg.get("warmup_fraction", 0.0) * total_steps)
-        return WarmupPolyDecay(warmup, total_steps, cfg.get("power", 1.0))
+        return WarmupPolyDecay(warmup_steps(cfg, total_steps), total_steps, cfg.get("power", 1.0))
+    if name == "warmup_exp":
+        return WarmupExpDecay(warmup_steps(cfg, total_steps), cfg["decay_rate"], cfg["decay_steps"],
+                              cfg.get("degree", 2.0))
+    if name == "warmup_cosine":
+        return WarmupCosine(cfg["warmup_epochs"] * steps_per_epoch, total_steps, cfg.get("warmup_init", 0.0),
+                            cfg.get("min_ratio", 0.0))
     raise ValueError(f"invalid schedule.name={name!r}: must be one of {list(SCHEDULES)}")
 
 
@@ -92,3 +130,29 @@ def compression_ratio(epoch: int, k: float, warmup=CIFAR10_COMPRESSION_WARMUP) -
     if not warmup:
         return k
     return max(float(warmup[min(epoch, len(warmup) - 1)]), k)
+
+
+class WarmupCosine:
+    """timm's ``CosineLRScheduler`` per step with ``warmup_prefix=True``, as a multiplier of the peak LR.
+
+    Linear warm-up from ``warmup_init`` to 1 over ``warmup_steps``, then a
+    half cosine from 1 to ``min_ratio`` over the remaining steps (Swin's
+    recipe: warm-up LR 5e-7 and minimum 5e-6 for a peak of 5e-4, i.e.
+    ``warmup_init=1e-3``, ``min_ratio=1e-2``, both scale-free so the same
+    config serves every global batch).
+    """
+
+    def __init__(self, warmup_steps: int, total_steps: int, warmup_init: float = 0.0, min_ratio: float = 0.0):
+        if not (0 <= warmup_steps < total_steps):
+            raise ValueError(f"invalid warmup_steps={warmup_steps}, total_steps={total_steps}: "
+                             "need 0 <= warmup_steps < total_steps (schedule.warmup_epochs < epochs)")
+        check_range("schedule.warmup_init", warmup_init, 0.0, 1.0)
+        check_range("schedule.min_ratio", min_ratio, 0.0, 1.0)
+        self.warmup_steps, self.total_steps = int(warmup_steps), int(total_steps)
+        self.warmup_init, self.min_ratio = float(warmup_init), float(min_ratio)
+
+    def __call__(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.warmup_init + step * (1.0 - self.warmup_init) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / (self.total_steps - self.warmup_steps))
+        return self.min_ratio + 0.5 * (1.0 - self.min_ratio) * (1.0 + math.cos(math.pi * progress))

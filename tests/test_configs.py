@@ -1,7 +1,6 @@
 """Every Hydra config composes and builds; the paper rows hold the seed's settings."""
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,9 @@ from slamb.experiment import build_optimizer, check_trainer
 from slamb.schedules import CIFAR10_COMPRESSION_WARMUP, build_lr_scheduler, compression_ratio
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml") if not p.stem.endswith("_common"))
+# the CIFAR-10 pipeline's rows (configs/cifar10.yaml); every other pipeline's tests compose its own rows
+EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("*.yaml")
+                     if p.stem.startswith(("cifar10_", "demo_digits_")) and not p.stem.endswith("_common"))
 OPTIMIZERS = sorted(p.stem for p in (CONFIGS / "optimizer").glob("*.yaml"))
 SWEEPS = sorted(p.stem for p in (CONFIGS / "sweep").glob("*.yaml"))
 
@@ -26,23 +27,12 @@ def compose_cfg(*overrides, hydra_cfg=False):
     return cfg if hydra_cfg else OmegaConf.to_container(cfg, resolve=True)
 
 
-def module_exists(name: str) -> bool:
-    module = registry.OPTIMIZERS[name][0].split(":")[0]
-    try:
-        importlib.import_module(module)
-    except ModuleNotFoundError:
-        return False
-    return True
-
-
 def test_every_registry_optimizer_has_a_config():
     assert set(OPTIMIZERS) == set(registry.OPTIMIZERS)
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_optimizer_config_builds_with_its_settings(name):
-    if not module_exists(name):
-        pytest.skip(f"slamb optimizer {name!r} is not in this checkout yet")
     cfg = compose_cfg(f"optimizer={name}", "model=resnet8")
     opt = build_optimizer(build_model(cfg["model"]), cfg["optimizer"])
     assert type(opt) is registry.optimizer_class(name)
@@ -127,7 +117,7 @@ def test_compression_warmup_needs_a_compressing_optimizer():
 
 
 @pytest.mark.parametrize("override, match", [
-    ("trainer.precision=fp16", r"invalid trainer.precision='fp16': must be one of \['fp32', 'bf16'\]"),
+    ("trainer.precision=fp8", r"invalid trainer.precision='fp8': must be one of \['fp32', 'bf16', 'fp16'\]"),
     ("trainer.nproc_per_node=0", r"invalid trainer.nproc_per_node=0: must be an integer >= 1"),
     ("trainer.resume=maybe", r"invalid trainer.resume='maybe'"),
     ("trainer.device=gpu0", r"invalid trainer.device='gpu0'"),

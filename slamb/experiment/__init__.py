@@ -14,12 +14,13 @@ from .build import build_optimizer, check_trainer, optimizer_kwargs, run_from_hy
 from .checkpoint import Checkpointer, restore_training, save_training, unwrap
 from .data import ShardedBatches, eval_shard
 from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
-from .run import RunLogger, comm_metrics, comm_totals, git_revision
+from .run import RunLogger, comm_metrics, comm_totals, compressed_share, git_revision
 from .seeding import seed_everything
 
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "restore_training",
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
-    "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "git_revision",
+    "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
+    "git_revision",
     "seed_everything",
 ]

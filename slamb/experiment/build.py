@@ -9,9 +9,9 @@ import torch
 from .. import registry
 from ..optim._common import check_choice
 from ..schedules import COMPRESSION_WARMUPS
+from .amp import PRECISIONS
 from .distributed import launch
 
-PRECISIONS = ("fp32", "bf16")
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
 HARNESS_KEYS = ("name", "weight_decay", "no_decay", "compression_warmup")

@@ -55,6 +55,16 @@ def comm_metrics(totals: dict[str, int], before: dict[str, int]) -> dict[str, in
     return out
 
 
+def compressed_share(optimizer, model) -> float | None:
+    """Fraction of parameters SLAMB compresses (tensors with dim > 1 and >= min_compress_numel elements)."""
+    threshold = getattr(optimizer, "min_compress_numel", None)
+    if threshold is None:
+        return None
+    params = [p for p in model.parameters() if p.requires_grad]
+    big = sum(p.numel() for p in params if p.dim() > 1 and p.numel() >= threshold)
+    return big / sum(p.numel() for p in params)
+
+
 class RunLogger:
     def __init__(self, run_dir, cfg: dict, env: DistEnv, *, wandb: bool = False, wandb_project: str = "slamb",
                  progress: bool = True, resume_epoch: int = 0):

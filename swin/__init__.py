@@ -1,0 +1,1 @@
+"""Swin Transformer on ImageNet (timm models and data pipeline): ``python -m swin.train``."""

@@ -1,0 +1,34 @@
+"""Swin models from timm, built from a model config, never with downloaded weights.
+
+``arch`` names a timm model (``swin_base_patch4_window7_224``: Swin-B, 88M
+parameters); every other key of the config except ``name`` is a keyword of
+timm's ``SwinTransformer`` (``drop_path_rate``, ``img_size``, ``embed_dim``,
+``depths``, ``num_heads``, ``window_size``, ...), so a tiny Swin for tests
+is the same code path as Swin-B.
+"""
+from __future__ import annotations
+
+import timm
+import torch
+
+# 2-D tensors that are positions, not weights: no weight decay (Swin's recipe; timm's no_weight_decay*)
+NO_DECAY = ("absolute_pos_embed", "relative_position_bias_table")
+
+
+def build_model(cfg) -> torch.nn.Module:
+    cfg = dict(cfg)
+    arch = cfg.pop("arch", None)
+    cfg.pop("name", None)
+    if not isinstance(arch, str) or not arch.startswith("swin"):
+        raise ValueError(f"invalid model.arch={arch!r}: must name a timm Swin model, e.g. swin_base_patch4_window7_224")
+    kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
+    try:
+        return timm.create_model(arch, pretrained=False, **kwargs)
+    except TypeError as e:  # an unknown key: name it with the config it came from
+        raise ValueError(f"invalid model config for {arch}: {e}") from None
+
+
+def image_size(model: torch.nn.Module) -> int:
+    """The square input size the model was built for (``model.patch_embed.img_size``)."""
+    size = model.patch_embed.img_size
+    return int(size[0] if isinstance(size, (tuple, list)) else size)

@@ -1,0 +1,208 @@
+"""Train Swin on ImageNet (timm model and data pipeline) with any optimizer of the package.
+
+    python -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet trainer.nproc_per_node=8
+    torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet        # multi-node
+    scripts/swin_b_imagenet.sh slamb 8 1                                     # the paper's rows
+
+The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
+(global batch = workers x data.batch_size_per_worker x accumulation_steps),
+reached after ``schedule.warmup_epochs`` and decayed per step by a cosine.
+Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
+a skip decision agreed by all ranks, :mod:`slamb.experiment.amp`).
+
+Per epoch the run directory's metrics hold the training loss, validation
+top-1/top-5 (each rank scores its shard with its own model: under SLAMB
+ranks differ between model syncs), images/s per worker and in total, and the
+step time split into data wait, forward+backward (under DDP it includes the
+gradient all-reduce that overlaps backward) and the optimizer step (which
+includes the collectives of optimizers that communicate themselves, SLAMB's
+momentum exchange and model syncs), the latter measured with a device sync
+at each boundary when ``time_breakdown`` is true.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+import slamb
+from slamb import comm
+from slamb import experiment as ex
+from slamb.experiment.amp import MixedPrecision, accumulation_context
+from slamb.schedules import build_lr_scheduler
+
+from .data import build_loaders, mixup_and_loss
+from .model import build_model, image_size
+
+
+def forward_backward(model, micro_batches, criterion, amp: MixedPrecision, mixup=None) -> torch.Tensor:
+    """Gradients of one optimizer step from its micro-batches (``no_sync`` on all but the last);
+    returns the step's mean loss (a 0-d tensor, no host sync)."""
+    total = None
+    for i, (x, y) in enumerate(micro_batches):
+        if mixup is not None:
+            x, y = mixup(x, y)
+        with accumulation_context(model, last_micro_batch=i == len(micro_batches) - 1):
+            with amp.autocast():
+                logits = model(x)
+            loss = criterion(logits.float(), y) / len(micro_batches)
+            amp.backward(loss)
+        total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+def reduce_sums(sums: torch.Tensor) -> list[float]:
+    """Sum a vector of per-rank totals over all ranks (bookkeeping, not training traffic)."""
+    comm.all_reduce_sum_(sums, kind="eval", ledger=None)
+    return sums.tolist()
+
+
+@torch.no_grad()
+def evaluate(model, loader, env, amp: MixedPrecision) -> tuple[float, float, float]:
+    """(mean loss, top-1 %, top-5 %) over the whole validation set, each rank scoring its shard."""
+    model.eval()
+    sums = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss sum, top-1, top-5, count
+    for x, y in loader:
+        x, y = x.to(env.device, non_blocking=True), y.to(env.device, non_blocking=True)
+        with amp.autocast():
+            logits = model(x).float()
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
+        sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"), top[:, 0].sum(), top.any(1).sum(),
+                             torch.tensor(len(y), device=env.device)]).double()
+    loss, top1, top5, count = reduce_sums(sums)
+    return loss / count, 100.0 * top1 / count, 100.0 * top5 / count
+
+
+class PhaseTimer:
+    """Seconds spent in each phase of the steps; ``sync`` waits for the device at each boundary so
+    that asynchronous kernels are charged to the phase that launched them."""
+
+    def __init__(self, device: torch.device, sync: bool):
+        self.sync = sync and device.type != "cpu"
+        self.totals: dict[str, float] = {}
+        self.last = time.perf_counter()
+
+    def mark(self, phase: str) -> None:
+        if self.sync:
+            torch.accelerator.synchronize()
+        now = time.perf_counter()
+        self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
+        self.last = now
+
+
+def train(cfg: dict, run_dir: str) -> dict:
+    plain, cfg = cfg, OmegaConf.create(cfg)
+    t, d = cfg.trainer, cfg.data
+    accum = cfg.accumulation_steps
+    if not (isinstance(accum, int) and accum >= 1):
+        raise ValueError(f"invalid accumulation_steps={accum!r}: must be an integer >= 1")
+    env = ex.init_distributed(t.device, t.threads_per_worker)
+    amp = MixedPrecision(t.precision, env.device)
+
+    torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
+    model = build_model(plain["model"]).to(env.device)
+    num_classes = cfg.model.num_classes
+    train_loader, sampler, val_loader = build_loaders(d, image_size(model), num_classes, env, seed=cfg.seed)
+    mixup, criterion = mixup_and_loss(d, num_classes)
+    steps_per_epoch = len(train_loader) // accum
+    if steps_per_epoch == 0:
+        raise ValueError(f"{len(train_loader)} batches per worker and epoch are fewer than accumulation_steps="
+                         f"{accum}: lower accumulation_steps or data.batch_size_per_worker")
+    global_batch = d.batch_size_per_worker * env.world_size * accum
+    ocfg = dict(plain["optimizer"])
+    ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
+    optimizer = ex.build_optimizer(model, ocfg)
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
+    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
+    scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
+    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+
+    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
+    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
+        if t.resume == "auto" else None
+    progress, extra = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
+    if extra:
+        amp.load_state_dict(extra["amp"])
+    start_epoch, step = progress["epoch"], progress["step"]
+    resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
+    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
+                       wandb_project=cfg.logger.project, progress=t.progress, resume_epoch=start_epoch)
+    if restored and env.is_main:
+        print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
+
+    bytes_before = ex.comm_totals(optimizer)
+    for epoch in range(start_epoch, cfg.epochs):
+        model.train()
+        sampler.set_epoch(epoch)
+        batches = iter(train_loader)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        skipped_before = amp.skipped_steps
+        tic = time.perf_counter()
+        timer = PhaseTimer(env.device, cfg.time_breakdown)
+        for _ in log.progress(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+            ex.maybe_inject_fault(step + 1, env)
+            micro = [tuple(v.to(env.device, non_blocking=True) for v in next(batches)) for _ in range(accum)]
+            timer.mark("data")
+            optimizer.zero_grad(set_to_none=True)
+            loss_sum += forward_backward(model, micro, criterion, amp, mixup).double()
+            timer.mark("forward_backward")
+            amp.step(optimizer, params, clip_grad=cfg.clip_grad)
+            scheduler.step()
+            timer.mark("optimizer")
+            step += 1
+        if env.device.type != "cpu":
+            torch.accelerator.synchronize()
+        train_time = time.perf_counter() - tic
+        (train_loss,) = reduce_sums(loss_sum.reshape(1) / steps_per_epoch)
+        test_loss, test_top1, test_top5 = evaluate(model, val_loader, env, amp)
+        bytes_now = ex.comm_totals(optimizer)
+        images = steps_per_epoch * global_batch
+        log.log({
+            "epoch": epoch + 1, "step": step,
+            "train_loss": train_loss / env.world_size,
+            "test_loss": test_loss, "test_top1": test_top1, "test_top5": test_top5,
+            "lr": optimizer.param_groups[0]["lr"], "loss_scale": amp.scale,
+            "skipped_steps": amp.skipped_steps - skipped_before,
+            **ex.comm_metrics(bytes_now, bytes_before),
+            "step_time_s": train_time / steps_per_epoch,
+            **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()},
+            "images_per_s": images / train_time, "images_per_s_per_worker": images / train_time / env.world_size,
+            "epoch_time_s": time.perf_counter() - tic,
+        })
+        bytes_before = bytes_now
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
+                             model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
+
+    history = log.history() if env.is_main else []
+    summary = {
+        "name": cfg.name, "optimizer": cfg.optimizer.name, "world_size": env.world_size,
+        "global_batch": global_batch, "accumulation_steps": accum, "precision": t.precision,
+        "peak_lr": scheduler.base_lrs[0], "epochs": cfg.epochs, "steps": step,
+        "params": sum(p.numel() for p in params),
+        "compressed_share": ex.compressed_share(optimizer, ex.unwrap(model)),
+        "final_test_top1": history[-1]["test_top1"] if history else math.nan,
+        "final_test_top5": history[-1]["test_top5"] if history else math.nan,
+        "best_test_top1": max((h["test_top1"] for h in history), default=math.nan),
+        "images_per_s": history[-1]["images_per_s"] if history else math.nan,
+        "bytes_total": ex.comm_totals(optimizer),
+        "wall_time_s": sum(h["epoch_time_s"] for h in history),
+        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
+    }
+    log.finish(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
+def main(cfg) -> dict:
+    return ex.run_from_hydra(train, cfg)
+
+
+if __name__ == "__main__":
+    main()
