@@ -105,6 +105,79 @@ def comparison_markdown(table: str, rows: list[dict], note: str | None = None) -
     return "\n".join(lines) + "\n"
 
 
+def squad_rows(runs: list[dict]) -> list[dict]:
+    """SQuAD fine-tuning: one row per pre-training optimizer (``paper.row``), runs of a row averaged."""
+    by_row = defaultdict(list)
+    for run in runs:
+        by_row[run["config"]["paper"]["row"]].append(run)
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    rows = []
+    for row, members in sorted(by_row.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
+        s, paper = [m["summary"] for m in members], members[0]["config"]["paper"]
+        rows.append({"optimizer": row, "paper_f1": paper.get("f1"), "paper_exact_match": paper.get("exact_match"),
+                     "exact_match": _mean([x["exact_match"] for x in s]), "f1": _mean([x["f1"] for x in s]),
+                     "wall_time_s": _mean([x["wall_time_s"] for x in s]), "runs": len(members),
+                     "epochs": s[0]["epochs"], "global_batch": s[0]["global_batch"], "model_dir": s[0]["model_dir"]})
+    return rows
+
+
+def squad_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
+    def num(x):
+        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
+
+    lines = [f"### {table}", "",
+             (f"SQuAD v1.1 dev, official exact match / F1 (%) after fine-tuning ({rows[0]['epochs']} epochs, global "
+              f"batch {rows[0]['global_batch']}) the BERT checkpoint each optimizer pre-trained; mean of the runs."),
+             "",
+             "| Pre-training optimizer | F1 paper | EM paper | F1 ours | EM ours | fine-tune time | runs |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        paper_f1, paper_em = ("-" if x is None else f"{x:g}" for x in (r["paper_f1"], r["paper_exact_match"]))
+        lines.append(f"| {r['optimizer']} | {paper_f1} | {paper_em} | {num(r['f1'])} | "
+                     f"{num(r['exact_match'])} | {r['wall_time_s']:.0f} s | {r['runs']} |")
+    if note:
+        lines += ["", note.strip()]
+    return "\n".join(lines) + "\n"
+
+
+def pretrain_rows(runs: list[dict]) -> list[dict]:
+    """BERT pre-training (one table per phase): one row per optimizer (``paper.row``), runs of a row averaged."""
+    by_row = defaultdict(list)
+    for run in runs:
+        by_row[run["config"]["paper"]["row"]].append(run)
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    rows = []
+    for row, members in sorted(by_row.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
+        s = [m["summary"] for m in members]
+        rows.append({"optimizer": row, "loss": _mean([x["final_loss"] for x in s]),
+                     "mlm_acc": _mean([x["final_mlm_acc"] for x in s]), "nsp_acc": _mean([x["final_nsp_acc"] for x in s]),
+                     "seqs_per_s": _mean([x["seqs_per_s"] for x in s]),
+                     "bytes_per_worker": _mean([x["bytes_total"].get("all", 0) for x in s]), "runs": len(members),
+                     "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
+                     "global_batch": s[0]["global_batch"], "params": s[0]["params"]})
+    lamb = next((r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"), None)
+    for r in rows:
+        r["bytes_vs_lamb"] = r["bytes_per_worker"] / lamb if lamb else math.nan
+    return rows
+
+
+def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
+    head = rows[0]
+    lines = [f"### {table}", "",
+             (f"BERT pre-training, seq {head['seq_len']}, {head['steps']} steps, global batch {head['global_batch']}, "
+              f"{head['workers']} workers, {head['params']:,} parameters. Loss (MLM + NSP) and accuracies (%) of the "
+              "last logged period; bytes = payload each worker handed to the collectives."), "",
+             "| Optimizer | loss | MLM acc | NSP acc | sequences/s | bytes sent / worker | vs LAMB | runs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
+        lines.append(f"| {r['optimizer']} | {r['loss']:.4f} | {r['mlm_acc']:.2f} | {r['nsp_acc']:.2f} | "
+                     f"{r['seqs_per_s']:.1f} | {_fmt_bytes(r['bytes_per_worker'])} | {ratio} | {r['runs']} |")
+    if note:
+        lines += ["", note.strip()]
+    return "\n".join(lines) + "\n"
+
+
 def study_grid(runs: list[dict]) -> tuple[list, list, dict]:
     """(beta3 values, k values, {(beta3, k): final top-1}) of a sweep's runs."""
     cells = defaultdict(list)
@@ -171,10 +244,14 @@ def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     written: dict[str, list[Path]] = {}
-    papers, studies = defaultdict(list), defaultdict(list)
+    papers, studies, squad, pretrain = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     for run in runs:
         paper, study = run["config"].get("paper"), run["config"].get("study")
-        if study:
+        if paper and "f1" in paper:  # SQuAD fine-tuning runs score EM / F1, not top-1
+            squad[paper["table"]].append(run)
+        elif paper and "phase" in paper:  # BERT pre-training runs: loss and MLM / NSP accuracy, per phase
+            pretrain[f"{paper['table']}_phase{paper['phase']}"].append(run)
+        elif study:
             studies[f"{(paper or {}).get('table', run['config'].get('name'))}_{study}"].append(run)
         elif paper:
             papers[paper["table"]].append(run)
@@ -185,6 +262,20 @@ def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
         md.write_text(comparison_markdown(table, rows, note))
         write_csv(rows, csv_path)
         written[table] = [md, csv_path, *_plots(table, members, out)]
+    for table, members in sorted(squad.items()):
+        rows = squad_rows(members)
+        md, csv_path = out / f"{table}.md", out / f"{table}.csv"
+        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
+        md.write_text(squad_markdown(table, rows, note))
+        write_csv(rows, csv_path)
+        written[table] = [md, csv_path]
+    for table, members in sorted(pretrain.items()):
+        rows = pretrain_rows(members)
+        md, csv_path = out / f"{table}.md", out / f"{table}.csv"
+        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
+        md.write_text(pretrain_markdown(table, rows, note))
+        write_csv(rows, csv_path)
+        written[table] = [md, csv_path]
     for name, members in sorted(studies.items()):
         betas, ks, grid = study_grid(members)
         header = "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |"

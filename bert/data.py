@@ -1,0 +1,132 @@
+"""Pre-training shards (NVIDIA's HDF5 layout) as an endless stream of this rank's micro-batches.
+
+Each pass ("epoch") over the data shuffles the shard list with the run's seed
+(the same order on every rank) and deals the shards out to the ranks
+round-robin; with fewer shards than ranks every rank reads every shard and
+takes a strided share of its examples instead. Examples are shuffled within a
+shard. Training length is counted in optimizer steps, so ranks never wait on
+one another for data: the stream of each rank is endless, and
+``micro_batches(start=n)`` replays it from its n-th micro-batch (exact
+resume) from the shards' lengths alone, without reading skipped data.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .prepare_data import FIELDS
+
+IGNORE_INDEX = -100  # the label ``transformers`` skips in the MLM loss
+
+
+def find_shards(data_dir: str | Path, pattern: str = "*.hdf5") -> list[Path]:
+    files = sorted(Path(data_dir).glob(pattern))
+    if not files:
+        raise FileNotFoundError(
+            f"no pre-training shards {pattern!r} in {str(data_dir)!r}: prepare them with "
+            "`python -m bert.prepare_data --input TEXT... --vocab vocab.txt --output DIR` (or point data.dir at "
+            "NVIDIA's hdf5 directory)"
+        )
+    return files
+
+
+def shard_length(path: Path) -> int:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        missing = [k for k in FIELDS if k not in f]
+        if missing:
+            raise ValueError(f"{path} is not a BERT pre-training shard: missing fields {missing} (need {list(FIELDS)})")
+        return len(f["next_sentence_labels"])
+
+
+def load_shard(path: Path, seq_len: int) -> dict[str, np.ndarray]:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        arrays = {k: np.asarray(f[k][:], dtype=np.int64) for k in FIELDS}
+    if arrays["input_ids"].shape[1] != seq_len:
+        raise ValueError(f"{path} holds sequences of length {arrays['input_ids'].shape[1]}, the run expects "
+                         f"data.seq_len={seq_len}: use the shards of this phase")
+    return arrays
+
+
+def mlm_labels(positions: torch.Tensor, ids: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """[B, L] labels: the original id at each masked position, ``IGNORE_INDEX`` elsewhere.
+
+    Position 0 is always [CLS], never masked, so a 0 in ``masked_lm_positions``
+    is padding (NVIDIA's loader reads them the same way).
+    """
+    labels = torch.full((positions.shape[0], seq_len), IGNORE_INDEX, dtype=torch.long)
+    valid = positions > 0
+    rows = torch.arange(positions.shape[0]).unsqueeze(1).expand_as(positions)
+    labels[rows[valid], positions[valid]] = ids[valid]
+    return labels
+
+
+def to_batch(arrays: dict[str, np.ndarray], rows: np.ndarray) -> dict[str, torch.Tensor]:
+    """The keyword arguments of ``BertForPreTraining`` for some examples of a shard."""
+    get = {k: torch.from_numpy(arrays[k][rows]) for k in FIELDS}
+    seq_len = get["input_ids"].shape[1]
+    return {
+        "input_ids": get["input_ids"], "token_type_ids": get["segment_ids"], "attention_mask": get["input_mask"],
+        "labels": mlm_labels(get["masked_lm_positions"], get["masked_lm_ids"], seq_len),
+        "next_sentence_label": get["next_sentence_labels"],
+    }
+
+
+class PretrainingStream:
+    """This rank's endless micro-batches of ``files`` (see the module docstring for the order)."""
+
+    def __init__(self, files, micro_batch: int, rank: int, world_size: int, *, seed: int, seq_len: int):
+        self.files = [Path(f) for f in files]
+        self.lengths = [shard_length(f) for f in self.files]
+        self.micro_batch, self.rank, self.world, self.seed, self.seq_len = micro_batch, rank, world_size, seed, seq_len
+        if self.epoch_batches(0) == 0:
+            raise ValueError(f"{sum(self.lengths)} examples in {len(self.files)} shards cannot give each of "
+                             f"{world_size} workers a micro-batch of {micro_batch}: lower data.micro_batch")
+
+    def _plan(self, epoch: int) -> list[tuple[int, np.ndarray]]:
+        """(shard, its example rows) this rank reads in ``epoch``, in order."""
+        rng = np.random.default_rng([self.seed, epoch])
+        order = rng.permutation(len(self.files))
+        dealt = len(self.files) >= self.world
+        mine = order[self.rank::self.world] if dealt else order
+        plan = []
+        for f in mine:
+            rows = np.random.default_rng([self.seed, epoch, int(f)]).permutation(self.lengths[f])
+            plan.append((int(f), rows if dealt else rows[self.rank::self.world]))
+        return plan
+
+    def epoch_batches(self, epoch: int) -> int:
+        return sum(len(rows) for _, rows in self._plan(epoch)) // self.micro_batch
+
+    def micro_batches(self, start: int = 0):
+        """Endless micro-batches (dicts of CPU tensors), from the ``start``-th of the stream on."""
+        epoch = 0
+        while start >= (n := self.epoch_batches(epoch)):
+            start -= n
+            epoch += 1
+        while True:
+            yield from self._epoch(epoch, skip=start)
+            start, epoch = 0, epoch + 1
+
+    def _epoch(self, epoch: int, skip: int):
+        """The micro-batches of one pass after the first ``skip``; a batch may span two shards, the tail is dropped."""
+        to_skip = skip * self.micro_batch
+        parts, pending = [], 0
+        for f, rows in self._plan(epoch):
+            if to_skip >= len(rows):
+                to_skip -= len(rows)
+                continue
+            rows, to_skip = rows[to_skip:], 0
+            arrays = load_shard(self.files[f], self.seq_len)  # one shard in memory at a time
+            while len(rows):
+                take, rows = rows[:self.micro_batch - pending], rows[self.micro_batch - pending:]
+                parts.append(to_batch(arrays, take))
+                pending += len(take)
+                if pending == self.micro_batch:
+                    yield {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+                    parts, pending = [], 0

@@ -1,0 +1,50 @@
+"""``BertForPreTraining`` from a model config, built locally (never from the hub)."""
+from __future__ import annotations
+
+import torch
+
+# model config keys that are BertConfig settings (the rest, e.g. ``name``, describe the config itself)
+BERT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+             "max_position_embeddings", "type_vocab_size", "hidden_act", "hidden_dropout_prob",
+             "attention_probs_dropout_prob", "layer_norm_eps", "initializer_range")
+
+
+def bert_config(cfg):
+    from transformers import BertConfig
+
+    settings = {k: cfg[k] for k in BERT_KEYS if k in cfg and cfg[k] is not None}
+    if settings["hidden_size"] % settings["num_attention_heads"]:
+        raise ValueError(f"invalid model: hidden_size={settings['hidden_size']} is not a multiple of "
+                         f"num_attention_heads={settings['num_attention_heads']}")
+    return BertConfig(**settings)
+
+
+def build_model(cfg) -> torch.nn.Module:
+    """A freshly initialised ``BertForPreTraining`` (MLM + NSP heads, decoder tied to the word embeddings)."""
+    from transformers import BertForPreTraining
+
+    return BertForPreTraining(bert_config(cfg))
+
+
+def load_pretrained(path, cfg) -> torch.nn.Module:
+    """The ``BertForPreTraining`` saved in the local directory ``path``, which must have ``cfg``'s shape."""
+    from pathlib import Path
+
+    from transformers import BertForPreTraining
+
+    if not (Path(path) / "config.json").is_file():
+        raise FileNotFoundError(f"init_from={str(path)!r} holds no saved model (config.json): point it at the "
+                                "model/ directory a finished pre-training run writes (e.g. phase 1's run_dir/model)")
+    model = BertForPreTraining.from_pretrained(str(path), local_files_only=True)
+    want = bert_config(cfg)
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                "max_position_embeddings"):
+        if getattr(model.config, key) != getattr(want, key):
+            raise ValueError(f"the model in {path} has {key}={getattr(model.config, key)}, the config model.{key}="
+                             f"{getattr(want, key)}: phase 2 must use phase 1's model config")
+    return model
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    """Distinct parameters (the tied MLM decoder weight counted once)."""
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,203 @@
+"""Fine-tune BERT on SQuAD v1.1 and report the official exact match and F1.
+
+    python -m squad_finetune.train model.dir=runs/bert_phase2_lamb/model   # 4 local workers
+    python -m squad_finetune.train experiment=squad_slamb trainer.nproc_per_node=8
+    torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
+        -m squad_finetune.train experiment=squad_lamb                     # multi-node
+
+``model.dir`` is a local BERT directory (``config.json`` + weights +
+``vocab.txt`` / tokenizer files, as ``save_pretrained`` writes them): a
+pre-trained ``BertForPreTraining`` gets a fresh span head, a
+``BertForQuestionAnswering`` keeps its own. The recipe is the standard one:
+2 epochs, AdamW at LR 3e-5, global batch 32, linear warm-up over 10% of the
+steps then linear decay, max length 384, doc stride 128. After every epoch
+the whole dev set is scored (each rank its strided shard of windows, logits
+summed to every rank), and rank 0 writes ``predictions.json``,
+``nbest_predictions.json`` and the exact match / F1 into the run directory.
+"""
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import OmegaConf
+
+import slamb
+from slamb import comm
+from slamb import experiment as ex
+from slamb.experiment.checkpoint import atomic_write_json
+from slamb.optim._common import check_choice
+from slamb.schedules import build_lr_scheduler
+
+from .data import Features, load_squad, load_tokenizer, make_features
+from .evaluate import evaluate_examples
+from .postprocess import postprocess
+
+INPUTS = ("input_ids", "token_type_ids", "attention_mask")
+
+
+def load_model(model_dir, vocab_size: int):
+    """``BertForQuestionAnswering`` from a local directory; clear errors instead of hub look-ups."""
+    from transformers import BertForQuestionAnswering
+
+    d = Path(model_dir)
+    if not (d / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in model.dir={d}: expected a BERT checkpoint saved with "
+                                "save_pretrained (the bert/ phase-2 output or any local Hugging Face BERT)")
+    try:
+        model = BertForQuestionAnswering.from_pretrained(str(d), local_files_only=True)
+    except OSError as e:
+        raise FileNotFoundError(f"cannot load BERT weights from model.dir={d}: {e}") from None
+    if vocab_size > model.config.vocab_size:
+        raise ValueError(f"the vocabulary of {d} has {vocab_size} tokens but the model embeds only "
+                         f"{model.config.vocab_size}: the tokenizer does not belong to this checkpoint")
+    return model
+
+
+def split_batch(global_batch: int, world_size: int) -> int:
+    if global_batch < world_size or global_batch % world_size:
+        raise ValueError(f"data.global_batch_size={global_batch} must be a multiple of the {world_size} workers "
+                         "(each worker takes an equal share)")
+    return global_batch // world_size
+
+
+def subset(examples, limit):
+    return examples if limit is None else examples[:int(limit)]
+
+
+def batch_inputs(features: Features, idx: torch.Tensor, device) -> dict[str, torch.Tensor]:
+    return {k: getattr(features, k)[idx].to(device, non_blocking=True).long() for k in INPUTS}
+
+
+@torch.no_grad()
+def predict(model, features: Features, env, batch_size: int, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+    """Start and end logits of every window on every rank; each rank computes its strided shard."""
+    model = ex.unwrap(model)  # ranks hold different numbers of windows: no DDP collective may run here
+    model.eval()
+    idx = ex.eval_shard(len(features), env)
+    logits = torch.zeros(2, *features.input_ids.shape, device=env.device)
+    for lo in range(0, len(idx), batch_size):
+        b = idx[lo:lo + batch_size]
+        with autocast:
+            out = model(**batch_inputs(features, b, env.device))
+        logits[0, b.to(env.device)] = out.start_logits.float()
+        logits[1, b.to(env.device)] = out.end_logits.float()
+    # the other ranks' rows are zero here, so the sum assembles every window exactly
+    comm.all_reduce_sum_(logits, kind="eval", ledger=None)  # bookkeeping, not training traffic
+    return logits[0].cpu(), logits[1].cpu()
+
+
+def score(examples, features, logits, cfg, run_dir, env) -> dict[str, float]:
+    """Rank 0: post-process, write the predictions, return EM / F1 (NaN on the other ranks)."""
+    if not env.is_main:
+        return {"exact_match": math.nan, "f1": math.nan}
+    predictions, nbest = postprocess(examples, features, *logits, n_best=cfg.eval.n_best,
+                                     max_answer_length=cfg.eval.max_answer_length)
+    atomic_write_json(predictions, Path(run_dir) / "predictions.json")
+    atomic_write_json(nbest, Path(run_dir) / "nbest_predictions.json")
+    return evaluate_examples(examples, predictions)
+
+
+def train(cfg: dict, run_dir: str) -> dict:
+    plain, cfg = cfg, OmegaConf.create(cfg)
+    t, d = cfg.trainer, cfg.data
+    # fine-tuning has no loss scaler: fp16 would underflow silently, bf16 autocast needs none
+    check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
+    env = ex.init_distributed(t.device, t.threads_per_worker)
+
+    tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
+    shape = {"max_length": d.max_length, "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}
+    train_examples = subset(load_squad(d.train_file), d.max_train_examples)
+    dev_examples = subset(load_squad(d.dev_file), d.max_dev_examples)
+    train_feats = make_features(train_examples, tokenizer, **shape)
+    dev_feats = make_features(dev_examples, tokenizer, **shape)
+    per_worker = split_batch(d.global_batch_size, env.world_size)
+    batches = ex.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
+    steps_per_epoch = len(batches)
+
+    torch.manual_seed(cfg.seed)  # the same fresh span head on every rank (DDP also broadcasts rank 0's)
+    model = load_model(cfg.model.dir, len(tokenizer)).to(env.device)
+    optimizer = ex.build_optimizer(model, plain["optimizer"])
+    # BERT's buffers (position ids) are constants: broadcasting them every forward would only cost bytes
+    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
+    scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
+    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+
+    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
+    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
+        if t.resume == "auto" else None
+    progress, _ = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
+    start_epoch, step = progress["epoch"], progress["step"]
+    resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
+    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
+                       wandb_project=cfg.logger.project, progress=t.progress, resume_epoch=start_epoch)
+    if env.is_main:
+        print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
+              f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {per_worker}, "
+              f"{steps_per_epoch} steps per epoch" + (f"; resumed at epoch {start_epoch}" if restored else ""),
+              flush=True)
+
+    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    bytes_before = ex.comm_totals(optimizer)
+    for epoch in range(start_epoch, cfg.epochs):
+        model.train()
+        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)  # no host sync per step
+        tic = time.perf_counter()
+        for idx in log.progress(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+            ex.maybe_inject_fault(step + 1, env)
+            inputs = batch_inputs(train_feats, idx, env.device)
+            with autocast:
+                loss = model(**inputs, start_positions=train_feats.start_positions[idx].to(env.device),
+                             end_positions=train_feats.end_positions[idx].to(env.device)).loss
+            optimizer.zero_grad(set_to_none=True)
+            loss.float().backward()
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            loss_sum += loss.detach().double()
+        if env.device.type != "cpu":
+            torch.accelerator.synchronize()
+        train_time = time.perf_counter() - tic
+        comm.all_reduce_sum_(loss_sum, kind="eval", ledger=None)
+        train_loss = loss_sum.item() / (steps_per_epoch * env.world_size)
+        logits = predict(model, dev_feats, env, d.eval_batch_size, autocast)
+        metrics = score(dev_examples, dev_feats, logits, cfg, run_dir, env)
+        bytes_now = ex.comm_totals(optimizer)
+        log.log({
+            "epoch": epoch + 1, "step": step, "train_loss": train_loss, **metrics,
+            "lr": optimizer.param_groups[0]["lr"], **ex.comm_metrics(bytes_now, bytes_before),
+            "step_time_s": train_time / steps_per_epoch,
+            "sequences_per_s": steps_per_epoch * d.global_batch_size / train_time,
+            "epoch_time_s": time.perf_counter() - tic,
+        })
+        bytes_before = bytes_now
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
+                             model=model, optimizer=optimizer, scheduler=scheduler)
+
+    history = log.history() if env.is_main else []
+    summary = {
+        "name": cfg.name, "optimizer": cfg.optimizer.name, "model_dir": str(cfg.model.dir),
+        "world_size": env.world_size, "global_batch": d.global_batch_size, "epochs": cfg.epochs, "steps": step,
+        "params": sum(p.numel() for p in model.parameters()),
+        "train_windows": len(train_feats), "dev_questions": len(dev_examples),
+        "exact_match": history[-1]["exact_match"] if history else math.nan,
+        "f1": history[-1]["f1"] if history else math.nan,
+        "bytes_total": ex.comm_totals(optimizer),
+        "wall_time_s": sum(h["epoch_time_s"] for h in history),
+        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
+    }
+    log.finish(summary)
+    return summary
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
+def main(cfg) -> dict:
+    return ex.run_from_hydra(train, cfg)
+
+
+if __name__ == "__main__":
+    main()
