@@ -128,16 +128,10 @@ def train(cfg: dict, run_dir: str) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
 
-    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
-    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
-        if t.resume == "auto" else None
-    progress, extra = restored or ({"step": 0, "resumed_from": []}, None)
-    if extra is not None:
-        amp.load_state_dict(extra["amp"])
+    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
+                                                scheduler=scheduler, amp=amp, start={"step": 0})
     step = start = progress["step"]
-    resumed_from = progress["resumed_from"] + ([start] if restored else [])
-    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb, wandb_project=cfg.logger.project,
-                       progress=t.progress, resume_epoch=start)
+    resumed_from = progress["resumed_from"]
     if restored and env.is_main:
         print(f"resumed from {run_dir}/ckpt at step {start}", flush=True)
 

@@ -126,14 +126,9 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
 
-    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
-    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
-        if t.resume == "auto" else None
-    progress, _ = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
-    start_epoch, step = progress["epoch"], progress["step"]
-    resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
-    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
-                       wandb_project=cfg.logger.project, progress=t.progress, resume_epoch=start_epoch)
+    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
+                                                scheduler=scheduler, start={"epoch": 0, "step": 0})
+    start_epoch, step, resumed_from = progress["epoch"], progress["step"], progress["resumed_from"]
     if env.is_main:
         print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
               f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {per_worker}, "

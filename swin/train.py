@@ -123,16 +123,9 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
 
-    ckpt = ex.Checkpointer(run_dir, env, keep=t.checkpoint.keep)
-    restored = ex.restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
-        if t.resume == "auto" else None
-    progress, extra = restored or ({"epoch": 0, "step": 0, "resumed_from": []}, None)
-    if extra:
-        amp.load_state_dict(extra["amp"])
-    start_epoch, step = progress["epoch"], progress["step"]
-    resumed_from = progress["resumed_from"] + ([start_epoch] if restored else [])
-    log = ex.RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb,
-                       wandb_project=cfg.logger.project, progress=t.progress, resume_epoch=start_epoch)
+    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
+                                                scheduler=scheduler, amp=amp, start={"epoch": 0, "step": 0})
+    start_epoch, step, resumed_from = progress["epoch"], progress["step"], progress["resumed_from"]
     if restored and env.is_main:
         print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
 

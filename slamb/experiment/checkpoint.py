@@ -130,3 +130,28 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) ->
         scheduler.load_state_dict(shared["scheduler"])
     set_rng_state(mine["rng"])
     return progress, shared.get("extra")
+
+
+def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None, amp=None, start: dict):
+    """The opening every training loop shares: checkpointer, auto-resume, logger.
+
+    With ``trainer.resume == "auto"`` the latest checkpoint, if any, is loaded into the objects (the loss
+    scale of ``amp`` too); ``start`` is the progress of a fresh run, e.g. ``{"epoch": 0, "step": 0}``.
+    Returns ``(checkpointer, progress, restored, logger)``; ``progress["resumed_from"]`` lists the
+    epochs (or steps, for step-based loops) the run was resumed at.
+    """
+    from .run import RunLogger
+
+    t = cfg.trainer
+    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep)
+    restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
+        if t.resume == "auto" else None
+    progress, extra = restored or ({**start, "resumed_from": []}, None)
+    if extra and amp is not None:
+        amp.load_state_dict(extra["amp"])
+    at = progress.get("epoch", progress["step"])
+    if restored:
+        progress = {**progress, "resumed_from": progress["resumed_from"] + [at]}
+    log = RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb, wandb_project=cfg.logger.project,
+                    progress=t.progress, resume_epoch=at)
+    return ckpt, progress, restored is not None, log

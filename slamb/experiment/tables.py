@@ -49,13 +49,26 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else math.nan
 
 
+def by_paper_row(runs: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The runs of each row of a paper table (``paper.row``), rows in the paper's order."""
+    groups = defaultdict(list)
+    for run in runs:
+        groups[run["config"]["paper"]["row"]].append(run)
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    return sorted(groups.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+
+
+def add_bytes_vs_lamb(rows: list[dict]) -> list[dict]:
+    lamb = next((r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"), None)
+    for r in rows:
+        r["bytes_vs_lamb"] = r["bytes_per_worker"] / lamb if lamb else math.nan
+    return rows
+
+
 def comparison_rows(runs: list[dict]) -> list[dict]:
     """One row per optimizer row of a paper table (runs of the same row averaged)."""
-    by_row = defaultdict(list)
-    for run in runs:
-        by_row[run["config"]["paper"]["row"]].append(run)
     rows = []
-    for row, members in by_row.items():
+    for row, members in by_paper_row(runs):
         s = [m["summary"] for m in members]
         share = s[0].get("compressed_share")
         rows.append({
@@ -69,11 +82,7 @@ def comparison_rows(runs: list[dict]) -> list[dict]:
             "epochs": s[0]["epochs"], "workers": s[0]["world_size"], "global_batch": s[0]["global_batch"],
             "params": s[0]["params"], "compressed_share": share,
         })
-    lamb = next((r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"), None)
-    for r in rows:
-        r["bytes_vs_lamb"] = r["bytes_per_worker"] / lamb if lamb else math.nan
-    order = {name: i for i, name in enumerate(ROW_ORDER)}
-    return sorted(rows, key=lambda r: (order.get(r["optimizer"], len(order)), r["optimizer"]))
+    return add_bytes_vs_lamb(rows)
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -107,12 +116,8 @@ def comparison_markdown(table: str, rows: list[dict], note: str | None = None) -
 
 def squad_rows(runs: list[dict]) -> list[dict]:
     """SQuAD fine-tuning: one row per pre-training optimizer (``paper.row``), runs of a row averaged."""
-    by_row = defaultdict(list)
-    for run in runs:
-        by_row[run["config"]["paper"]["row"]].append(run)
-    order = {name: i for i, name in enumerate(ROW_ORDER)}
     rows = []
-    for row, members in sorted(by_row.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
+    for row, members in by_paper_row(runs):
         s, paper = [m["summary"] for m in members], members[0]["config"]["paper"]
         rows.append({"optimizer": row, "paper_f1": paper.get("f1"), "paper_exact_match": paper.get("exact_match"),
                      "exact_match": _mean([x["exact_match"] for x in s]), "f1": _mean([x["f1"] for x in s]),
@@ -142,12 +147,8 @@ def squad_markdown(table: str, rows: list[dict], note: str | None = None) -> str
 
 def pretrain_rows(runs: list[dict]) -> list[dict]:
     """BERT pre-training (one table per phase): one row per optimizer (``paper.row``), runs of a row averaged."""
-    by_row = defaultdict(list)
-    for run in runs:
-        by_row[run["config"]["paper"]["row"]].append(run)
-    order = {name: i for i, name in enumerate(ROW_ORDER)}
     rows = []
-    for row, members in sorted(by_row.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])):
+    for row, members in by_paper_row(runs):
         s = [m["summary"] for m in members]
         rows.append({"optimizer": row, "loss": _mean([x["final_loss"] for x in s]),
                      "mlm_acc": _mean([x["final_mlm_acc"] for x in s]), "nsp_acc": _mean([x["final_nsp_acc"] for x in s]),
@@ -155,10 +156,7 @@ def pretrain_rows(runs: list[dict]) -> list[dict]:
                      "bytes_per_worker": _mean([x["bytes_total"].get("all", 0) for x in s]), "runs": len(members),
                      "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
                      "global_batch": s[0]["global_batch"], "params": s[0]["params"]})
-    lamb = next((r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"), None)
-    for r in rows:
-        r["bytes_vs_lamb"] = r["bytes_per_worker"] / lamb if lamb else math.nan
-    return rows
+    return add_bytes_vs_lamb(rows)
 
 
 def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
