@@ -2,9 +2,11 @@
 from . import comm
 from .comm import CommLedger
 from .ddp import attach_ledger, wrap_model
-from .optim import DGC, LAMB, SLAMB, OnebitLamb
+from .optim import DGC, LAMB, SLAMB, JointSpar, OnebitLamb
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
 
 __version__ = "0.1.0"
-__all__ = ["SLAMB", "LAMB", "OnebitLamb", "DGC", "CommLedger", "comm", "wrap_model", "attach_ledger", "create_optimizer", "OPTIMIZERS",
-           "param_groups_weight_decay"]
+__all__ = [
+    "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "CommLedger", "comm", "wrap_model", "attach_ledger",
+    "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay",
+]
