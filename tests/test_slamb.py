@@ -515,3 +515,13 @@ def test_wrap_model_keeps_slamb_gradients_local_and_records_lamb_allreduce():
     # step 1 is a sync step: parameters agree again
     for a, b in zip(res[0]["slamb"]["params"], res[1]["slamb"]["params"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("name", ["slamb", "dgc", "onebit_lamb"])
+def test_parameter_groups_cannot_join_after_the_layout_is_fixed(name):
+    model = torch.nn.Linear(4, 3)
+    opt = slamb.create_optimizer(name, [model.weight])
+    model.weight.grad = torch.ones_like(model.weight)
+    opt.step()
+    with pytest.raises(RuntimeError, match="fixed at the first step"):
+        opt.add_param_group({"params": [model.bias]})

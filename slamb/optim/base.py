@@ -36,6 +36,12 @@ class LocalStateOptimizer(Optimizer):
     def comm_stats(self) -> dict:
         return self.ledger.summary()
 
+    def add_param_group(self, param_group: dict) -> None:
+        if getattr(self, "_layout_ids", None) is not None:
+            raise RuntimeError(f"{type(self).__name__}'s flat layout is fixed at the first step: "
+                               "add parameter groups before it")
+        super().add_param_group(param_group)
+
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 

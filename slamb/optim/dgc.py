@@ -201,8 +201,6 @@ class DGC(LocalStateOptimizer):
         return self.density
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_layout_ids", None) is not None:
-            raise RuntimeError("DGC's flat layout is fixed at the first step: add parameter groups before it")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         check_range("lr", g["lr"], 0.0)

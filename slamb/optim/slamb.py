@@ -151,8 +151,6 @@ class SLAMB(LocalStateOptimizer):
         self._compress_ratio = float(k)
 
     def add_param_group(self, param_group: dict) -> None:
-        if getattr(self, "_layout_ids", None) is not None:
-            raise RuntimeError("SLAMB's flat layout is fixed at the first step: add parameter groups before it")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         check_adam_group(g)
