@@ -45,6 +45,16 @@ class LocalStateOptimizer(Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    def _open_step(self, closure):
+        """The closure's loss (or None); the layout is fixed before the step touches any state."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._layout_ids is None:
+            self._build()
+        return loss
+
     def _begin_step(self, params: list[torch.Tensor], *, agree: bool = True):
         """The step's gradients (zeros for a missing one), or None when every rank skips the step."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -278,12 +278,7 @@ class DGC(LocalStateOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._layout_ids is None:
-            self._build()
+        loss = self._open_step(closure)
         sparse, dense = self._sparse, self._dense
         live = [lay for lay in (sparse, dense) if lay is not None]
         flat_grads = self._begin_step([p for lay in live for p in lay.params])

@@ -242,12 +242,7 @@ class OnebitLamb(LocalStateOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._layout_ids is None:
-            self._build()
+        loss = self._open_step(closure)
         layout = self._layout
         compressing = self.compressing
         # warm-up gradients are averaged, hence equal on every rank: a local decision is a shared one

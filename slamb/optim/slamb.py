@@ -227,12 +227,7 @@ class SLAMB(LocalStateOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if self._layout_ids is None:
-            self._build()
+        loss = self._open_step(closure)
         layout = self._layout
         grads = self._begin_step(layout.params)  # step 1: local gradients
         if grads is None:
