@@ -30,6 +30,7 @@ __all__ = [
     "wire_factor",
     "all_reduce_sum_",
     "all_reduce_mean_",
+    "MeanWork",
     "all_gather_into_tensor",
     "all_to_all_single",
     "broadcast_",
@@ -152,8 +153,24 @@ def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None,
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
-def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None):
-    """In-place mean over ranks.
+class MeanWork:
+    """An all-reduce mean in flight: :meth:`wait` returns the averaged tensor."""
+
+    def __init__(self, tensor: torch.Tensor, work=None, divide_by: int | None = None):
+        self.tensor, self.work, self.divide_by = tensor, work, divide_by
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+            if self.divide_by is not None:
+                self.tensor.div_(self.divide_by)
+        return self.tensor
+
+
+def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
+                     async_op: bool = False):
+    """In-place mean over ranks; with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
 
     Full-precision tensors are summed then divided (the sum is exact to the
     last bit on every rank, so the mean is too). Half-precision tensors are
@@ -161,13 +178,16 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     """
     n = world_size(group)
     if n == 1:
-        return tensor
+        return MeanWork(tensor) if async_op else tensor
     low_precision = tensor.dtype in (torch.float16, torch.bfloat16)
     if low_precision:
         tensor.div_(n)
-    all_reduce_sum_(tensor, kind=kind, ledger=ledger, group=group)
-    if not low_precision:
-        tensor.div_(n)
+    work = all_reduce_sum_(tensor, kind=kind, ledger=ledger, group=group, async_op=async_op)
+    divide_by = None if low_precision else n
+    if async_op:
+        return MeanWork(tensor, work, divide_by)
+    if divide_by is not None:
+        tensor.div_(divide_by)
     return tensor
 
 

@@ -525,3 +525,57 @@ def test_parameter_groups_cannot_join_after_the_layout_is_fixed(name):
     opt.step()
     with pytest.raises(RuntimeError, match="fixed at the first step"):
         opt.add_param_group({"params": [model.bias]})
+
+
+# ----------------------------------------------------------------------------- overlap with backward
+
+
+class OverlapNet(torch.nn.Module):
+    """Compressed and always-averaged tensors, spread over several small DDP buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(100, 120)  # 12,000 weights: compressed
+        self.b = torch.nn.Linear(120, 40)   # 4,800: always averaged
+        self.c = torch.nn.Linear(40, 300)   # 12,000: compressed
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def overlap_worker(rank, world, variant, steps=6):
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = OverlapNet().double()
+        opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, variant=variant, compress_ratio=0.2,
+                          sync_interval=4, overlap=overlap)
+        ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)  # DDP caps its first bucket at 1 MB: 2 buckets
+        launched = []
+        for t in range(1, steps + 1):
+            gen = torch.Generator().manual_seed(1000 * rank + t)
+            x = torch.randn(8, 100, generator=gen, dtype=torch.float64)
+            opt.zero_grad()
+            ddp(x).square().mean().backward()
+            launched.append(len(opt._pending))  # exchanges already in flight when step() starts
+            opt.step()
+        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
+                        "launched": launched, "momentum": opt.comm_stats()["total"]["momentum"]}
+    return out
+
+
+@pytest.mark.parametrize("variant,world", [("v2", 2), ("v1", 4)])
+def test_overlapped_exchange_equals_the_plain_one(variant, world):
+    res = distributed.run(overlap_worker, world, variant)
+    for r in res:
+        plain, overlapped = r[False], r[True]
+        for a, b in zip(plain["params"], overlapped["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15)
+        # the first step's buckets come before the layout; from then on every bucket is sent in backward
+        assert plain["launched"] == [0] * 6
+        assert overlapped["launched"][0] == 0 and min(overlapped["launched"][1:]) >= 2
+        # the same bytes, cut into one all-reduce per bucket instead of one per step
+        assert overlapped["momentum"]["payload"] == plain["momentum"]["payload"]
+        assert plain["momentum"]["calls"] == 6
+        assert overlapped["momentum"]["calls"] == 1 + 5 * overlapped["launched"][1]
+    assert not torch.equal(res[0][True]["params"][0], res[1][True]["params"][0])  # ranks drift between syncs

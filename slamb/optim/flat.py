@@ -58,6 +58,7 @@ class FlatLayout:
                 "a flat-state optimizer needs one device and one dtype: create one optimizer per device/dtype"
             )
         self.params = params
+        self.group_of = list(group_index)
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.numels = [p.numel() for p in params]
@@ -80,17 +81,20 @@ class FlatLayout:
         everything = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
         return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids])
 
-    def adopt(self, state: dict, key: str, fill: float = 0.0, per_tensor: bool = False) -> torch.Tensor:
+    def adopt(self, state: dict, key: str, fill: float = 0.0, per_tensor: bool = False,
+              dtype: torch.dtype | None = None) -> torch.Tensor:
         """One flat buffer for ``state[p][key]`` of every parameter, which then holds views of it.
 
         Values already in ``state`` (a loaded checkpoint) are carried over, else ``fill``.
         ``per_tensor``: one scalar per parameter (0-d views) instead of one per element.
+        ``dtype``: of the buffer, when not the parameters' (a counter).
         """
+        dtype = dtype or self.dtype
         if all(key in state[p] for p in self.params):
-            flat = self.flatten([state[p][key].to(self.device, self.dtype) for p in self.params])
+            flat = self.flatten([state[p][key].to(self.device, dtype) for p in self.params])
         else:
             flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
-                              dtype=self.dtype, device=self.device)
+                              dtype=dtype, device=self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
         for p, view in zip(self.params, views):
             state[p][key] = view

@@ -11,13 +11,13 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
-from ._common import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip, safe_ratio
+from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
+                      nonfinite_skip, safe_ratio)
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
     """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
-    m.mul_(b1).add_(g, alpha=1 - b1)
-    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    adam_moments_([m], [v], [g], b1, b2, foreach=False)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
     p_norm, u_norm = p.norm(), u.norm()
@@ -30,23 +30,19 @@ def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust
 
 def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
     """The step of a list of tensors; returns :func:`lamb_reference`'s figures, one per tensor."""
-    torch._foreach_mul_(ms, b1)
-    torch._foreach_add_(ms, grads, alpha=1 - b1)
-    torch._foreach_mul_(vs, b2)
-    torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-    bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
-    denom = torch._foreach_div(vs, bc2)
-    torch._foreach_sqrt_(denom)
-    torch._foreach_add_(denom, eps)
-    u = torch._foreach_div(ms, bc1)
-    torch._foreach_div_(u, denom)
+    adam_moments_(ms, vs, grads, b1, b2, foreach=True)
+    c, eps = bias_folding(t, b1, b2, eps) if bias_correction else (1.0, eps)
+    u = torch._foreach_sqrt(vs)
+    torch._foreach_add_(u, eps)
+    torch._foreach_div_(u, ms)
+    torch._foreach_reciprocal_(u)  # u = m / (sqrt(v) + eps) = u_hat / c: no second model-sized temporary
     if wd != 0:
-        torch._foreach_add_(u, params, alpha=wd)
-    p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u))
+        torch._foreach_add_(u, params, alpha=wd / c)
+    p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)) * c
     trust = safe_ratio(p_norm, u_norm, 1.0)
     if trust_clamp is not None:
         trust = trust.clamp(*trust_clamp)
-    torch._foreach_mul_(u, list((trust * -lr).unbind()))
+    torch._foreach_mul_(u, list((trust * (-lr * c)).unbind()))
     torch._foreach_add_(params, u)
     return trust, (p_norm > 0) & (u_norm > 0)
 

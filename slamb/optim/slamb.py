@@ -29,13 +29,15 @@ import torch
 
 from .. import comm
 from ..ddp import no_comm_hook
-from ._common import check_adam_group, check_choice, check_range, safe_ratio
+from ._common import adam_moments_, bias_folding, check_adam_group, check_choice, check_range, safe_ratio
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
-from .masks import MASK_POLICIES, make_mask
+from .masks import MASK_POLICIES, Selection, make_mask
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
 _AGE = {"v1": "staleness", "v2": "freshness"}  # the per-element state of step 6
+# v1 counts steps in int16 (half a word): exact up to this age, where b3^age is 0 in fp32 for b3 <= 0.997
+_MAX_AGE = 2**15 - 1
 
 
 def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
@@ -44,7 +46,7 @@ def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max,
     if p.dim() == 1:  # plain LAMB: no clamp, no blending
         p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
         return
-    r = torch.pow(b3, age)
+    r = torch.pow(b3, age.to(p.dtype))
     phi_s = safe_ratio(p[sel].norm(), u[sel].norm(), 1.0)
     phi_l = safe_ratio(p[~sel].norm(), u[~sel].norm(), 1.0)
     trust = (r * phi_s + (1 - r) * phi_l).clamp(c_min, c_max)
@@ -86,6 +88,10 @@ class SLAMB(LocalStateOptimizer):
     decided identically on every rank before any state changes: ``"raise"``
     (``FloatingPointError``), ``"skip"`` (no update, step not counted) or
     ``"ignore"`` (no check; saves one 4-byte all-reduce and a host sync).
+
+    ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
+    the momentum exchange from DDP's comm hook as soon as backward fills the
+    bucket, and finish it in ``step()``; the numbers are those of the plain path.
     """
 
     communicates_itself = True
@@ -113,8 +119,10 @@ class SLAMB(LocalStateOptimizer):
         foreach: bool | None = None,
         nonfinite: str = "raise",
         ledger: comm.CommLedger | None = None,
+        overlap: bool = False,
     ):
         check_choice("variant", variant, VARIANTS)
+        check_choice("overlap", overlap, (False, True))
         check_choice("mask", mask, (None, *MASK_POLICIES))
         if not (isinstance(sync_interval, int) and sync_interval >= 1):
             raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
@@ -136,8 +144,11 @@ class SLAMB(LocalStateOptimizer):
         self.comm_dtype = comm_dtype
         self.seed = seed
         self.foreach = True if foreach is None else foreach
+        self.overlap = overlap
         self._layout: FlatLayout | None = None
         self._last_draw: tuple[int, float] | None = None
+        self._drawn: tuple[int, float, Selection] | None = None
+        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork]] = {}
 
     # -- settings -----------------------------------------------------------------
 
@@ -167,19 +178,70 @@ class SLAMB(LocalStateOptimizer):
 
         Redrawn on demand (a mask is a function of seed, step and k), so no step keeps one alive.
         """
-        return None if self._last_draw is None else self._draw_mask(*self._last_draw)
+        return None if self._last_draw is None else self._selection(*self._last_draw).bool_mask()
 
-    def _draw_mask(self, step: int, compress_ratio: float) -> torch.Tensor:
-        """M_t (step 3): the policy's draw plus every coordinate of the always-dense tensors."""
-        mask = self._mask_fn(step, compress_ratio)
-        if self._dense_views is not None:
-            stale = mask.logical_not_()
-            torch._foreach_zero_(self._dense_views(stale))
-            mask = stale.logical_not_()
-        return mask
+    def _selection(self, step: int, compress_ratio: float | None = None) -> Selection:
+        """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
+        k = self.compress_ratio if compress_ratio is None else compress_ratio
+        if self._drawn is None or self._drawn[:2] != (step, k):
+            layout = self._layout
+            drawn = (self._mask_fn(step, k) if self._mask_fn is not None
+                     else torch.empty(0, dtype=torch.long, device=layout.device))
+            self._drawn = (step, k, Selection(layout, self._dense, drawn))
+        return self._drawn[2]
+
+    # -- communication ----------------------------------------------------------------
 
     def ddp_comm_hook(self):
-        return None, no_comm_hook
+        """With ``overlap``, each DDP bucket's momentum exchange starts as soon as backward fills it."""
+        return None, (self._bucket_hook if self.overlap else no_comm_hook)
+
+    def _bucket_hook(self, state, bucket):  # no annotations: DDP checks them against its own
+        if self._layout is not None:  # the first step's buckets arrive before the layout exists
+            index = self._index
+            ids, grads = [], []
+            for p, g in zip(bucket.parameters(), bucket.gradients()):
+                if id(p) in index:
+                    ids.append(index[id(p)])
+                    grads.append(g)
+            if ids:
+                key = tuple(ids)
+                # a second backward before step() (accumulation outside no_sync) supersedes the first
+                self._discard({key: self._pending.pop(key)} if key in self._pending else {})
+                sel = self._selection(self._step + 1)
+                self._pending[key] = (sel, self._launch(sel, ids, grads))
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer())
+        return fut
+
+    def _launch(self, sel: Selection, ids: list[int], grads: list[torch.Tensor]) -> comm.MeanWork:
+        """Step 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
+
+        It reads only the old momentum and the gradients, so it can run during backward; the dense
+        momentum update of step() then recomputes these entries and the average overwrites them.
+        """
+        ms = sel.take([self._m_views[i] for i in ids], ids)
+        gs = sel.take(grads, ids)
+        weights = [1 - self.param_groups[self._layout.group_of[i]]["betas"][0] for i in ids]
+        if len(set(weights)) == 1:
+            new = torch._foreach_lerp(ms, gs, weights[0])
+        else:
+            new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
+        packed = torch.cat(new)
+        if self.comm_dtype is not None:
+            packed = packed.to(self.comm_dtype)
+        return comm.all_reduce_mean_(packed, kind="momentum", ledger=self.ledger, group=self.process_group,
+                                     async_op=True)
+
+    def _drain(self) -> dict:
+        pending, self._pending = self._pending, {}
+        return pending
+
+    @staticmethod
+    def _discard(pending: dict) -> None:
+        """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
+        for entry in pending.values():
+            (entry[1] if isinstance(entry, tuple) else entry).wait()
 
     # -- state ----------------------------------------------------------------------
 
@@ -193,18 +255,20 @@ class SLAMB(LocalStateOptimizer):
         age = _AGE[self.variant]
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
-                      age: layout.adopt(self.state, age, fill=0.0 if age == "staleness" else 1.0)}
-        runs = []  # maximal ranges of consecutive always-averaged coordinates
-        for i, p in enumerate(layout.params):
-            if p.dim() == 1 or p.numel() < self.min_compress_numel:
-                if runs and runs[-1][1] == layout.offsets[i]:
-                    runs[-1][1] = layout.offsets[i + 1]
-                else:
-                    runs.append([layout.offsets[i], layout.offsets[i + 1]])
-        self._dense_views = (lambda flat: [flat[a:b] for a, b in runs]) if runs else None
-        self._one_dim = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+                      age: (layout.adopt(self.state, age, fill=0, dtype=torch.int16) if age == "staleness"
+                            else layout.adopt(self.state, age, fill=1.0))}
+        self._m_views = layout.views(self._flat["exp_avg"])
+        # scratch for the update (not state): reused, since a fresh model-sized buffer each step costs
+        # more in page faults than the arithmetic done in it
+        self._work = [layout.zeros() for _ in range(2 if self.variant == "v1" else 1)]
+        self._dense = [p.dim() == 1 or p.numel() < self.min_compress_numel for p in layout.params]
+        self._dense_t = torch.tensor(self._dense, device=layout.device)
+        self._one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+        compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
+        self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
+        self._index = {id(p): i for i, p in enumerate(layout.params)}
         self._names = param_labels(self, ids)
-        self._mask_fn = make_mask(self.mask_policy, layout.numel, self.seed, layout.device)
+        self._drawn = None
         self._layout, self._layout_ids = layout, ids
 
     def _extra_state(self) -> dict:
@@ -221,7 +285,7 @@ class SLAMB(LocalStateOptimizer):
     def _load_extra_state(self, extra: dict) -> None:
         self.compress_ratio = extra["compress_ratio"]
         self.seed = int(extra["seed"])  # the masks are a function of it: resumed runs redraw the same ones
-        self._layout, self._last_draw = None, None
+        self._layout, self._last_draw, self._pending = None, None, {}
 
     # -- the step -------------------------------------------------------------------
 
@@ -229,28 +293,46 @@ class SLAMB(LocalStateOptimizer):
     def step(self, closure=None):
         loss = self._open_step(closure)
         layout = self._layout
-        grads = self._begin_step(layout.params)  # step 1: local gradients
-        if grads is None:
+        t, n = self._step + 1, comm.world_size(self.process_group)
+        pending = self._drain()  # exchanges of the DDP buckets started during backward (overlap)
+        try:
+            grads = self._begin_step(layout.params)  # step 1: local gradients
+        except BaseException:
+            self._discard(pending)
+            raise
+        if grads is None:  # skipped on every rank
+            self._discard(pending)
             return loss
-
-        self._step += 1
-        t, n = self._step, comm.world_size(self.process_group)
+        self._step = t
         m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
+        sel = self._selection(t)  # step 3
+        redrawn = {key: work for key, (used, work) in pending.items() if used is not sel}  # k changed since
+        self._discard(redrawn)
+        pending = {key: work for key, (used, work) in pending.items() if used is sel}
+
+        if n > 1:  # step 4 starts: the rest of the selected momentum goes out now, before step 2 runs
+            covered = {i for key in pending for i in key}
+            rest = [i for i in range(len(layout.params)) if i not in covered]
+            if rest:
+                pending[tuple(rest)] = self._launch(sel, rest, [grads[i] for i in rest])
 
         for gi, lo, hi in layout.groups:  # step 2
             b1, b2 = self.param_groups[gi]["betas"]
             span = layout.span(lo, hi)
-            self._moments(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2)
+            adam_moments_(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2,
+                          foreach=self.foreach)
 
-        mask = self._draw_mask(t, self.compress_ratio)  # step 3
-        self._average(m, mask, n)  # step 4
+        for ids, work in pending.items():  # step 4 ends: m[M_t] = the average
+            mean = work.wait().to(m.dtype).split([sel.counts[i] for i in ids])
+            sel.put_([self._m_views[i] for i in ids], mean, ids)
 
-        for gi, lo, hi in layout.groups:  # step 6
-            span = layout.span(lo, hi)
-            if self.variant == "v1":
-                age[span].add_(1).masked_fill_(mask[span], 0)
-            else:
-                age[span].mul_(self.param_groups[gi]["beta3"]).masked_fill_(mask[span], 1)
+        if self.variant == "v1":  # step 6
+            age.clamp_max_(_MAX_AGE - 1).add_(1)
+            sel.fill_(layout.views(age), 0)
+        else:
+            for gi, lo, hi in layout.groups:
+                age[layout.span(lo, hi)].mul_(self.param_groups[gi]["beta3"])
+            sel.fill_(layout.views(age), 1.0)
 
         for gi, lo, hi in layout.groups:  # steps 5 and 7
             group, span = self.param_groups[gi], layout.span(lo, hi)
@@ -259,11 +341,13 @@ class SLAMB(LocalStateOptimizer):
                          c_min=group["c_min"], c_max=group["c_max"], n=n)
             if self.variant == "v1":
                 hyper["b3"] = group["beta3"]
-            args = (layout.params[lo:hi], m[span], v[span], age[span], mask[span])
             if self.foreach:
+                args = (sel, layout.params[lo:hi], m[span], v[span], age[span], *(w[span] for w in self._work))
                 (self._v1_flat if self.variant == "v1" else self._v2_flat)(lo, hi, *args, **hyper)
             else:
-                for p, *views in zip(args[0], *(layout.views(x, lo, hi) for x in args[1:])):
+                masks = layout.views(sel.bool_mask()[span], lo, hi)
+                for p, *views in zip(layout.params[lo:hi], *(layout.views(x[span], lo, hi) for x in (m, v, age)),
+                                     masks):
                     if self.variant == "v1":
                         v1_reference(p, *views, **hyper)
                     else:
@@ -272,29 +356,9 @@ class SLAMB(LocalStateOptimizer):
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
         self._last_draw = (t, self.compress_ratio)
+        self._drawn = None  # the next step draws its own; last_sync_mask() redraws this one
         self.ledger.end_step()
         return loss
-
-    def _moments(self, ms, vs, grads, b1, b2) -> None:
-        if self.foreach:
-            torch._foreach_mul_(ms, b1)
-            torch._foreach_add_(ms, grads, alpha=1 - b1)
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-        else:
-            for m, v, g in zip(ms, vs, grads):
-                m.mul_(b1).add_(g, alpha=1 - b1)
-                v.mul_(b2).addcmul_(g, g, value=1 - b2)
-
-    def _average(self, m: torch.Tensor, mask: torch.Tensor, n: int) -> None:
-        """m[mask] = mean over ranks: one all-reduce, in ``comm_dtype``, no indices sent."""
-        if n == 1:
-            return
-        packed = m[mask]
-        if self.comm_dtype is not None:
-            packed = packed.to(self.comm_dtype)
-        comm.all_reduce_mean_(packed, kind="momentum", ledger=self.ledger, group=self.process_group)
-        m.masked_scatter_(mask, packed.to(m.dtype))
 
     def _sync_params(self) -> None:
         params = self._layout.params
@@ -302,54 +366,77 @@ class SLAMB(LocalStateOptimizer):
         comm.all_reduce_mean_(flat, kind="params", ledger=self.ledger, group=self.process_group)
         torch._foreach_copy_(params, self._layout.views(flat))
 
-    def _split_norms(self, x: torch.Tensor, sel: torch.Tensor, lo: int, hi: int):
-        """Per-tensor norms of the selected and of the other entries of ``x``."""
-        part = torch.where(sel, x, 0.0)
-        selected = self._layout.segment_norms(part, lo, hi)
-        torch.sub(x, part, out=part)
-        return selected, self._layout.segment_norms(part, lo, hi)
+    def _split_norms(self, tensors, sel: Selection, lo: int, hi: int):
+        """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi).
 
-    # The flat paths turn the per-tensor factors into Python scalars (one host read per group)
-    # so that the element-wise blend runs as fused multi-tensor ops with per-tensor scalars,
-    # with one model-sized temporary instead of one per factor.
+        The other entries' norm is sqrt(whole^2 - selected^2): a gather of k N entries instead of a
+        masked pass over all N; always-averaged tensors have no other entries.
+        """
+        whole = torch.stack(torch._foreach_norm(tensors))
+        selected = torch.stack(torch._foreach_norm(sel.take(tensors, range(lo, hi))))
+        rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
+        return selected, rest.masked_fill_(self._dense_t[lo:hi], 0.0)
 
-    def _v1_flat(self, lo, hi, params, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    # The flat paths fold each scalar factor (bias corrections, lr, the per-tensor trust ratios) into
+    # per-tensor scalars read to the host once per group, so that the element-wise work is a few fused
+    # multi-tensor ops over the parameters and one reused scratch buffer.
+
+    def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
         layout = self._layout
-        u = torch.div(m, 1 - b1**t)
-        u.div_(torch.div(v, 1 - b2**t).sqrt_().add_(eps))
-        p = layout.flatten(params)
-        u.add_(p, alpha=wd)
-        p_s, p_l = self._split_norms(p, sel, lo, hi)
+        c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
+        torch.sqrt(v, out=work).add_(eps)
+        torch.div(m, work, out=work)
+        u = layout.views(work, lo, hi)  # u / c from here on
+        if wd != 0:
+            torch._foreach_add_(u, params, alpha=wd / c)
+        p_s, p_l = self._split_norms(params, sel, lo, hi)
         u_s, u_l = self._split_norms(u, sel, lo, hi)
-        del p
-        phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
-        one_dim = self._one_dim[lo:hi]  # plain LAMB there: r == 1, so only the clamp must go
-        c_lo = torch.full_like(phi_s, c_min).masked_fill_(one_dim, 0.0)
-        c_hi = torch.full_like(phi_s, c_max).masked_fill_(one_dim, math.inf)
-        slope, base, c_lo, c_hi = torch.stack([phi_s - phi_l, phi_l, c_lo, c_hi]).tolist()
-        r = torch.pow(b3, age)
-        trust = torch._foreach_mul(layout.views(r, lo, hi), slope)  # r*phi_s + (1-r)*phi_l
-        torch._foreach_add_(trust, base)
-        torch._foreach_clamp_min_(trust, c_lo)
-        torch._foreach_clamp_max_(trust, c_hi)
-        eta = r.mul_(lr - lr / math.sqrt(n)).add_(lr / math.sqrt(n))  # r*lr + (1-r)*lr/sqrt(n)
-        torch._foreach_mul_(trust, layout.views(eta, lo, hi))
-        torch._foreach_addcmul_(params, layout.views(u, lo, hi), trust, value=-1)
+        phi_s, phi_l = safe_ratio(p_s, u_s * c, 1.0), safe_ratio(p_l, u_l * c, 1.0)
+        # trust(r) = A + B r; always-averaged tensors have r = 1 (1-D ones are plain LAMB: no clamp)
+        dense, one_dim = self._dense_t[lo:hi], self._one_dim_t[lo:hi]
+        a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
+        b = torch.where(dense, 0.0, phi_s - phi_l)
+        # a linear blend between two ratios inside [c_min, c_max] stays inside: only other tensors clamp
+        clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
+        if b3 > 0:
+            r.copy_(age).mul_(math.log(b3)).exp_()  # r = b3^age
+        else:
+            r.copy_(age == 0)
+        # eta(r) = e0 + e1 r (lr for fresh entries, lr / sqrt(n) for stale): u *= 1 + (e1/e0) r
+        e0 = lr / math.sqrt(n)
+        e1 = lr - e0
+        if e1 != 0:
+            work.addcmul_(work, r, value=e1 / e0)
+        # p -= c e0 (A + B r) u
+        scale = -c * e0
+        a, b, clamps = a.tolist(), b.tolist(), clamps.tolist()
+        rs = layout.views(r, lo, hi)
+        keep = [i for i, x in enumerate(clamps) if not x]
+        if keep:
+            def sub(xs):
+                return [xs[i] for i in keep]
+            torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
+            torch._foreach_mul_(sub(u), [scale * x for x in sub(a)])
+            torch._foreach_add_(sub(params), sub(u))
+        for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
+            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
+            params[i].addcmul_(u[i], trust, value=scale)
 
-    def _v2_flat(self, lo, hi, params, m, v, r, sel, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
+    def _v2_flat(self, lo, hi, sel, params, m, v, r, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         layout = self._layout
-        a = v.sqrt().add_(eps)
-        torch.div(m, a, out=a).mul_(math.sqrt(1 - b2**t) / (1 - b1**t))
-        p = layout.flatten(params)
-        p_s, p_l = self._split_norms(p, sel, lo, hi)
+        c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
+        torch.sqrt(v, out=work).add_(eps)
+        torch.div(m, work, out=work)
+        a = layout.views(work, lo, hi)  # a / c
+        p_s, p_l = self._split_norms(params, sel, lo, hi)
         a_s, a_l = self._split_norms(a, sel, lo, hi)
-        phi_s = safe_ratio(p_s, a_s, 1.0).clamp_(c_min, c_max)
-        phi_l = safe_ratio(p_l, a_l, 0.0).clamp_(0.0, c_max)
-        u = a.add_(p, alpha=wd)
-        del p
-        # lr*phi_s*r + lr/sqrt(n)*phi_l*(1-r) = r*slope + base
+        phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
+        phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
+        if wd != 0:
+            torch._foreach_add_(a, params, alpha=wd / c)  # u / c
+        # p -= u (lr phi_s r + lr/sqrt(n) phi_l (1 - r)) = u (slope r + base)
         base = phi_l * (lr / math.sqrt(n))
-        slope, base = torch.stack([phi_s * lr - base, base]).tolist()
-        coef = torch._foreach_mul(layout.views(r, lo, hi), slope)
-        torch._foreach_add_(coef, base)
-        torch._foreach_addcmul_(params, layout.views(u, lo, hi), coef, value=-1)
+        slope, base = (torch.stack([phi_s * lr - base, base]) * -c).tolist()
+        torch._foreach_addcmul_(params, a, layout.views(r, lo, hi), slope)
+        torch._foreach_mul_(a, base)
+        torch._foreach_add_(params, a)
