@@ -148,6 +148,11 @@ def ledger_profiles(raw: dict) -> dict[str, sc.CommProfile]:
         sync = (row["step_payload_amortised"] - row["step_payload"]) * h
         out[label] = sc.CommProfile(label, (sc.Collective("all_reduce", momentum / numel, n),
                                             sc.Collective("all_reduce", sync / numel, n, every=h)))
+    # overlap=True: the same momentum bytes, sent per DDP bucket during backward
+    fp16 = out["SLAMB fp16 (k=0.1, H=100)"]
+    out["SLAMB fp16 + overlap"] = sc.CommProfile("SLAMB fp16 + overlap", (
+        dataclasses.replace(fp16.collectives[0], overlappable=True, bucket_bytes=sc.DDP_BUCKET_BYTES),
+        fp16.collectives[1]))
     return out
 
 
@@ -184,6 +189,7 @@ def optimizer_steps(profiles: dict, warm_fraction: float):
                        (1 - warm_fraction, profiles["1-bit LAMB (compression stage)"])],
         "1-bit LAMB (compression stage)": [(1.0, profiles["1-bit LAMB (compression stage)"])],
         "SLAMB": [(1.0, profiles["SLAMB fp16 (k=0.1, H=100)"])],
+        "SLAMB + overlap": [(1.0, profiles["SLAMB fp16 + overlap"])],
     }
 
 

@@ -240,8 +240,8 @@ class SLAMB(LocalStateOptimizer):
     @staticmethod
     def _discard(pending: dict) -> None:
         """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
-        for entry in pending.values():
-            (entry[1] if isinstance(entry, tuple) else entry).wait()
+        for _, work in pending.values():
+            work.wait()
 
     # -- state ----------------------------------------------------------------------
 
@@ -306,8 +306,7 @@ class SLAMB(LocalStateOptimizer):
         self._step = t
         m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
         sel = self._selection(t)  # step 3
-        redrawn = {key: work for key, (used, work) in pending.items() if used is not sel}  # k changed since
-        self._discard(redrawn)
+        self._discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
         pending = {key: work for key, (used, work) in pending.items() if used is sel}
 
         if n > 1:  # step 4 starts: the rest of the selected momentum goes out now, before step 2 runs
