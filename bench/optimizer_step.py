@@ -169,6 +169,7 @@ def render(rows, device: str, steps: int) -> str:
             "temporaries afresh each step (on the CPU a fresh model-sized buffer costs more in page faults "
             "than the arithmetic done in it); LAMB and AdamW allocate theirs each step, as torch's foreach "
             "optimizers do, and their peak shows it.",
+            "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), not a per-step cost.",
             "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.", ""]
     return "\n".join(out)
 
