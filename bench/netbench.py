@@ -554,7 +554,7 @@ def target_checks(records: list[dict]) -> dict:
 def render(raw: dict, out_md: Path) -> list[Path]:
     """netbench.md and the plots from the raw results."""
     records, checks, meta = raw["records"], raw.get("link_checks", []), raw.get("meta", {})
-    plots = _plots(records, out_md.parent)
+    plots = _plots(records, out_md.parent, out_md.stem)  # the page's name prefixes its plots
     t = target_checks(records)
     L = ["# Multi-host bandwidth bench", "",
          "Produced by `python -m bench.netbench` (rebuild this page with `--render-only`). "
@@ -690,7 +690,7 @@ def render(raw: dict, out_md: Path) -> list[Path]:
     return [out_md, *plots]
 
 
-def _plots(records: list[dict], out_dir: Path) -> list[Path]:
+def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list[Path]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -721,7 +721,7 @@ def _plots(records: list[dict], out_dir: Path) -> list[Path]:
         axes[0][-1].legend(fontsize=7)
         fig.suptitle(f"{pipeline}: step time vs hosts")
         fig.tight_layout()
-        path = out_dir / f"netbench_{pipeline}_step_time.png"
+        path = out_dir / f"{prefix}_{pipeline}_step_time.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
@@ -744,7 +744,7 @@ def _plots(records: list[dict], out_dir: Path) -> list[Path]:
             ax.legend(fontsize=8)
             ax.grid(alpha=0.3, axis="y")
             fig.tight_layout()
-            path = out_dir / f"netbench_{pipeline}_bytes.png"
+            path = out_dir / f"{prefix}_{pipeline}_bytes.png"
             fig.savefig(path, dpi=110)
             plt.close(fig)
             written.append(path)
@@ -769,7 +769,7 @@ def _plots(records: list[dict], out_dir: Path) -> list[Path]:
             ax.legend(fontsize=6)
             ax.grid(alpha=0.3)
             fig.tight_layout()
-            path = out_dir / "netbench_cifar10_time_to_accuracy.png"
+            path = out_dir / f"{prefix}_cifar10_time_to_accuracy.png"
             fig.savefig(path, dpi=110)
             plt.close(fig)
             written.append(path)
