@@ -64,6 +64,12 @@ def adam_moments_(ms, vs, grads, b1: float, b2: float, *, foreach: bool) -> None
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
 
 
+def adam_direction_(m: torch.Tensor, v: torch.Tensor, eps: float, *, out: torch.Tensor) -> torch.Tensor:
+    """out = m / (sqrt(v) + eps), computed in ``out``: no model-sized temporary."""
+    torch.sqrt(v, out=out).add_(eps)
+    return torch.div(m, out, out=out)
+
+
 def bias_folding(t: int, b1: float, b2: float, eps: float) -> tuple[float, float]:
     """(c, eps') with m_hat / (sqrt(v_hat) + eps) = c * m / (sqrt(v) + eps'), Adam's bias corrections
     folded into one scalar: no pass over the moments to divide them."""

@@ -29,7 +29,8 @@ import torch
 
 from .. import comm
 from ..ddp import no_comm_hook
-from ._common import adam_moments_, bias_folding, check_adam_group, check_choice, check_range, safe_ratio
+from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
+                      safe_ratio)
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
@@ -207,7 +208,8 @@ class SLAMB(LocalStateOptimizer):
             if ids:
                 key = tuple(ids)
                 # a second backward before step() (accumulation outside no_sync) supersedes the first
-                self._discard({key: self._pending.pop(key)} if key in self._pending else {})
+                if key in self._pending:
+                    self._discard({key: self._pending.pop(key)})
                 sel = self._selection(self._step + 1)
                 self._pending[key] = (sel, self._launch(sel, ids, grads))
         fut = torch.futures.Future()
@@ -333,6 +335,7 @@ class SLAMB(LocalStateOptimizer):
                 age[layout.span(lo, hi)].mul_(self.param_groups[gi]["beta3"])
             sel.fill_(layout.views(age), 1.0)
 
+        mask = None if self.foreach else sel.bool_mask()  # the reference path's per-tensor masks
         for gi, lo, hi in layout.groups:  # steps 5 and 7
             group, span = self.param_groups[gi], layout.span(lo, hi)
             b1, b2 = group["betas"]
@@ -344,9 +347,8 @@ class SLAMB(LocalStateOptimizer):
                 args = (sel, layout.params[lo:hi], m[span], v[span], age[span], *(w[span] for w in self._work))
                 (self._v1_flat if self.variant == "v1" else self._v2_flat)(lo, hi, *args, **hyper)
             else:
-                masks = layout.views(sel.bool_mask()[span], lo, hi)
-                for p, *views in zip(layout.params[lo:hi], *(layout.views(x[span], lo, hi) for x in (m, v, age)),
-                                     masks):
+                for p, *views in zip(layout.params[lo:hi],
+                                     *(layout.views(x[span], lo, hi) for x in (m, v, age, mask))):
                     if self.variant == "v1":
                         v1_reference(p, *views, **hyper)
                     else:
@@ -383,8 +385,7 @@ class SLAMB(LocalStateOptimizer):
     def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
         layout = self._layout
         c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
-        torch.sqrt(v, out=work).add_(eps)
-        torch.div(m, work, out=work)
+        adam_direction_(m, v, eps, out=work)
         u = layout.views(work, lo, hi)  # u / c from here on
         if wd != 0:
             torch._foreach_add_(u, params, alpha=wd / c)
@@ -424,8 +425,7 @@ class SLAMB(LocalStateOptimizer):
     def _v2_flat(self, lo, hi, sel, params, m, v, r, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         layout = self._layout
         c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
-        torch.sqrt(v, out=work).add_(eps)
-        torch.div(m, work, out=work)
+        adam_direction_(m, v, eps, out=work)
         a = layout.views(work, lo, hi)  # a / c
         p_s, p_l = self._split_norms(params, sel, lo, hi)
         a_s, a_l = self._split_norms(a, sel, lo, hi)
