@@ -19,7 +19,11 @@ def _entry(rank, fn, world_size, port, outdir, args):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # A file rendezvous: a TCP store would bind a port chosen earlier by the parent, which another
+    # socket can take in the seconds the spawned workers need to start. MASTER_PORT stays set for
+    # code that reads it, but nothing binds it.
+    store = os.path.join(outdir, "rendezvous")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(outdir, f"{rank}.pt"))
     finally:
