@@ -113,3 +113,18 @@ def test_nonfinite_gradients():
     opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert not opt.state  # nothing initialised or advanced: the step never happened
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_huge_finite_gradients_are_not_taken_for_nonfinite(dtype):
+    """The check screens with the 2-norm, which overflows for finite values near the dtype's maximum:
+    those tensors must get the exact check, not a false alarm; a NaN beside them is still found."""
+    from slamb.optim._common import nonfinite_skip
+
+    huge = torch.full((1000,), torch.finfo(dtype).max / 2, dtype=dtype)
+    assert not torch.isfinite(huge.float().norm()) or dtype == torch.float16  # the screen alone would flag it
+    assert not nonfinite_skip([huge, torch.ones(3, dtype=dtype)], ["a", "b"], "raise", ledger=None, agree=False)
+    nan = torch.tensor([1.0, float("nan")], dtype=dtype)
+    with pytest.raises(FloatingPointError, match=r"gradients: c\b"):
+        nonfinite_skip([huge, torch.ones(3, dtype=dtype), nan], ["a", "b", "c"], "raise", ledger=None,
+                       agree=False)

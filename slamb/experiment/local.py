@@ -5,6 +5,8 @@ without a launcher; training jobs use :func:`slamb.experiment.distributed.launch
 """
 from __future__ import annotations
 
+import faulthandler
+import gc
 import os
 import tempfile
 
@@ -16,6 +18,7 @@ from .distributed import free_port
 
 
 def _entry(rank, fn, world_size, port, outdir, args):
+    faulthandler.enable(all_threads=True)  # a native abort (SIGABRT/SIGSEGV) still shows where Python was
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
@@ -27,6 +30,10 @@ def _entry(rank, fn, world_size, port, outdir, args):
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(outdir, f"{rank}.pt"))
     finally:
+        # Collect the cyclic garbage that still holds the process group or its work handles now: left
+        # to the interpreter's final collection, gloo's threads would release them during shutdown,
+        # when a thread that touches Python is killed (std::terminate, SIGABRT).
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 MASK_POLICIES = ("cyclic", "bernoulli")
@@ -33,7 +34,23 @@ def num_chunks(numel: int, compress_ratio: float) -> tuple[int, int]:
     return size, math.ceil(numel / size)
 
 
-class CyclicMask:
+class _Policy:
+    """A float64 buffer kept between draws: positions are computed in it in place, since on the CPU a
+    fresh buffer of k N doubles costs more in page faults than the arithmetic done in it (float64:
+    exact for positions below 2^53, and torch's float cumsum is faster than its integer one)."""
+
+    def __init__(self, numel: int, seed: int, device: torch.device):
+        self.numel, self.seed, self.device = numel, seed, device
+        self._buf: torch.Tensor | None = None
+
+    def _scratch(self, n: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < n:
+            self._buf = None
+            self._buf = torch.empty(n, dtype=torch.float64, device=self.device)
+        return self._buf[:n]
+
+
+class CyclicMask(_Policy):
     """v1: one fixed random permutation of all coordinates, drawn from the seed
     on the CPU (the same on every device type), cut into ``int(1/k)`` chunks;
     step t averages chunk ``t mod C``, so every coordinate is averaged exactly
@@ -44,7 +61,7 @@ class CyclicMask:
     permutation itself would take one, and a step's positions are one cumsum."""
 
     def __init__(self, numel: int, seed: int, device: torch.device):
-        self.numel, self.seed, self.device = numel, seed, device
+        super().__init__(numel, seed, device)
         self._cut: tuple[int, int] | None = None
 
     def _recut(self, size: int, chunks: int) -> None:
@@ -66,36 +83,53 @@ class CyclicMask:
         if self._cut != (size, chunks):
             self._recut(size, chunks)
         j = step % chunks
-        return self.gaps[j * size:(j + 1) * size].cumsum(0, dtype=torch.int64).add_(self.starts[j])
+        gaps = self.gaps[j * size:(j + 1) * size]
+        return self._scratch(gaps.numel()).copy_(gaps).cumsum_(0).add_(self.starts[j]).to(torch.int64)
 
 
-class BernoulliMask:
+class BernoulliMask(_Policy):
     """v2: each coordinate independently with probability k, from a generator
-    re-seeded with (seed, step) on the parameters' device. Drawn as the gaps
-    of a Bernoulli process (geometric, from 53-bit uniforms): k N random numbers
-    instead of N. Masks agree across ranks of one job; a CPU and a CUDA run draw
-    different (equally valid) masks."""
+    re-seeded with (seed, step). Drawn as the gaps of a Bernoulli process
+    (geometric, by inversion of 53-bit uniforms): k N random numbers instead of N.
+
+    On the CPU the uniforms come from numpy's PCG64 (a third of the time of
+    torch's Mersenne Twister), on other devices from torch's generator of that
+    device (Philox on CUDA), into the kept buffer where every transform runs. Masks agree across the ranks of a job; a
+    CPU and a CUDA run draw different (equally valid) masks."""
 
     def __init__(self, numel: int, seed: int, device: torch.device):
-        self.numel, self.seed, self.device = numel, seed, device
-        self.gen = torch.Generator(device=device)
+        super().__init__(numel, seed, device)
+        self.gen = None if device.type == "cpu" else torch.Generator(device=device)
+
+    def _uniforms(self, rng, n: int) -> torch.Tensor:
+        """n uniforms on the grid {1, ..., 2^53} / 2^53 (so in (0, 1]: their log is finite)."""
+        u = self._scratch(n)
+        if rng is None:
+            torch.rand(n, generator=self.gen, dtype=torch.float64, device=self.device, out=u)
+        else:
+            rng.random(n, out=u.numpy())
+        return u.add_(2.0**-53)  # [0, 1 - 2^-53] on that grid, shifted up by one step: exact
 
     def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
         if compress_ratio >= 1.0:
             return torch.arange(self.numel, device=self.device)
-        self.gen.manual_seed(step_seed(self.seed, step))
-        log_q = math.log1p(-compress_ratio)
+        seed = step_seed(self.seed, step)
+        if self.gen is None:
+            rng = np.random.Generator(np.random.PCG64(seed))
+        else:
+            rng = None
+            self.gen.manual_seed(seed)
+        inv_log_q = 1.0 / math.log1p(-compress_ratio)
         mean = self.numel * compress_ratio
         batch = int(mean + 8 * math.sqrt(mean) + 64)  # one batch covers the layout but once in ~1e15
         parts, end = [], -1.0
         while end < self.numel - 1:
-            u = torch.rand(batch, generator=self.gen, dtype=torch.float64, device=self.device)
-            # P(gap = g) = (1-k)^(g-1) k for g >= 1; 1 - u is in (0, 1], so the log is finite
-            pos = torch.rsub(u, 1.0).log_().div_(log_q).floor_().add_(1.0).cumsum_(0).add_(end)
-            parts.append(pos)
+            # P(gap = g) = (1-k)^(g-1) k for g >= 1: gap = floor(log(u) / log(1-k)) + 1
+            pos = self._uniforms(rng, batch).log_().mul_(inv_log_q).floor_().add_(1.0).cumsum_(0).add_(end)
+            count = int(torch.searchsorted(pos, float(self.numel)))
+            parts.append(pos[:count].to(torch.int64))  # before the next batch reuses the buffer
             end = float(pos[-1])
-        pos = torch.cat(parts) if len(parts) > 1 else parts[0]
-        return pos[: int(torch.searchsorted(pos, float(self.numel)))].long()
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def make_mask(policy: str, numel: int, seed: int, device: torch.device):
@@ -121,6 +155,18 @@ class Selection:
         self.local = [None if d else drawn[cut[i]:cut[i + 1]] - starts[i] for i, d in enumerate(dense)]
         self.counts = [n if d else cut[i + 1] - cut[i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
+        self.compressed = [i for i, d in enumerate(dense) if not d]
+
+    def dense_runs(self) -> list[tuple[int, int]]:
+        """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""
+        runs, off = [], self.layout.offsets
+        for i, d in enumerate(self.dense):
+            if d:
+                if runs and runs[-1][1] == off[i]:
+                    runs[-1] = (runs[-1][0], off[i + 1])
+                else:
+                    runs.append((off[i], off[i + 1]))
+        return runs
 
     def take(self, tensors, ids=None) -> list[torch.Tensor]:
         """The selected entries of each tensor (parameters ``ids`` of the layout, default all), flattened.
@@ -140,16 +186,19 @@ class Selection:
             else:
                 t.view(-1).index_copy_(0, self.local[i], v)
 
-    def fill_(self, tensors, value: float, ids=None) -> None:
-        ids = range(len(tensors)) if ids is None else ids
-        for i, t in zip(ids, tensors):
-            if self.local[i] is None:
-                t.fill_(value)
-            else:
-                t.view(-1).index_fill_(0, self.local[i], value)
+    def fill_(self, flat: torch.Tensor, value: float) -> None:
+        """Set the selected entries of ``flat``, a buffer over the whole layout, to ``value``.
+
+        Runs of always-averaged tensors are filled as one slice each: a model with many small
+        tensors (ResNet's norms and narrow convolutions) would otherwise pay a call per tensor."""
+        for lo, hi in self.dense_runs():
+            flat[lo:hi].fill_(value)
+        off = self.layout.offsets
+        for i in self.compressed:
+            flat[off[i]:off[i + 1]].index_fill_(0, self.local[i], value)
 
     def bool_mask(self) -> torch.Tensor:
         """The flat bool mask over the layout."""
         mask = torch.zeros(self.layout.numel, dtype=torch.bool, device=self.layout.device)
-        self.fill_(self.layout.views(mask), True)
+        self.fill_(mask, True)
         return mask

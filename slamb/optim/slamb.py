@@ -65,6 +65,13 @@ def v2_reference(p, m, v, r, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
+def _add_scaled_(params, xs, scales) -> None:
+    """p += s * x per tensor: one pass, where ``_foreach_mul_`` + ``_foreach_add_`` (foreach ``add_``
+    takes one alpha for all tensors) make two and write x."""
+    for p, x, s in zip(params, xs, scales):
+        p.add_(x, alpha=s)
+
+
 class SLAMB(LocalStateOptimizer):
     """SLAMB over torch.distributed (any backend, any device, or no process group).
 
@@ -259,10 +266,14 @@ class SLAMB(LocalStateOptimizer):
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
                       age: (layout.adopt(self.state, age, fill=0, dtype=torch.int16) if age == "staleness"
                             else layout.adopt(self.state, age, fill=1.0))}
-        self._m_views = layout.views(self._flat["exp_avg"])
         # scratch for the update (not state): reused, since a fresh model-sized buffer each step costs
         # more in page faults than the arithmetic done in it
         self._work = [layout.zeros() for _ in range(2 if self.variant == "v1" else 1)]
+        # per-parameter views of every flat buffer, made once: a model with hundreds of small tensors
+        # spends more on making views each step than on its arithmetic
+        self._views = {key: layout.views(buf) for key, buf in self._flat.items()}
+        self._work_views = [layout.views(w) for w in self._work]
+        self._m_views = self._views["exp_avg"]
         self._dense = [p.dim() == 1 or p.numel() < self.min_compress_numel for p in layout.params]
         self._dense_t = torch.tensor(self._dense, device=layout.device)
         self._one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
@@ -319,8 +330,7 @@ class SLAMB(LocalStateOptimizer):
 
         for gi, lo, hi in layout.groups:  # step 2
             b1, b2 = self.param_groups[gi]["betas"]
-            span = layout.span(lo, hi)
-            adam_moments_(layout.views(m[span], lo, hi), layout.views(v[span], lo, hi), grads[lo:hi], b1, b2,
+            adam_moments_(self._views["exp_avg"][lo:hi], self._views["exp_avg_sq"][lo:hi], grads[lo:hi], b1, b2,
                           foreach=self.foreach)
 
         for ids, work in pending.items():  # step 4 ends: m[M_t] = the average
@@ -329,11 +339,11 @@ class SLAMB(LocalStateOptimizer):
 
         if self.variant == "v1":  # step 6
             age.clamp_max_(_MAX_AGE - 1).add_(1)
-            sel.fill_(layout.views(age), 0)
+            sel.fill_(age, 0)
         else:
             for gi, lo, hi in layout.groups:
                 age[layout.span(lo, hi)].mul_(self.param_groups[gi]["beta3"])
-            sel.fill_(layout.views(age), 1.0)
+            sel.fill_(age, 1.0)
 
         mask = None if self.foreach else sel.bool_mask()  # the reference path's per-tensor masks
         for gi, lo, hi in layout.groups:  # steps 5 and 7
@@ -344,8 +354,11 @@ class SLAMB(LocalStateOptimizer):
             if self.variant == "v1":
                 hyper["b3"] = group["beta3"]
             if self.foreach:
-                args = (sel, layout.params[lo:hi], m[span], v[span], age[span], *(w[span] for w in self._work))
-                (self._v1_flat if self.variant == "v1" else self._v2_flat)(lo, hi, *args, **hyper)
+                work = [w[span] for w in self._work]
+                if self.variant == "v1":
+                    self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span], *work, **hyper)
+                else:  # v2 reads its freshness through the per-parameter views
+                    self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work, **hyper)
             else:
                 for p, *views in zip(layout.params[lo:hi],
                                      *(layout.views(x[span], lo, hi) for x in (m, v, age, mask))):
@@ -374,7 +387,12 @@ class SLAMB(LocalStateOptimizer):
         masked pass over all N; always-averaged tensors have no other entries.
         """
         whole = torch.stack(torch._foreach_norm(tensors))
-        selected = torch.stack(torch._foreach_norm(sel.take(tensors, range(lo, hi))))
+        ids = [i for i in sel.compressed if lo <= i < hi]
+        if not ids:
+            return whole, torch.zeros_like(whole)
+        at = torch.tensor([i - lo for i in ids], device=whole.device)
+        selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(sel.take([tensors[i - lo] for i in ids],
+                                                                                    ids))))
         rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
         return selected, rest.masked_fill_(self._dense_t[lo:hi], 0.0)
 
@@ -383,10 +401,9 @@ class SLAMB(LocalStateOptimizer):
     # multi-tensor ops over the parameters and one reused scratch buffer.
 
     def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-        layout = self._layout
         c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
         adam_direction_(m, v, eps, out=work)
-        u = layout.views(work, lo, hi)  # u / c from here on
+        u = self._work_views[0][lo:hi]  # u / c from here on
         if wd != 0:
             torch._foreach_add_(u, params, alpha=wd / c)
         p_s, p_l = self._split_norms(params, sel, lo, hi)
@@ -410,23 +427,21 @@ class SLAMB(LocalStateOptimizer):
         # p -= c e0 (A + B r) u
         scale = -c * e0
         a, b, clamps = a.tolist(), b.tolist(), clamps.tolist()
-        rs = layout.views(r, lo, hi)
+        rs = self._work_views[1][lo:hi]
         keep = [i for i, x in enumerate(clamps) if not x]
         if keep:
             def sub(xs):
                 return [xs[i] for i in keep]
             torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
-            torch._foreach_mul_(sub(u), [scale * x for x in sub(a)])
-            torch._foreach_add_(sub(params), sub(u))
+            _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
         for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
             trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
             params[i].addcmul_(u[i], trust, value=scale)
 
-    def _v2_flat(self, lo, hi, sel, params, m, v, r, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
-        layout = self._layout
+    def _v2_flat(self, lo, hi, sel, params, m, v, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
         adam_direction_(m, v, eps, out=work)
-        a = layout.views(work, lo, hi)  # a / c
+        a = self._work_views[0][lo:hi]  # a / c
         p_s, p_l = self._split_norms(params, sel, lo, hi)
         a_s, a_l = self._split_norms(a, sel, lo, hi)
         phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
@@ -436,6 +451,5 @@ class SLAMB(LocalStateOptimizer):
         # p -= u (lr phi_s r + lr/sqrt(n) phi_l (1 - r)) = u (slope r + base)
         base = phi_l * (lr / math.sqrt(n))
         slope, base = (torch.stack([phi_s * lr - base, base]) * -c).tolist()
-        torch._foreach_addcmul_(params, a, layout.views(r, lo, hi), slope)
-        torch._foreach_mul_(a, base)
-        torch._foreach_add_(params, a)
+        torch._foreach_addcmul_(params, a, self._views["freshness"][lo:hi], slope)
+        _add_scaled_(params, a, base)
