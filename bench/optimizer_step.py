@@ -1,10 +1,14 @@
 """Step time and memory of one optimizer step, world size 1.
 
-    python -m bench.optimizer_step [--models bert_base resnet110] [--steps 15] [--device cpu]
+    python -m bench.optimizer_step [--models bert_base resnet110] [--steps N] [--device cpu]
 
-Each (model, optimizer) runs in a fresh process so that its memory figures
-are its own: parameters and gradients of the model's real shapes, a few
-warm-up steps, then the median of ``--steps`` timed steps. Memory:
+Parameters and gradients of each model's real shapes. Step time: all
+optimizers of a model live in one process, each on its own copy of the
+parameters, and take their timed steps in turn (in rotated order), after a few
+warm-up steps. A shared machine's speed drifts by tens of percent within
+minutes, which made separate runs disagree on the ratios; an optimizer's step
+and the LAMB step beside it see the same machine, so the table gives the
+median of those paired ratios. Memory, from one fresh process per optimizer:
 
 * state: bytes of every tensor the optimizer keeps between steps (its
   ``state`` and internal buffers such as SLAMB v1's cut permutation), in fp32
@@ -46,31 +50,31 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _tensors(obj, depth=0, limit=5):
+# buffers kept between steps only to be reused, at any depth (SLAMB's update buffers and their
+# views, the mask policy's float64 buffer)
+SCRATCH = ("_work", "_work_views", "_buf")
+
+
+def _tensors(obj, scratch=False, depth=0, limit=5):
+    """(tensor, is scratch) for every tensor reachable from ``obj``."""
     if isinstance(obj, torch.Tensor):
-        yield obj
+        yield obj, scratch
     elif depth < limit and isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v, depth + 1)
+        for k, v in obj.items():
+            yield from _tensors(v, scratch or k in SCRATCH, depth + 1)
     elif depth < limit and isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v, depth + 1)
+            yield from _tensors(v, scratch, depth + 1)
     elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
-        yield from _tensors(vars(obj), depth + 1)
-
-
-SCRATCH = ("_work",)
+        yield from _tensors(vars(obj), scratch, depth + 1)
 
 
 def state_bytes(opt, params, scratch: bool = False) -> int:
     own = {p.untyped_storage().data_ptr() for p in params}
     seen, total = set(), 0
     internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state")}
-    if scratch:
-        tensors = _tensors({k: v for k, v in internals.items() if k in SCRATCH})
-    else:
-        tensors = _tensors({"state": dict(opt.state), "internals": {k: v for k, v in internals.items()
-                                                                    if k not in SCRATCH}})
+    tensors = [t for t, is_scratch in _tensors({"state": dict(opt.state), "internals": internals})
+               if is_scratch == scratch]
     for t in tensors:
         ptr = t.untyped_storage().data_ptr()
         if ptr in seen or ptr in own or t.device.type == "meta":
@@ -80,15 +84,30 @@ def state_bytes(opt, params, scratch: bool = False) -> int:
     return total
 
 
-def measure(model: str, optimizer: str, steps: int, device: str, queue) -> None:
-    """Runs in its own process (see ``run_one``)."""
-    torch.set_num_threads(os.cpu_count() or 1)
-    dev = torch.device(device)
+def _model_params(model: str, dev: torch.device) -> list[torch.nn.Parameter]:
+    """The model's parameter shapes, filled with the same numbers every time, with gradients."""
     gen = torch.Generator(device=dev).manual_seed(0)
-    shapes = MODELS[model]()
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=dev) * 0.02) for s in shapes]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=dev) * 0.02) for s in MODELS[model]()]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen, device=dev)
+    return params
+
+
+def _timed_step(opt, cuda: bool) -> float:
+    if cuda:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    opt.step()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
+    """Runs in its own process, so that its memory figures are its own."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    dev = torch.device(device)
+    params = _model_params(model, dev)
     numel = sum(p.numel() for p in params)
     opt = OPTIMIZERS[optimizer](params)
     for _ in range(3):
@@ -100,32 +119,45 @@ def measure(model: str, optimizer: str, steps: int, device: str, queue) -> None:
         base = torch.cuda.memory_allocated()
     else:
         base = _rss_bytes()
-    times = []
-    for _ in range(steps):
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+    for _ in range(3):
+        _timed_step(opt, cuda)
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    queue.put({"model": model, "optimizer": optimizer, "numel": numel, "ms": 1e3 * statistics.median(times),
-               "ms_min": 1e3 * min(times), "state_words": state_bytes(opt, params) / (4 * numel),
+    queue.put({"numel": numel, "state_words": state_bytes(opt, params) / (4 * numel),
                "scratch_words": state_bytes(opt, params, scratch=True) / (4 * numel),
                "peak_words": max(peak, 0) / (4 * numel)})
 
 
-def _spawn(model, optimizer, steps, device, env: dict) -> dict:
+def measure_times(model: str, optimizers: list[str], steps: int, device: str, queue) -> None:
+    """Every optimizer on its own copy of the parameters in one process, stepped in turn (in rotated order).
+
+    A shared machine's speed drifts by tens of percent within minutes; steps of different optimizers
+    taken back to back see the same machine, so their ratio is the figure to trust."""
+    torch.set_num_threads(os.cpu_count() or 1)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    opts = {}
+    for name in optimizers:
+        opts[name] = OPTIMIZERS[name](_model_params(model, dev))
+        for _ in range(3):
+            opts[name].step()
+    times = {name: [] for name in optimizers}
+    for i in range(steps):
+        k = i % len(optimizers)
+        for name in optimizers[k:] + optimizers[:k]:
+            times[name].append(_timed_step(opts[name], cuda))
+    queue.put(times)
+
+
+def _spawn(target, args, env: dict):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # a spawned child reads its environment (and glibc its malloc tuning) at start
     try:
-        proc = ctx.Process(target=measure, args=(model, optimizer, steps, device, queue))
+        proc = ctx.Process(target=target, args=(*args, queue))
         proc.start()
     finally:
         for k, v in saved.items():
@@ -135,23 +167,32 @@ def _spawn(model, optimizer, steps, device, env: dict) -> dict:
     return result
 
 
-def run_one(model, optimizer, steps, device):
-    """Time with the allocator as users have it; memory where freed temporaries leave the RSS."""
-    timed = _spawn(model, optimizer, steps, device, {})
-    if device == "cpu":
-        # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower)
-        timed["peak_words"] = _spawn(model, optimizer, 3, device, {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)})["peak_words"]
-    return timed
+def run_model(model: str, optimizers: list[str], steps: int, device: str) -> list[dict]:
+    """Rows of one model: step times from the interleaved run, memory from one process per optimizer."""
+    times = _spawn(measure_times, (model, optimizers, steps, device), {})
+    # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here)
+    env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if device == "cpu" else {}
+    rows = []
+    for name in optimizers:
+        mem = _spawn(measure_memory, (model, name, device), env)
+        ratios = [t / base for t, base in zip(times[name], times["lamb"])]
+        rows.append({"model": model, "optimizer": name, **mem, "ms": 1e3 * statistics.median(times[name]),
+                     "vs_lamb": ratios})
+    return rows
 
 
-def render(rows, device: str, steps: int) -> str:
+def render(rows, device: str) -> str:
+    steps = ", ".join(f"{r['steps']} ({r['model']})" for r in rows if r["optimizer"] == "lamb")
     out = [
         "# Optimizer step: time and memory (world size 1)",
         "",
         f"Generated by `python -m bench.optimizer_step` on {device} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}). "
-        f"Median of {steps} steps after 3 warm-up steps; fp32 parameters with the real shapes of each model; "
-        "each optimizer in its own process. State and peak are in fp32 words per parameter, beyond the "
+        f"Step: median of {steps} timed steps per optimizer, after 3 warm-up steps. All optimizers of a model run in one process, "
+        "each on its own copy of the parameters, and step in turn, so that each step of an optimizer has a "
+        "LAMB step beside it on the same (shared, drifting) machine: vs LAMB is the median of those paired "
+        "ratios, with their quartiles. fp32 parameters with the real shapes of each model; memory is measured "
+        "with each optimizer in its own process. State and peak are in fp32 words per parameter, beyond the "
         "parameter and its gradient; peak counts the step's temporaries above the resident state.",
         "",
         "| model | parameters | optimizer | step (ms) | vs LAMB | state (words/param) | scratch (words/param) "
@@ -159,16 +200,16 @@ def render(rows, device: str, steps: int) -> str:
         "|---|---:|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        lamb = next(x["ms"] for x in rows if x["model"] == r["model"] and x["optimizer"] == "lamb")
+        q1, med, q3 = statistics.quantiles(r["vs_lamb"], n=4)
         out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
-                   f"{r['ms'] / lamb:.2f}x | {r['state_words']:.2f} | {r['scratch_words']:.2f} | "
+                   f"{med:.2f}x ({q1:.2f}-{q3:.2f}) | {r['state_words']:.2f} | {r['scratch_words']:.2f} | "
                    f"{r['peak_words']:.2f} |")
     out += ["", "Targets (issue 2): SLAMB step <= 1.3x the LAMB step; SLAMB state <= 3 fp32 words per parameter.",
             "slamb_v1's state includes its int16 staleness counter and its cut permutation (int16 gaps).",
-            "Scratch: SLAMB keeps one model-sized buffer (v1: two) between steps instead of allocating its "
-            "temporaries afresh each step (on the CPU a fresh model-sized buffer costs more in page faults "
-            "than the arithmetic done in it); LAMB and AdamW allocate theirs each step, as torch's foreach "
-            "optimizers do, and their peak shows it.",
+            "Scratch: SLAMB keeps one model-sized buffer (v1: two) and its mask policy's k N doubles between "
+            "steps instead of allocating its temporaries afresh each step (on the CPU a fresh model-sized "
+            "buffer costs more in page faults than the arithmetic done in it); LAMB and AdamW allocate theirs "
+            "each step, as torch's foreach optimizers do, and their peak shows it.",
             "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), not a per-step cost.",
             "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.", ""]
     return "\n".join(out)
@@ -178,21 +219,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["bert_base", "resnet110"], choices=sorted(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
-    parser.add_argument("--steps", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=None,
+                        help="timed steps per optimizer (default: 20 for BERT-Base, 200 for smaller models)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
+    optimizers = list(dict.fromkeys(["lamb", *args.optimizers]))  # every ratio needs a LAMB step beside it
     for model in args.models:
-        for optimizer in args.optimizers:
-            rows.append(run_one(model, optimizer, args.steps, args.device))
-            r = rows[-1]
-            print(f"{model:10s} {optimizer:16s} {r['ms']:9.1f} ms  state {r['state_words']:.2f}  "
-                  f"peak {r['peak_words']:.2f} words/param", flush=True)
+        steps = args.steps or (20 if model == "bert_base" else 200)
+        for r in run_model(model, optimizers, steps, args.device):
+            rows.append({**r, "steps": steps})
+            print(f"{model:10s} {r['optimizer']:16s} {r['ms']:9.1f} ms  {statistics.median(r['vs_lamb']):.2f}x LAMB  "
+                  f"state {r['state_words']:.2f}  peak {r['peak_words']:.2f} words/param", flush=True)
     out = args.out or f"results/bench/optimizer_step{'' if args.device == 'cpu' else '_' + args.device}.md"
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        f.write(render(rows, args.device, args.steps))
+        f.write(render(rows, args.device))
     print(f"wrote {out}")
 
 
