@@ -148,10 +148,11 @@ def ledger_profiles(raw: dict) -> dict[str, sc.CommProfile]:
         sync = (row["step_payload_amortised"] - row["step_payload"]) * h
         out[label] = sc.CommProfile(label, (sc.Collective("all_reduce", momentum / numel, n),
                                             sc.Collective("all_reduce", sync / numel, n, every=h)))
-    # overlap=True: the same momentum bytes, sent per DDP bucket during backward
+    # overlap=True: the same momentum bytes, sent per DDP gradient bucket during backward
     fp16 = out["SLAMB fp16 (k=0.1, H=100)"]
     out["SLAMB fp16 + overlap"] = sc.CommProfile("SLAMB fp16 + overlap", (
-        dataclasses.replace(fp16.collectives[0], overlappable=True, bucket_bytes=sc.DDP_BUCKET_BYTES),
+        dataclasses.replace(fp16.collectives[0], overlappable=True, bucket_bytes=sc.DDP_BUCKET_BYTES,
+                            bucket_basis_per_param=grads / numel),
         fp16.collectives[1]))
     return out
 

@@ -47,7 +47,7 @@ __all__ = [
     "Link", "Cluster", "Collective", "CommProfile", "BenchParams",
     "ring_time", "hierarchical_time", "collective_time", "step_time", "scaling_efficiency",
     "tcp_wire_overhead", "solve_op_split", "bench_profile", "predict_bench_record",
-    "fit_bench", "validate_bench", "BENCH_KEYS",
+    "fit_bench", "validate_bench", "last_bucket_share", "BENCH_KEYS",
 ]
 
 RING_LATENCY_STEPS = {  # message steps of the ring algorithm of each collective, per (n - 1)
@@ -196,6 +196,9 @@ class Collective:
     every: int = 1
     overlappable: bool = False
     bucket_bytes: float | None = None  # split into calls of at most this many bytes (DDP buckets)
+    # bytes per parameter of the buffer DDP cuts into buckets (None: this payload itself): SLAMB's overlapped
+    # momentum rides on the gradient buckets, so its last bucket is a share of the gradient's
+    bucket_basis_per_param: float | None = None
 
     def payload(self, params: float, n: int) -> float:
         scale = self.ref_world / n if self.sharded else 1.0
@@ -219,7 +222,10 @@ class CommProfile:
             payload = c.payload(params, gpus)
             t = collective_time(c.op, payload, gpus, cluster, algorithm=algorithm, calls=c.calls(payload)) / c.every
             if c.overlappable:
-                overlappable += t
+                basis = payload if c.bucket_basis_per_param is None else c.bucket_basis_per_param * params
+                last = last_bucket_share(basis, c.bucket_bytes) if c.bucket_bytes else 0.0
+                exposed += last * t
+                overlappable += (1 - last) * t
             else:
                 exposed += t
         return exposed, overlappable
@@ -259,6 +265,22 @@ BENCH_KEYS = ("pipeline", "model", "hosts", "rate_mbit", "delay_ms", "optimizer"
               "compute_time_s", "comm_time_s", "ledger_payload_bytes_per_step", "ledger_wire_bytes_per_step")
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
+DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's smaller first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
+
+
+def last_bucket_share(basis_bytes: float, bucket_bytes: float = DDP_BUCKET_BYTES,
+                      first_bucket_bytes: float = DDP_FIRST_BUCKET_BYTES) -> float:
+    """Share of a buffer's bytes in the DDP bucket that is ready last.
+
+    DDP fills buckets in reverse layer order (a first bucket of 1 MiB, then 25 MiB
+    each), so the last one holds the first layers, whose gradients backward
+    computes last: its collective starts when backward ends and hides behind
+    nothing. A model of under 1 MiB is one bucket: none of its exchange overlaps.
+    """
+    if basis_bytes <= first_bucket_bytes:
+        return 1.0
+    rest = (basis_bytes - first_bucket_bytes) % bucket_bytes or bucket_bytes
+    return rest / basis_bytes
 
 
 def tcp_wire_overhead(mtu: int = 1500, ip_tcp_header: int = 52, l2_header: int = 14, ack_every: int = 2) -> float:
@@ -322,7 +344,12 @@ def _bench_comm(rec: dict, params: BenchParams) -> tuple[float, float]:
     for op, payload in zip(ops, payloads):
         calls = max(1, math.ceil(payload / DDP_BUCKET_BYTES)) if bucketed else 1
         total += ring_time(op, payload, n, link, calls) if payload > 0 else 0.0
-    return (0.0, total) if overlap else (total, 0.0)
+    if not overlap:
+        return total, 0.0
+    # the exchange rides on DDP's gradient buckets (fp32 gradients in the bench): the last one cannot hide
+    basis = sum(payloads) if bucketed or not rec.get("params") else 4.0 * float(rec["params"])
+    last = last_bucket_share(basis)
+    return last * total, (1 - last) * total
 
 
 def predict_bench_record(rec: dict, params: BenchParams) -> float:

@@ -114,9 +114,28 @@ def test_profile_times_sharding_period_and_overlap():
     expect_exposed = (sc.collective_time("all_to_all", 0.125e8, gpus, cluster)
                       + sc.collective_time("all_gather", 0.125e8 / gpus, gpus, cluster)
                       + sc.collective_time("all_reduce", 4e8, gpus, cluster) / 100)
-    assert exposed == pytest.approx(expect_exposed, rel=1e-12)
-    assert overlappable == pytest.approx(sc.collective_time("all_reduce", 4e8, gpus, cluster, calls=16), rel=1e-12)
+    bucketed = sc.collective_time("all_reduce", 4e8, gpus, cluster, calls=16)
+    last = (4e8 - 2**20 - 15 * 25e6) / 4e8  # DDP's last-ready bucket: what is left after 1 MiB and 15 x 25 MB
+    assert exposed == pytest.approx(expect_exposed + last * bucketed, rel=1e-12)
+    assert overlappable == pytest.approx((1 - last) * bucketed, rel=1e-12)
     assert prof.bytes_per_step(params, gpus) == pytest.approx(0.125e8 + 0.125e8 / 16 + 4e8 / 100 + 4e8)
+
+
+def test_last_ddp_bucket_cannot_overlap_backward():
+    mib = 2**20
+    assert sc.last_bucket_share(0.5 * mib) == 1.0  # one bucket: launched when backward ends
+    assert sc.last_bucket_share(mib) == 1.0
+    assert sc.last_bucket_share(31 * mib) == pytest.approx(5 / 31)  # 1 MiB, 25 MiB, then the last 5 MiB
+    assert sc.last_bucket_share(26 * mib) == pytest.approx(25 / 26)  # an exact fill: the last bucket is full
+    # a bench row with DDP's gradient all-reduce of under 1 MiB gets no overlap at all
+    rec = {"pipeline": "cifar10", "model": "m", "hosts": 2, "rate_mbit": 10.0, "delay_ms": 0.0, "optimizer": "LAMB",
+           "step_time_s": 1.0, "compute_time_s": 0.1, "comm_time_s": 0.9, "ledger_payload_bytes_per_step": 3e5,
+           "ledger_wire_bytes_per_step": 3e5, "params": 75_000}
+    p = sc.BenchParams(alpha0=0.0, efficiency=1.0, wire_overhead=1.0)
+    assert sc.predict_bench_record(rec, p) == pytest.approx(0.1 + 3e5 * 8 / 10e6)
+    # SLAMB + overlap rides on the gradient buckets: 0.3 MB of gradients is one bucket, so nothing hides either
+    assert sc.predict_bench_record({**rec, "optimizer": "SLAMB + overlap", "ledger_payload_bytes_per_step": 3e4,
+                                    "ledger_wire_bytes_per_step": 3e4}, p) == pytest.approx(0.1 + 3e4 * 8 / 10e6)
 
 
 def test_tcp_framing_overhead():
