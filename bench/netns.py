@@ -193,6 +193,13 @@ def _rate_arg(mbit: float) -> str:
     return f"{round(mbit * 1000)}kbit"
 
 
+def tbf_burst_bytes(rate_mbit: float) -> int:
+    """Depth of each shaped link's token bucket: 2 ms of traffic, at least 64 KiB, so that the bucket's
+    timer granularity does not cap the rate. A link idle for burst / rate (52 ms at 10 Mbit/s) sends
+    its next burst bytes at once: the scaling model's validation accounts for it."""
+    return max(64 * 1024, int(rate_mbit * 1e6 / 8 * 0.002))
+
+
 class Cluster:
     """N hosts on a switch; use as a context manager (or call :meth:`close`)."""
 
@@ -246,9 +253,8 @@ class Cluster:
         parent = ["root"]
         if rate_mbit is not None:
             rate_bps = rate_mbit * 1e6 / 8
-            # burst: 2 ms of traffic (>= 64 KiB) so that the bucket's timer granularity does not cap the
-            # rate; limit: 100 ms of traffic (>= 1 MiB) so TCP's window does not overflow it into drops
-            burst = max(64 * 1024, int(rate_bps * 0.002))
+            # limit: 100 ms of traffic (>= 1 MiB) so TCP's window does not overflow it into drops
+            burst = tbf_burst_bytes(rate_mbit)
             limit = max(1024 * 1024, int(rate_bps * 0.1))
             _tc("-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate", _rate_arg(rate_mbit),
                 "burst", str(burst), "limit", str(limit))

@@ -24,6 +24,7 @@ import os
 import yaml
 
 from bench.comm_volume import ONEBIT_WARMUP, OPTIMIZERS as LEDGER_ROWS, PHASE1_STEPS, extrapolate
+from bench.netns import tbf_burst_bytes
 from slamb import scaling as sc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,6 +246,8 @@ def bench_section(path: str, inp: Inputs, plot_dir: str) -> tuple[list[str], dic
         if r.get("status", "ok") != "ok" or r.get("rate_mbit") is None or r.get("compute_time_s") is None \
                 or int(r.get("hosts", 0)) < 2 or not r.get("step_time_s"):
             continue
+        # records from before the bench wrote its shaper's bucket depth: the same formula
+        r.setdefault("link_burst_bytes", tbf_burst_bytes(r["rate_mbit"]))
         try:
             sc.predict_bench_record(r, probe)
         except ValueError as e:  # a ledger mix the row's assumed collectives cannot explain
@@ -259,26 +262,43 @@ def bench_section(path: str, inp: Inputs, plot_dir: str) -> tuple[list[str], dic
         f"{len(usable)} records from `{os.path.relpath(path, ROOT)}` (hosts: "
         f"{', '.join(str(h) for h in v['by_hosts'])}). Model: gloo ring collectives on the host link, each "
         f"record's measured compute time plus its ledger volume x TCP framing ({fit.wire_overhead:.4f} link bytes "
-        f"per payload byte) at `efficiency x rate`, `alpha = alpha0 + {inp.bench_delay_hops:g} x delay`.",
+        f"per payload byte) at `efficiency x rate`, `alpha = alpha0 + {inp.bench_delay_hops:g} x delay`, less "
+        "the link's token-bucket depth (`tc tbf` burst: 64 KiB or 2 ms of traffic), which a link that idled "
+        "through the step's compute sends at once; DDP's last-ready gradient bucket (the whole exchange for a "
+        "model under 1 MiB) cannot hide behind backward.",
         "",
         f"Fit on all records: alpha0 = {fit.alpha0 * 1e3:.3f} ms, rate efficiency = {fit.efficiency:.3f}.",
         "",
         "| hosts | records | in-sample mean abs error | in-sample max | held-out mean abs error | held-out max | "
-        "held-out fit (alpha0 ms, efficiency) | within 15%? |",
-        "|---:|---:|---:|---:|---:|---:|---|---|",
+        "held-out fit (alpha0 ms, efficiency) | held-out mean within 15%? | every record within 15%? |",
+        "|---:|---:|---:|---:|---:|---:|---|---|---|",
     ]
     for h, s in v["by_hosts"].items():
         hf = s["heldout_fit"]
         lines.append(f"| {h} | {s['rows']} | {pct(s['mean_abs_error'])} | {pct(s['max_abs_error'])} | "
                      f"{pct(s['heldout_mean_abs_error'])} | {pct(s['heldout_max_abs_error'])} | "
                      + (f"{hf.alpha0 * 1e3:.3f}, {hf.efficiency:.3f}" if hf else "-")
-                     + f" | {'yes' if s['heldout_max_abs_error'] <= 0.15 else 'NO'} |")
+                     + f" | {'yes' if s['heldout_mean_abs_error'] <= 0.15 else 'NO'} "
+                     f"| {'yes' if s['heldout_max_abs_error'] <= 0.15 else 'NO'} |")
     lines += ["", "| model | hosts | rate Mbit/s | delay ms | optimizer | compute s | measured step s | predicted s "
               "| error | held-out predicted s | held-out error |", "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for r in v["rows"]:
         lines.append(f"| {r['model']} | {r['hosts']} | {r['rate_mbit']:g} | {r['delay_ms']:g} | {r['optimizer']} | "
                      f"{r['compute_s']:.3f} | {r['measured_s']:.3f} | {r['predicted_s']:.3f} | {pct(r['error'])} | "
                      f"{r['heldout_predicted_s']:.3f} | {pct(r['heldout_error'])} |")
+    worst = sorted((r for r in v["rows"] if abs(r["heldout_error"]) > 0.15), key=lambda r: -abs(r["heldout_error"]))
+
+    def names(rows):
+        return "; ".join(f"{r['model'].split('(')[0]} {r['hosts']} hosts {r['rate_mbit']:g} Mbit/s {r['optimizer']} "
+                         f"({pct(r['heldout_error'])})" for r in rows) or "none"
+
+    if worst:
+        lines += ["", f"Held-out errors beyond 15%, predicted too fast: {names([r for r in worst if r['heldout_error'] < 0])}"
+                  f"; predicted too slow: {names([r for r in worst if r['heldout_error'] > 0])}. The model lets DDP's "
+                  "buckets (LAMB) and SLAMB+overlap's exchange hide behind backward up to the last-ready bucket; on "
+                  "this machine less of it hides, as the workers' backward and their network work (gloo threads, "
+                  "the kernel's TCP and shaping) share two cores, and BERT's tied word embedding completes its "
+                  "gradient only when backward ends."]
     link = [r for r in usable if r.get("link_tx_bytes_per_step") and r.get("ledger_wire_bytes_per_step")]
     if link:
         ratios = [r["link_tx_bytes_per_step"] / r["ledger_wire_bytes_per_step"] for r in link]

@@ -263,6 +263,7 @@ def solve_op_split(payload: float, wire: float, n: int, ops: Sequence[str]) -> l
 
 BENCH_KEYS = ("pipeline", "model", "hosts", "rate_mbit", "delay_ms", "optimizer", "step_time_s",
               "compute_time_s", "comm_time_s", "ledger_payload_bytes_per_step", "ledger_wire_bytes_per_step")
+# optional: "params" (DDP's buckets), "link_burst_bytes" (depth of the links' token bucket, 0 when absent)
 
 DDP_BUCKET_BYTES = 25 * 2**20  # torch DDP's bucket_cap_mb default
 DDP_FIRST_BUCKET_BYTES = 2**20  # torch DDP's smaller first bucket (dist._DEFAULT_FIRST_BUCKET_BYTES)
@@ -339,11 +340,18 @@ def _bench_comm(rec: dict, params: BenchParams) -> tuple[float, float]:
     payloads = solve_op_split(float(rec["ledger_payload_bytes_per_step"]), float(rec["ledger_wire_bytes_per_step"]),
                               n, ops) if n > 1 else [0.0] * len(ops)
     alpha = params.alpha0 + params.delay_hops * float(rec["delay_ms"]) * 1e-3
-    link = Link(alpha, params.efficiency * float(rec["rate_mbit"]) * 1e6 / 8 / params.wire_overhead)
-    total = 0.0
+    rate = float(rec["rate_mbit"]) * 1e6 / 8  # link bytes per second
+    link = Link(alpha, params.efficiency * rate / params.wire_overhead)
+    total = wire = 0.0
     for op, payload in zip(ops, payloads):
-        calls = max(1, math.ceil(payload / DDP_BUCKET_BYTES)) if bucketed else 1
-        total += ring_time(op, payload, n, link, calls) if payload > 0 else 0.0
+        if payload > 0:
+            calls = max(1, math.ceil(payload / DDP_BUCKET_BYTES)) if bucketed else 1
+            total += ring_time(op, payload, n, link, calls)
+            wire += wire_factor(op, n) * payload
+    # a token-bucket shaper (tc tbf) lets a link that idled through the step's compute send its bucket's
+    # depth at once: that much of the step's exchange costs no time at the shaped rate
+    burst = min(float(rec.get("link_burst_bytes") or 0.0), rate * float(rec["compute_time_s"]))
+    total -= min(wire, burst / params.wire_overhead) * link.beta
     if not overlap:
         return total, 0.0
     # the exchange rides on DDP's gradient buckets (fp32 gradients in the bench): the last one cannot hide

@@ -138,6 +138,20 @@ def test_last_ddp_bucket_cannot_overlap_backward():
                                     "ledger_wire_bytes_per_step": 3e4}, p) == pytest.approx(0.1 + 3e4 * 8 / 10e6)
 
 
+def test_token_bucket_depth_is_free_once_per_step():
+    rec = {"pipeline": "cifar10", "model": "m", "hosts": 2, "rate_mbit": 10.0, "delay_ms": 0.0, "optimizer": "SLAMB",
+           "step_time_s": 1.0, "compute_time_s": 0.1, "comm_time_s": 0.9, "ledger_payload_bytes_per_step": 1e5,
+           "ledger_wire_bytes_per_step": 1e5, "params": 75_000}
+    p = sc.BenchParams(alpha0=0.0, efficiency=1.0, wire_overhead=1.0)
+    rate = 10e6 / 8
+    assert sc.predict_bench_record({**rec, "link_burst_bytes": 65536}, p) == pytest.approx(0.1 + (1e5 - 65536) / rate)
+    # the bucket refills only while the link idles (the compute): 20 ms at 10 Mbit/s is 25 kB
+    short = {**rec, "compute_time_s": 0.02, "link_burst_bytes": 65536}
+    assert sc.predict_bench_record(short, p) == pytest.approx(0.02 + (1e5 - 0.02 * rate) / rate)
+    # never below the compute: a bucket deeper than the exchange makes it free, not negative
+    assert sc.predict_bench_record({**rec, "link_burst_bytes": 10**6}, p) == pytest.approx(0.1)
+
+
 def test_tcp_framing_overhead():
     # 1448-byte segments in 1514-byte frames, and a 66-byte ACK frame per two segments received
     assert sc.tcp_wire_overhead() == pytest.approx(1514 / 1448 + 66 / 2896)
