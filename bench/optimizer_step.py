@@ -220,14 +220,14 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["bert_base", "resnet110"], choices=sorted(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per optimizer (default: 20 for BERT-Base, 200 for smaller models)")
+                        help="timed steps per optimizer (default: 40 for BERT-Base, 200 for smaller models)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     rows = []
     optimizers = list(dict.fromkeys(["lamb", *args.optimizers]))  # every ratio needs a LAMB step beside it
     for model in args.models:
-        steps = args.steps or (20 if model == "bert_base" else 200)
+        steps = args.steps or (40 if model == "bert_base" else 200)
         for r in run_model(model, optimizers, steps, args.device):
             rows.append({**r, "steps": steps})
             print(f"{model:10s} {r['optimizer']:16s} {r['ms']:9.1f} ms  {statistics.median(r['vs_lamb']):.2f}x LAMB  "
