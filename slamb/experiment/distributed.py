@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import gc
 import os
 import socket
 import uuid
@@ -113,13 +114,25 @@ def maybe_inject_fault(step: int, env: DistEnv) -> None:
         os._exit(17)
 
 
+def shutdown() -> None:
+    """Leave the process group, if any, before the interpreter exits.
+
+    Without this, a gloo thread could still be running when Python shuts down, be killed inside C++
+    (std::terminate) and take the worker down with SIGABRT after its work was done, which a launcher
+    reports as a failure: 1 run in 5 of the resume test did. Collecting cyclic garbage, then destroying
+    the group, made it disappear in 30 runs; the object that kept gloo busy was not identified.
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _worker_entry(worker, cfg, run_dir):
     """Elastic-launcher entry point (module level, so spawn can pickle it)."""
     try:
         return worker(cfg, run_dir)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        shutdown()
 
 
 def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: int = 0):

@@ -6,7 +6,6 @@ without a launcher; training jobs use :func:`slamb.experiment.distributed.launch
 from __future__ import annotations
 
 import faulthandler
-import gc
 import os
 import tempfile
 
@@ -14,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .distributed import free_port
+from .distributed import free_port, shutdown
 
 
 def _entry(rank, fn, world_size, port, outdir, args):
@@ -30,11 +29,7 @@ def _entry(rank, fn, world_size, port, outdir, args):
     try:
         torch.save(fn(rank, world_size, *args), os.path.join(outdir, f"{rank}.pt"))
     finally:
-        # Collect the cyclic garbage that still holds the process group or its work handles now: left
-        # to the interpreter's final collection, gloo's threads would release them during shutdown,
-        # when a thread that touches Python is killed (std::terminate, SIGABRT).
-        gc.collect()
-        dist.destroy_process_group()
+        shutdown()
 
 
 def run_local(fn, world_size: int, *args) -> list:
