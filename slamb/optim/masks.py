@@ -45,7 +45,7 @@ class _Policy:
 
     def _scratch(self, n: int) -> torch.Tensor:
         if self._buf is None or self._buf.numel() < n:
-            self._buf = None
+            self._buf = None  # the old buffer goes before the larger one is made
             self._buf = torch.empty(n, dtype=torch.float64, device=self.device)
         return self._buf[:n]
 
@@ -94,8 +94,9 @@ class BernoulliMask(_Policy):
 
     On the CPU the uniforms come from numpy's PCG64 (a third of the time of
     torch's Mersenne Twister), on other devices from torch's generator of that
-    device (Philox on CUDA), into the kept buffer where every transform runs. Masks agree across the ranks of a job; a
-    CPU and a CUDA run draw different (equally valid) masks."""
+    device (Philox on CUDA), into the kept buffer where every transform runs.
+    Masks agree across the ranks of a job; a CPU and a CUDA run draw different
+    (equally valid) masks."""
 
     def __init__(self, numel: int, seed: int, device: torch.device):
         super().__init__(numel, seed, device)
