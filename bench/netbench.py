@@ -452,10 +452,6 @@ RECORD_KEYS = ("pipeline", "model", "hosts", "rate_mbit", "delay_ms", "optimizer
 def complete(record: dict) -> dict:
     for key in RECORD_KEYS:
         record.setdefault(key, None)
-    if record["rate_mbit"] is not None:
-        from .netns import tbf_burst_bytes
-
-        record.setdefault("link_burst_bytes", tbf_burst_bytes(record["rate_mbit"]))
     return record
 
 

@@ -246,7 +246,7 @@ def bench_section(path: str, inp: Inputs, plot_dir: str) -> tuple[list[str], dic
         if r.get("status", "ok") != "ok" or r.get("rate_mbit") is None or r.get("compute_time_s") is None \
                 or int(r.get("hosts", 0)) < 2 or not r.get("step_time_s"):
             continue
-        # records from before the bench wrote its shaper's bucket depth: the same formula
+        # the depth of the links' token bucket, as the bench set it for this rate
         r.setdefault("link_burst_bytes", tbf_burst_bytes(r["rate_mbit"]))
         try:
             sc.predict_bench_record(r, probe)

@@ -280,6 +280,12 @@ class SLAMB(LocalStateOptimizer):
         compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
         self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
         self._index = {id(p): i for i, p in enumerate(layout.params)}
+        # per group: its compressed tensors, and their places in the group (for _split_norms)
+        self._compressed_of = {}
+        for _, lo, hi in layout.groups:
+            compressed = [i for i in range(lo, hi) if not self._dense[i]]
+            self._compressed_of[lo] = (compressed, torch.tensor([i - lo for i in compressed], dtype=torch.long,
+                                                                device=layout.device))
         self._names = param_labels(self, ids)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
@@ -387,10 +393,9 @@ class SLAMB(LocalStateOptimizer):
         masked pass over all N; always-averaged tensors have no other entries.
         """
         whole = torch.stack(torch._foreach_norm(tensors))
-        ids = [i for i in sel.compressed if lo <= i < hi]
+        ids, at = self._compressed_of[lo]
         if not ids:
             return whole, torch.zeros_like(whole)
-        at = torch.tensor([i - lo for i in ids], device=whole.device)
         selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(sel.take([tensors[i - lo] for i in ids],
                                                                                     ids))))
         rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
