@@ -27,7 +27,7 @@ import os
 import torch
 
 import slamb
-from slamb.experiment.local import run_local
+from harness.local import run_local
 
 PHASE1_STEPS, ONEBIT_WARMUP = 7038, 1000
 MEASURE_STEPS = 3
@@ -68,8 +68,7 @@ def measure_worker(rank, world, shapes, names):
         for t in range(1, MEASURE_STEPS + 1):
             gen = torch.Generator().manual_seed(1000 * rank + t)
             grads = [torch.randn(p.shape, generator=gen) for p in model.weights]
-            if hasattr(opt, "sample_round"):
-                opt.sample_round()
+            opt.begin_step()
             loss = wrapped(grads)
             if torch.is_tensor(loss) and loss.requires_grad:
                 loss.backward()

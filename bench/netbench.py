@@ -87,8 +87,8 @@ def interface_counters(dev: str) -> dict:
 
 def _install_probes(dev: str) -> None:
     """Record ledger totals and interface counters at every period the pipeline logs (all ranks)."""
-    from slamb import experiment as ex
-    from slamb.experiment import run as run_mod
+    import harness as ex
+    from harness import run as run_mod
 
     latest = {}
     comm_totals = ex.comm_totals
@@ -779,7 +779,7 @@ def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list
 # ----------------------------------------------------------------------------- CLI
 
 def _git() -> str:
-    from slamb.experiment.run import git_revision
+    from harness.run import git_revision
 
     g = git_revision(ROOT)
     return f"{g['commit'][:10]}{' (dirty)' if g['dirty'] else ''}"

@@ -85,7 +85,7 @@ def main(argv=None) -> dict:
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
-    from slamb.experiment import check_trainer, launch
+    from harness import check_trainer, launch
 
     from .train import train
 

@@ -10,7 +10,7 @@ any number of workers by gradient accumulation over micro-batches of
 ``data.micro_batch`` sequences; gradients are communicated (by the
 optimizer's DDP hook, if any) on the last micro-batch only. Under fp16 the
 loss is scaled dynamically and overflowing steps are skipped by all ranks
-together (:mod:`slamb.experiment.amp`); ``clip_grad`` clips the unscaled
+together (:mod:`harness.amp`); ``clip_grad`` clips the unscaled
 gradients' global norm before the optimizer step (null: no clipping).
 
 Training is counted in optimizer steps. Every ``log_every`` steps a line goes
@@ -35,10 +35,11 @@ import torch
 from omegaconf import OmegaConf
 
 import slamb
-from slamb import comm, experiment as ex
-from slamb.experiment.accumulate import accumulation_steps
-from slamb.experiment.amp import MixedPrecision, accumulation_context
-from slamb.schedules import build_lr_scheduler
+import harness as ex
+from slamb import comm
+from harness.accumulate import accumulation_steps
+from harness.amp import MixedPrecision, accumulation_context
+from harness.schedules import build_lr_scheduler
 
 from .data import IGNORE_INDEX, PretrainingStream, find_shards
 from .model import build_model, load_pretrained, parameter_count
@@ -80,7 +81,7 @@ def period_metrics(sums: torch.Tensor) -> dict:
 def export_model(model, optimizer, env, out_dir: Path, vocab: Path | None) -> None:
     """Rank 0 saves the ranks' average model in Hugging Face format (with the vocabulary when known)."""
     model = ex.unwrap(model)
-    if getattr(optimizer, "communicates_itself", False) and env.world_size > 1:
+    if optimizer.params_differ and env.world_size > 1:
         for p in model.parameters():  # parameters differ by rank between model syncs
             comm.all_reduce_mean_(p.data, kind="export", ledger=None)
     if env.is_main:

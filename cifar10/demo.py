@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from slamb.experiment.tables import build_tables, comparison_rows, load_runs
+from harness.tables import build_tables, comparison_rows, load_runs
 
 from .data import write_cifar10
 

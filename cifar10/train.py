@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
-from slamb import comm, experiment as ex
-from slamb.experiment.amp import MixedPrecision
-from slamb.schedules import build_lr_scheduler, compression_ratio
+import harness as ex
+from slamb import comm
+from harness.amp import MixedPrecision
+from harness.schedules import build_lr_scheduler
 
 from .data import augment, augment_generator, load_cifar10, normalize
 from .model import build_model
@@ -72,8 +73,6 @@ def train(cfg: dict, run_dir: str) -> dict:
     amp = MixedPrecision(t.precision, env.device)
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
-    warmup = cfg.optimizer.get("compression_warmup")
-    base_k = getattr(optimizer, "compress_ratio", None)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
 
     ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
@@ -84,10 +83,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
     bytes_before = ex.comm_totals(optimizer)
     for epoch in range(start_epoch, cfg.epochs):
-        if warmup is not None:
-            optimizer.compress_ratio = compression_ratio(epoch, base_k, warmup)
-        if hasattr(optimizer, "set_epoch"):  # optimizers with their own per-epoch schedule (DGC's density)
-            optimizer.set_epoch(epoch)
+        optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
         tic = time.perf_counter()
@@ -96,8 +92,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             x = train_x[idx]
             x = normalize(augment(x, augment_generator(cfg.seed, env.rank, step)) if d.augment else x)
             y = train_y[idx]
-            if hasattr(optimizer, "sample_round"):  # JointSpar: draw this round's layers, freeze the others
-                optimizer.sample_round()
+            optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             with amp.autocast():
                 logits = model(x)
             loss = F.cross_entropy(logits.float(), y)

@@ -5,14 +5,14 @@
 Comparison tables (one per ``paper.table`` of the experiment configs, the
 paper's top-1 beside ours, bytes per worker, ratio to LAMB, wall time), the
 training curves (accuracy vs epoch and vs bytes sent) and, for sweeps, the
-beta3 x k grid and heat map. See :mod:`slamb.experiment.tables`.
+beta3 x k grid and heat map. See :mod:`harness.tables`.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
-from slamb.experiment.tables import build_tables, load_runs
+from harness.tables import build_tables, load_runs
 
 
 def main(argv=None) -> int:

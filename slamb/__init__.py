@@ -1,12 +1,15 @@
 """SLAMB and its baselines over torch.distributed, with an exact byte ledger."""
 from . import comm
 from .comm import CommLedger
-from .ddp import attach_ledger, wrap_model
+from .averaging import average_model, averaged_model
+from .contract import DistributedOptimizer, adopt
+from .ddp import wrap_model
 from .optim import DGC, LAMB, SLAMB, JointSpar, OnebitLamb
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
 
 __version__ = "0.1.0"
 __all__ = [
-    "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "CommLedger", "comm", "wrap_model", "attach_ledger",
+    "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "CommLedger", "comm", "wrap_model", "adopt", "DistributedOptimizer",
+    "average_model", "averaged_model",
     "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay",
 ]

@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from .ddp import attach_ledger
+from .contract import adopt
 
 # name -> "module:attribute", resolved on first use; extra keyword defaults
 OPTIMIZERS: dict[str, tuple[str, dict]] = {
@@ -56,8 +56,9 @@ def create_optimizer(name: str, params_or_model, *, weight_decay: float = 0.0,
                      no_decay: tuple[str, ...] = (), **settings):
     """Build optimizer ``name``; unknown names or settings raise ``ValueError`` listing the valid ones.
 
-    The result has a ``ledger`` (:class:`slamb.CommLedger`) and ``comm_stats()``;
-    wrap the model with :func:`slamb.wrap_model` to get its DDP communication.
+    The result satisfies :class:`slamb.contract.DistributedOptimizer` (a ``ledger``,
+    ``comm_stats()``, ``communication``, ``begin_epoch``/``begin_step``); wrap the
+    model with :func:`slamb.wrap_model` to get its DDP communication.
     """
     cls = optimizer_class(name)
     valid = optimizer_settings(name)
@@ -72,5 +73,4 @@ def create_optimizer(name: str, params_or_model, *, weight_decay: float = 0.0,
     if "weight_decay" in valid or "weight_decay" in inspect.signature(cls.__init__).parameters:
         kwargs["weight_decay"] = weight_decay
     optimizer = cls(params, **kwargs)
-    attach_ledger(optimizer)
-    return optimizer
+    return adopt(optimizer)

@@ -2,7 +2,8 @@
 
 LR schedules are picklable multiplier objects of the global step (so a
 :class:`torch.optim.lr_scheduler.LambdaLR` built on them saves and restores
-with the checkpoint) and are stepped once per optimizer step:
+with the checkpoint) and are stepped once per optimizer step, e.g.
+``LambdaLR(opt, WarmupPolyDecay(warmup_steps, total_steps, power=0.5))``:
 
 * :class:`MultiStep`: x gamma at given epochs (CIFAR-10: x0.1 at 100 and 150);
 * :class:`WarmupPolyDecay`: linear warm-up then polynomial decay to zero
@@ -21,11 +22,10 @@ from __future__ import annotations
 import bisect
 import math
 
-import torch
 
 from .optim._common import check_range
 
-# The seed's per-epoch warm-up of SLAMB's compression ratio (CIFAR-10 recipe).
+# The reference code's per-epoch warm-up of SLAMB's compression ratio (CIFAR-10 recipe).
 CIFAR10_COMPRESSION_WARMUP = (0.5, 0.5, 0.2, 0.1, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01,
                               0.008, 0.008, 0.006, 0.006, 0.003, 0.003, 0.001)
 COMPRESSION_WARMUPS = {"cifar10": CIFAR10_COMPRESSION_WARMUP}
@@ -88,45 +88,27 @@ class WarmupExpDecay:
         return self.decay_rate ** ((step - self.warmup_steps) / self.decay_steps)
 
 
-SCHEDULES = ("constant", "multistep", "warmup_poly", "warmup_exp", "warmup_cosine")
-
-
-def warmup_steps(cfg, total_steps: int) -> int:
-    """``cfg.warmup_steps`` when set, else ``ceil(cfg.warmup_fraction * total_steps)`` (0 when neither)."""
-    steps = cfg.get("warmup_steps")
-    return math.ceil(cfg.get("warmup_fraction", 0.0) * total_steps) if steps is None else int(steps)
-
-
-def lr_multiplier(cfg, steps_per_epoch: int, total_steps: int):
-    """The multiplier object a schedule config (``name`` + its settings) describes."""
-    name = cfg["name"]
-    if name == "constant":
-        return MultiStep([], 1.0, steps_per_epoch)
-    if name == "multistep":
-        return MultiStep(cfg["milestones"], cfg["gamma"], steps_per_epoch)
-    if name == "warmup_poly":
-        return WarmupPolyDecay(warmup_steps(cfg, total_steps), total_steps, cfg.get("power", 1.0))
-    if name == "warmup_exp":
-        return WarmupExpDecay(warmup_steps(cfg, total_steps), cfg["decay_rate"], cfg["decay_steps"],
-                              cfg.get("degree", 2.0))
-    if name == "warmup_cosine":
-        return WarmupCosine(cfg["warmup_epochs"] * steps_per_epoch, total_steps, cfg.get("warmup_init", 0.0),
-                            cfg.get("min_ratio", 0.0))
-    raise ValueError(f"invalid schedule.name={name!r}: must be one of {list(SCHEDULES)}")
-
-
-def build_lr_scheduler(optimizer, cfg, steps_per_epoch: int, total_steps: int):
-    """A per-step :class:`LambdaLR` for the schedule config ``cfg``."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, steps_per_epoch, total_steps))
+def check_compression_warmup(warmup):
+    """``None``, a named warm-up or a sequence of per-epoch ratios in (0, 1] -> ``None`` or a tuple."""
+    if warmup is None:
+        return None
+    if isinstance(warmup, str):
+        if warmup not in COMPRESSION_WARMUPS:
+            raise ValueError(f"invalid compression_warmup={warmup!r}: must be null, a list of per-epoch ratios "
+                             f"in (0, 1] or one of {sorted(COMPRESSION_WARMUPS)}")
+        return COMPRESSION_WARMUPS[warmup]
+    if not hasattr(warmup, "__iter__"):
+        raise ValueError(f"invalid compression_warmup={warmup!r}: must be null, a list of per-epoch ratios "
+                         f"in (0, 1] or one of {sorted(COMPRESSION_WARMUPS)}")
+    warmup = tuple(warmup)
+    for e, k in enumerate(warmup):
+        check_range(f"compression_warmup[{e}]", k, 0.0, 1.0, lo_open=True)
+    return warmup
 
 
 def compression_ratio(epoch: int, k: float, warmup=CIFAR10_COMPRESSION_WARMUP) -> float:
     """SLAMB's compression ratio for ``epoch`` (0-based): ``max(warmup[epoch], k)``, last entry kept after."""
-    if isinstance(warmup, str):
-        if warmup not in COMPRESSION_WARMUPS:
-            raise ValueError(f"invalid compression_warmup={warmup!r}: must be one of {sorted(COMPRESSION_WARMUPS)}"
-                             " or a list of per-epoch ratios")
-        warmup = COMPRESSION_WARMUPS[warmup]
+    warmup = check_compression_warmup(warmup)
     if not warmup:
         return k
     return max(float(warmup[min(epoch, len(warmup) - 1)]), k)

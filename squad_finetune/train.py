@@ -27,10 +27,10 @@ from omegaconf import OmegaConf
 
 import slamb
 from slamb import comm
-from slamb import experiment as ex
-from slamb.experiment.checkpoint import atomic_write_json
+import harness as ex
+from harness.checkpoint import atomic_write_json
 from slamb.optim._common import check_choice
-from slamb.schedules import build_lr_scheduler
+from harness.schedules import build_lr_scheduler
 
 from .data import Features, load_squad, load_tokenizer, make_features
 from .evaluate import evaluate_examples

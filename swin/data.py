@@ -27,7 +27,7 @@ from timm.data import (
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DataLoader, DistributedSampler, Subset
 
-from slamb.experiment import DistEnv, eval_shard
+from harness import DistEnv, eval_shard
 
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")

@@ -9,7 +9,7 @@ The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
 (global batch = workers x data.batch_size_per_worker x accumulation_steps),
 reached after ``schedule.warmup_epochs`` and decayed per step by a cosine.
 Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
-a skip decision agreed by all ranks, :mod:`slamb.experiment.amp`).
+a skip decision agreed by all ranks, :mod:`harness.amp`).
 
 Per epoch the run directory's metrics hold the training loss, validation
 top-1/top-5 (each rank scores its shard with its own model: under SLAMB
@@ -32,9 +32,9 @@ from omegaconf import OmegaConf
 
 import slamb
 from slamb import comm
-from slamb import experiment as ex
-from slamb.experiment.amp import MixedPrecision, accumulation_context
-from slamb.schedules import build_lr_scheduler
+import harness as ex
+from harness.amp import MixedPrecision, accumulation_context
+from harness.schedules import build_lr_scheduler
 
 from .data import build_loaders, mixup_and_loss
 from .model import build_model, image_size

@@ -1,4 +1,4 @@
 """Multi-process tests run their bodies through the package's local launcher."""
-from slamb.experiment.local import run_local as run
+from harness.local import run_local as run
 
 __all__ = ["run"]

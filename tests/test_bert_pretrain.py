@@ -17,9 +17,10 @@ from bert.data import PretrainingStream, find_shards
 from bert.model import build_model, parameter_count
 from bert.train import initial_model, train
 from bert.vocab import train_vocab
-from slamb.experiment.accumulate import accumulation_steps
-from slamb.experiment.amp import MixedPrecision, accumulation_context
-from slamb.schedules import WarmupExpDecay, build_lr_scheduler
+from harness.accumulate import accumulation_steps
+from harness.amp import MixedPrecision, accumulation_context
+from harness.schedules import build_lr_scheduler
+from slamb.schedules import WarmupExpDecay
 from tests import distributed
 from tests.test_bert_data import write_corpus
 
@@ -246,7 +247,7 @@ def _worker(rank, world, jobs):
     """Every 2-worker check of this file in one job: process start-up dominates on a loaded 2-core machine."""
     import shutil
 
-    from slamb.experiment import barrier
+    from harness import barrier
 
     out = {"harness": (_accumulated_grad(rank, world), _scaler_steps(rank, world)), "summaries": []}
     for cfg, run_dir, resume_from in jobs:
@@ -362,7 +363,7 @@ def test_auto_resume_from_a_mid_run_checkpoint_repeats_the_run(runs):
 
 
 def test_tables_render_the_pretraining_rows_per_phase(runs, tmp_path):
-    from slamb.experiment.tables import build_tables, load_runs
+    from harness.tables import build_tables, load_runs
 
     written = build_tables(load_runs(runs["dirs"]["lamb"].parent), tmp_path)
     assert {"bert_pretrain_phase1", "bert_pretrain_phase2"} <= set(written)
@@ -380,8 +381,8 @@ BERT_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("bert_*.
 @pytest.mark.parametrize("experiment", BERT_EXPERIMENTS)
 def test_every_bert_experiment_composes_and_builds(experiment):
     cfg = compose_bert(f"experiment={experiment}", "model=bert_tiny")
-    from slamb.experiment import build_optimizer
-    from slamb.experiment.amp import PRECISIONS
+    from harness import build_optimizer
+    from harness.amp import PRECISIONS
 
     model = build_model(cfg["model"])
     opt = build_optimizer(model, cfg["optimizer"])

@@ -17,7 +17,7 @@ import torch
 from cifar10 import data as cdata
 from cifar10.model import ResNetCifar
 from cifar10.train import train
-from slamb.experiment.tables import build_tables, load_runs
+from harness.tables import build_tables, load_runs
 from tests import distributed
 from tests.test_configs import compose_cfg
 

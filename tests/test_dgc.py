@@ -127,7 +127,7 @@ def test_state_dict_round_trip_resumes_exactly():
 
     model, opt = make()
     train(model, opt, 3, 0)
-    opt.set_epoch(1)
+    opt.begin_epoch(1)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
     train(model, opt, 4, 1)
 
@@ -146,10 +146,10 @@ def test_warmup_schedule_is_followed():
     torch.manual_seed(0)
     w = nn.Parameter(torch.randn(400, 250))
     opt = DGC([w], lr=0.01, momentum=0.9)  # the default schedule
-    assert opt.density == 0.25  # epoch 0 before any set_epoch
+    assert opt.density == 0.25  # epoch 0 before any begin_epoch
     expected = [0.25, 0.063, 0.015, 0.004, 0.001, 0.001, 0.001]
     for epoch, density in enumerate(expected):
-        assert opt.set_epoch(epoch) == density and opt.density == density
+        assert opt.begin_epoch(epoch) == density and opt.density == density
         w.grad = torch.randn_like(w)
         opt.step()
         ex = opt.last_exchange()
@@ -189,7 +189,7 @@ def test_invalid_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="density"):
         opt.density = 0
     with pytest.raises(ValueError, match="epoch"):
-        opt.set_epoch(-1)
+        opt.begin_epoch(-1)
     with pytest.raises(ValueError, match="unknown setting"):
         create_optimizer("dgc", p, compress_ratio=0.01)
     p[0].grad = torch.full((3, 3), float("nan"))
@@ -294,7 +294,7 @@ def _train_and_agree(rank, world_size):
         loss0 = nn.functional.mse_loss(model(x_eval), y_eval).item()
     exchanges = []
     for step in range(60):
-        opt.set_epoch(step // 20)
+        opt.begin_epoch(step // 20)
         x, y = _batch(rank, step)
         opt.zero_grad()
         nn.functional.mse_loss(ddp(x), y).backward()

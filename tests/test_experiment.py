@@ -10,11 +10,12 @@ import torch
 import yaml
 
 import slamb
-from slamb import experiment as ex
-from slamb.experiment.checkpoint import Checkpointer
-from slamb.experiment.run import RunLogger
-from slamb.experiment.tables import build_tables, load_runs
-from slamb.schedules import MultiStep, WarmupPolyDecay, build_lr_scheduler, compression_ratio
+import harness as ex
+from harness.checkpoint import Checkpointer
+from harness.run import RunLogger
+from harness.tables import build_tables, load_runs
+from harness.schedules import build_lr_scheduler
+from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
 from tests import distributed
 
 CPU = torch.device("cpu")

@@ -34,8 +34,7 @@ def train_worker(rank, world, names):
         net = slamb.wrap_model(model, opt)
         losses = []
         for _ in range(40):
-            if hasattr(opt, "sample_round"):
-                opt.sample_round()
+            opt.begin_step()
             loss = torch.nn.functional.cross_entropy(net(x), y)
             if loss.requires_grad:
                 loss.backward()

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from slamb import scaling as sc
+from bench import cost_model as sc
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 US = 1e-6

@@ -17,10 +17,11 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from PIL import Image
 
-from slamb.experiment import DistEnv, build_optimizer, check_trainer, seed_everything
-from slamb.experiment.amp import MixedPrecision
-from slamb.experiment.tables import build_tables, load_runs
-from slamb.schedules import WarmupCosine, build_lr_scheduler
+from harness import DistEnv, build_optimizer, check_trainer, seed_everything
+from harness.amp import MixedPrecision
+from harness.tables import build_tables, load_runs
+from harness.schedules import build_lr_scheduler
+from slamb.schedules import WarmupCosine
 from swin import data as sdata
 from swin.model import build_model
 from swin.train import forward_backward, train

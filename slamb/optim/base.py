@@ -17,10 +17,13 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
+from ..contract import OPTIMIZER_HOOK, ContractDefaults
 from ._common import NONFINITE_POLICIES, check_choice, nonfinite_skip
 
 
-class LocalStateOptimizer(Optimizer):
+class LocalStateOptimizer(ContractDefaults, Optimizer):
+    communication = OPTIMIZER_HOOK
+    per_rank_state = True
     state_key: str = ""  # the optimizer-level entry of state_dict()
     per_rank_reason = "each worker keeps its own state"
     per_rank_alternative = "start the optimizer afresh and load only the model"
@@ -32,9 +35,6 @@ class LocalStateOptimizer(Optimizer):
         self.ledger = ledger or comm.CommLedger()
         self._layout_ids: list[int] | None = None
         self._step = 0
-
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
 
     def add_param_group(self, param_group: dict) -> None:
         if getattr(self, "_layout_ids", None) is not None:

@@ -46,7 +46,7 @@ Choices, each named:
 * The sum of the gathered entries runs rank by rank (each rank's indices are
   distinct), so it is the same to the last bit on every rank and device:
   parameters never drift apart.
-* The density is set per epoch: ``opt.set_epoch(e)`` takes
+* The density is set per epoch: ``opt.begin_epoch(e)`` takes
   ``warmup_densities[e]`` for the first epochs, then ``density`` (the
   target); ``opt.density = x`` sets it directly. Default warm-up: the seed's
   (0.25, 0.063, 0.015, 0.004), then 0.001; pass ``warmup_densities=()`` for
@@ -93,7 +93,7 @@ class DGC(LocalStateOptimizer):
     Per parameter group: ``lr``, ``momentum``, ``nesterov``, ``weight_decay``.
     For the whole optimizer: ``density`` (the target fraction of each
     compressed tensor sent per step), ``warmup_densities`` (per-epoch
-    densities before the target; see :meth:`set_epoch`), ``sample_ratio``
+    densities before the target; see :meth:`begin_epoch`), ``sample_ratio``
     (fraction of a tensor sampled for the threshold, >= 0.01),
     ``density_bounds`` (accepted count range as multiples of k, DGC's
     (0.8, 1.3)), ``max_adjust_iters`` (threshold corrections before the exact
@@ -194,7 +194,7 @@ class DGC(LocalStateOptimizer):
             raise ValueError(f"invalid epoch={epoch!r}: must be an integer >= 0 (epochs count from 0)")
         return self.warmup_densities[epoch] if epoch < len(self.warmup_densities) else self.target_density
 
-    def set_epoch(self, epoch: int) -> float:
+    def begin_epoch(self, epoch: int) -> float:
         """Call at the start of each epoch (0-based); sets and returns the density of that epoch."""
         self.density = self.density_at(epoch)
         self.epoch = epoch

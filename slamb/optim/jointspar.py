@@ -68,7 +68,7 @@ synchronised: they stay per rank.
 
 Why no DDP: its reducer expects a gradient for every parameter at every step,
 and with ``find_unused_parameters`` it all-reduces a map of the used ones (bytes
-outside the ledger). ``uses_ddp = False`` makes :func:`slamb.wrap_model` return
+outside the ledger). ``communication = "no_ddp"`` makes :func:`slamb.wrap_model` return
 the plain model, and ``ddp_comm_hook`` raises a clear error for code that would
 wrap it anyway.
 """
@@ -80,6 +80,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
+from ..contract import NO_DDP, ContractDefaults
 from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip, safe_ratio
 from .flat import FlatLayout, check_layouts_agree, param_labels
 from .masks import step_seed
@@ -164,7 +165,7 @@ def jointspar_reference(p, g, m, *, prob, lr, momentum, wd, trust_coeff):
     p.sub_(lr * m)
 
 
-class JointSpar(Optimizer):
+class JointSpar(ContractDefaults, Optimizer):
     """JointSpar (``lars=False``) and JointSpar-LARS (``lars=True``) over torch.distributed.
 
     Per parameter group: ``lr``, ``momentum``, ``weight_decay``. For the whole
@@ -195,7 +196,7 @@ class JointSpar(Optimizer):
     small (kappa*D = 16 of 160 layers, p_min = 0.01).
     """
 
-    uses_ddp = False  # slamb.wrap_model returns the plain model
+    communication = NO_DDP  # slamb.wrap_model returns the plain model
 
     def __init__(
         self,
@@ -290,11 +291,8 @@ class JointSpar(Optimizer):
         """The current round's draw (bool, CPU, layer order); ``None`` between a step and the next draw."""
         return None if self._active is None else self._active.clone()
 
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
-
     def ddp_comm_hook(self):
-        """Only reached by code that wraps the model in DDP despite ``uses_ddp = False``."""
+        """Only reached by code that wraps the model in DDP despite ``communication = "no_ddp"``."""
         raise RuntimeError(
             "JointSpar averages the active layers' gradients itself and freezes the others each round, which "
             "DDP's reducer cannot follow: do not wrap the model in DDP. Use the plain model, call "
@@ -303,6 +301,10 @@ class JointSpar(Optimizer):
         )
 
     # -- rounds -------------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        """The contract's per-step schedule: :meth:`sample_round`."""
+        self.sample_round()
 
     def sample_round(self) -> torch.Tensor:
         """Draw this round's active layers and freeze the others; call before the forward pass.

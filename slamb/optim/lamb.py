@@ -11,6 +11,7 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
+from ..contract import ContractDefaults
 from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
                       nonfinite_skip, safe_ratio)
 
@@ -47,7 +48,7 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
-class LAMB(Optimizer):
+class LAMB(ContractDefaults, Optimizer):
     """Data-parallel LAMB. Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``bias_correction``, ``trust_clamp`` (``None`` or ``(min, max)``).
 
@@ -80,9 +81,6 @@ class LAMB(Optimizer):
             if len(clamp) != 2 or not 0 <= clamp[0] <= clamp[1]:
                 raise ValueError(f"invalid trust_clamp={clamp!r}: must be None or (min, max) with 0 <= min <= max")
             g["trust_clamp"] = clamp
-
-    def comm_stats(self) -> dict:
-        return self.ledger.summary()
 
     @torch.no_grad()
     def step(self, closure=None):

@@ -28,6 +28,8 @@ import math
 import torch
 
 from .. import comm
+from ..averaging import average_tensors_
+from ..schedules import check_compression_warmup, compression_ratio
 from ..ddp import no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
                       safe_ratio)
@@ -80,9 +82,15 @@ class SLAMB(LocalStateOptimizer):
     ``compress_ratio`` (k), ``sync_interval`` (H), ``min_compress_numel`` (T),
     ``variant``, ``mask``, ``comm_dtype``, ``seed``, ``process_group``.
 
-    ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``
-    (the CIFAR-10 compression warm-up does so each epoch); the next step's
-    mask uses it, and a cyclic mask re-cuts its permutation into int(1/k) chunks.
+    ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``;
+    the next step's mask uses it, and a cyclic mask re-cuts its permutation
+    into int(1/k) chunks. ``compression_warmup`` (None, a list of per-epoch
+    ratios, or ``"cifar10"``: the CIFAR-10 recipe's) does so at each
+    :meth:`begin_epoch`: k_e = max(warmup[e], k), the last entry kept after.
+
+    The ranks' parameters differ between syncs: the model of the run is their
+    average, :meth:`average_parameters` (or :func:`slamb.average_model`, which
+    also averages buffers such as BatchNorm statistics).
 
     Wrap the model with :func:`slamb.wrap_model` (DDP that broadcasts the
     initial parameters but keeps gradients local) or call ``backward()`` on an
@@ -102,7 +110,7 @@ class SLAMB(LocalStateOptimizer):
     bucket, and finish it in ``step()``; the numbers are those of the plain path.
     """
 
-    communicates_itself = True
+    params_differ = True
     state_key = "slamb"
     per_rank_reason = "each worker keeps its own moments"
 
@@ -128,6 +136,7 @@ class SLAMB(LocalStateOptimizer):
         nonfinite: str = "raise",
         ledger: comm.CommLedger | None = None,
         overlap: bool = False,
+        compression_warmup=None,
     ):
         check_choice("variant", variant, VARIANTS)
         check_choice("overlap", overlap, (False, True))
@@ -147,6 +156,8 @@ class SLAMB(LocalStateOptimizer):
         self.variant = variant
         self.mask_policy = mask or VARIANTS[variant]
         self.compress_ratio = compress_ratio
+        self.target_compress_ratio = self.compress_ratio
+        self.compression_warmup = check_compression_warmup(compression_warmup)
         self.sync_interval = sync_interval
         self.min_compress_numel = min_compress_numel
         self.comm_dtype = comm_dtype
@@ -168,6 +179,25 @@ class SLAMB(LocalStateOptimizer):
     def compress_ratio(self, k: float) -> None:
         check_range("compress_ratio", k, 0.0, 1.0, lo_open=True)
         self._compress_ratio = float(k)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """The compression warm-up: k for ``epoch`` (0-based) from ``compression_warmup``."""
+        if self.compression_warmup is not None:
+            self.compress_ratio = compression_ratio(epoch, self.target_compress_ratio, self.compression_warmup)
+
+    @torch.no_grad()
+    def average_parameters(self) -> None:
+        """Every rank ends with the ranks' average of the parameters (one flat all-reduce, kind ``"params"``).
+
+        Collective. Use it for the model of the run (evaluation, export); the
+        moments stay local. Before the first step the layout is not fixed and
+        every parameter is averaged.
+        """
+        if self._layout is not None:
+            self._sync_params()
+        else:
+            average_tensors_([p for g in self.param_groups for p in g["params"]], process_group=self.process_group,
+                             ledger=self.ledger)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

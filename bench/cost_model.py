@@ -41,7 +41,7 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
-from .comm import wire_factor
+from slamb.comm import wire_factor
 
 __all__ = [
     "Link", "Cluster", "Collective", "CommProfile", "BenchParams",

@@ -28,7 +28,7 @@ from .distributed import DistEnv
 
 def git_revision(repo: Path | None = None) -> dict:
     """Commit and dirtiness of the checkout the code runs from ("unknown" outside git)."""
-    cwd = repo or Path(__file__).resolve().parents[2]
+    cwd = repo or Path(__file__).resolve().parents[1]
     try:
         rev = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True, text=True,
                              timeout=10, check=True).stdout.strip()

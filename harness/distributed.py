@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
-from .. import comm
+from slamb import comm
 
 FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
 

@@ -6,15 +6,14 @@ from pathlib import Path
 
 import torch
 
-from .. import registry
-from ..optim._common import check_choice
-from ..schedules import COMPRESSION_WARMUPS
+from slamb import registry
+from slamb.optim._common import check_choice
 from .amp import PRECISIONS
 from .distributed import launch
 
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
-HARNESS_KEYS = ("name", "weight_decay", "no_decay", "compression_warmup")
+HARNESS_KEYS = ("name", "weight_decay", "no_decay")
 
 
 def check_trainer(t) -> None:
@@ -52,17 +51,8 @@ def optimizer_kwargs(ocfg) -> dict:
 
 def build_optimizer(model: torch.nn.Module, ocfg):
     """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``)."""
-    opt = registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
-                                    no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
-    warmup = ocfg.get("compression_warmup")
-    if warmup is not None:
-        if not hasattr(opt, "compress_ratio"):
-            raise ValueError(f"optimizer.compression_warmup={warmup!r} is set but optimizer {ocfg['name']!r} has "
-                             "no compress_ratio: set optimizer.compression_warmup=null")
-        if isinstance(warmup, str) and warmup not in COMPRESSION_WARMUPS:
-            raise ValueError(f"invalid optimizer.compression_warmup={warmup!r}: must be null, a list of "
-                             f"per-epoch ratios or one of {sorted(COMPRESSION_WARMUPS)}")
-    return opt
+    return registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
+                                     no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
 
 
 def run_from_hydra(worker, cfg):

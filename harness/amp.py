@@ -27,8 +27,8 @@ import math
 
 import torch
 
-from .. import comm
-from ..optim._common import check_choice, check_range
+from slamb import comm
+from slamb.optim._common import check_choice, check_range
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -55,7 +55,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 def params_differ_across_ranks(optimizer) -> bool:
     """True for optimizers that update each rank's parameters from local data (SLAMB between syncs)."""
-    return bool(getattr(optimizer, "communicates_itself", False))
+    return optimizer.params_differ
 
 
 class Checkpointer:

@@ -1,7 +1,7 @@
 """Run a function in N local processes joined by a gloo process group.
 
 For tests, benchmarks and examples that need a few workers on one machine
-without a launcher; training jobs use :func:`slamb.experiment.distributed.launch`.
+without a launcher; training jobs use :func:`harness.distributed.launch`.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The recipes fix the global batch (BERT phase 1: 65,536 sequences); a job has
 forward/backward, so each optimizer step runs
 ``global_batch / (world_size * micro_batch)`` micro-batches per worker, with
 the gradient communication on the last one only
-(:func:`slamb.experiment.amp.accumulation_context`).
+(:func:`harness.amp.accumulation_context`).
 """
 from __future__ import annotations
 

@@ -1,0 +1,78 @@
+"""The model of a run whose ranks drift apart: their average.
+
+Under SLAMB each rank updates its own copy of the parameters from its own
+moments; the copies meet only at the parameter syncs (every H steps). The
+model the run produces, the one to evaluate, export and ``save_pretrained``,
+is the ranks' average, and with BatchNorm the average of the running
+statistics as well: each rank's statistics describe only its own data shard.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+
+def _floating(tensors) -> list[torch.Tensor]:
+    return [t for t in tensors if t is not None and t.is_floating_point()]
+
+
+@torch.no_grad()
+def average_tensors_(tensors, *, process_group=None, ledger: comm.CommLedger | None = None,
+                     kind: str = "params") -> None:
+    """Replace every tensor by its mean over the ranks: one flat all-reduce per (device, dtype)."""
+    if comm.world_size(process_group) == 1:
+        return
+    by_key: dict[tuple, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_key.setdefault((t.device, t.dtype), []).append(t)
+    for members in by_key.values():
+        flat = torch.cat([t.reshape(-1) for t in members])
+        comm.all_reduce_mean_(flat, kind=kind, ledger=ledger, group=process_group)
+        torch._foreach_copy_(members, [v.view_as(t) for v, t in
+                                       zip(flat.split([t.numel() for t in members]), members)])
+
+
+def model_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[torch.Tensor]:
+    """The floating-point parameters (and buffers) of ``model`` (DDP's ``module`` if wrapped)."""
+    model = getattr(model, "module", model)
+    tensors = _floating(p.data for p in model.parameters())
+    if buffers:
+        tensors += _floating(model.buffers())
+    return tensors
+
+
+def average_model(model: torch.nn.Module, *, process_group=None, buffers: bool = True,
+                  ledger: comm.CommLedger | None = None) -> None:
+    """Every rank ends with the ranks' average of ``model``'s floating-point parameters and buffers.
+
+    Collective: every rank must call it. Integer buffers (BatchNorm's
+    ``num_batches_tracked``) are left as they are. Pass the optimizer's
+    ``ledger`` to count the bytes as training traffic (kind ``"params"``).
+    """
+    average_tensors_(model_tensors(model, buffers=buffers), process_group=process_group, ledger=ledger)
+
+
+class averaged_model:
+    """``with averaged_model(model):`` the body sees the ranks' average; the local copies come back after.
+
+    For evaluating the run's model at a checkpoint while training continues
+    from each rank's own parameters unchanged.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, process_group=None, buffers: bool = True):
+        self.tensors = model_tensors(model, buffers=buffers)
+        self.process_group = process_group
+        self.saved: list[torch.Tensor] | None = None
+
+    def __enter__(self):
+        if comm.world_size(self.process_group) > 1:
+            self.saved = [t.clone() for t in self.tensors]
+            average_tensors_(self.tensors, process_group=self.process_group, kind="eval")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.saved is not None:
+            with torch.no_grad():
+                torch._foreach_copy_(self.tensors, self.saved)
+            self.saved = None
