@@ -3,6 +3,7 @@ import pytest
 import torch
 
 import slamb
+from slamb.contract import GRADIENT_ALLREDUCE, NO_DDP, OPTIMIZER_HOOK
 from tests import distributed
 
 SETTINGS = {  # enough for a small MLP to learn in a few dozen steps
@@ -46,7 +47,8 @@ def train_worker(rank, world, names):
         with torch.no_grad():
             final = float(torch.nn.functional.cross_entropy(model(x), y))
         out[name] = {"first": losses[0], "final": final, "bytes": opt.comm_stats()["total"]["all"]["payload"],
-                     "params": [p.detach().clone() for p in model.parameters()]}
+                     "params": [p.detach().clone() for p in model.parameters()],
+                     "wrapped": net is not model, "kinds": set(opt.comm_stats()["total"]) - {"all"}}
     return out
 
 
@@ -57,9 +59,43 @@ def test_every_optimizer_trains_under_two_workers():
         for r in res:
             assert r[name]["final"] < 0.7 * r[name]["first"], (name, r[name])
             assert r[name]["bytes"] > 0, name  # and it did communicate, through the ledger
-        if name != "slamb":  # SLAMB's parameters agree only right after a sync step (tested elsewhere)
+        opt = slamb.create_optimizer(name, torch.nn.Linear(2, 2))
+        # the DDP wrapping follows the declared communication; SLAMB's DDP sends no gradient at all
+        assert res[0][name]["wrapped"] == (opt.communication != NO_DDP), name
+        if opt.communication == GRADIENT_ALLREDUCE:
+            assert "grads" in res[0][name]["kinds"], name
+        if name == "slamb":
+            assert res[0][name]["kinds"] == {"momentum", "params", "control"}, res[0][name]["kinds"]
+        if not opt.params_differ:  # SLAMB's parameters agree only right after a sync step (tested elsewhere)
             for a, b in zip(res[0][name]["params"], res[1][name]["params"]):
                 assert torch.equal(a, b), name
+
+
+CONTRACT = {  # communication, params_differ, per_rank_state
+    "sgd": (GRADIENT_ALLREDUCE, False, False), "adamw": (GRADIENT_ALLREDUCE, False, False),
+    "lamb": (GRADIENT_ALLREDUCE, False, False), "slamb": (OPTIMIZER_HOOK, True, True),
+    "onebit_lamb": (OPTIMIZER_HOOK, False, True), "dgc": (OPTIMIZER_HOOK, False, True),
+    "jointspar": (NO_DDP, False, False), "jointspar_lars": (NO_DDP, False, False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+def test_every_optimizer_satisfies_the_contract(name):
+    opt = slamb.create_optimizer(name, torch.nn.Linear(3, 3), **SETTINGS[name])
+    assert isinstance(opt, slamb.DistributedOptimizer)
+    assert (opt.communication, opt.params_differ, opt.per_rank_state) == CONTRACT[name]
+    opt.begin_epoch(0)
+    opt.begin_step()
+
+
+def test_adopt_makes_any_torch_optimizer_data_parallel():
+    opt = slamb.adopt(torch.optim.RMSprop(torch.nn.Linear(2, 2).parameters()))
+    assert isinstance(opt, slamb.DistributedOptimizer) and opt.communication == GRADIENT_ALLREDUCE
+    opt.step()
+    assert opt.comm_stats()["steps"] == 1  # its ledger closes a step with each optimizer step
+    opt.communication = "allgather"
+    with pytest.raises(ValueError, match="invalid communication='allgather'"):
+        slamb.adopt(opt)
 
 
 def test_unknown_name_lists_the_known_ones():
