@@ -204,7 +204,7 @@ def render(rows, device: str) -> str:
         out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
                    f"{med:.2f}x ({q1:.2f}-{q3:.2f}) | {r['state_words']:.2f} | {r['scratch_words']:.2f} | "
                    f"{r['peak_words']:.2f} |")
-    out += ["", "Targets (issue 2): SLAMB step <= 1.3x the LAMB step; SLAMB state <= 3 fp32 words per parameter.",
+    out += ["", "Targets: SLAMB step <= 1.3x the LAMB step; SLAMB state <= 3 fp32 words per parameter.",
             "slamb_v1's state includes its int16 staleness counter and its cut permutation (int16 gaps).",
             "Scratch: SLAMB keeps one model-sized buffer (v1: two) and its mask policy's k N doubles between "
             "steps instead of allocating its temporaries afresh each step (on the CPU a fresh model-sized "

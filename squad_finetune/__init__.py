@@ -1,4 +1,4 @@
-"""SQuAD v1.1 fine-tuning of a local BERT checkpoint (issue 6, part B).
+"""SQuAD v1.1 fine-tuning of a local BERT checkpoint.
 
 * :mod:`.data`: SQuAD JSON files, the tokenizer check, features (max length
   384, doc stride 128, original BERT windowing) with character offsets;

@@ -88,7 +88,7 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     if policy == "ignore" or not grads:
         return False
     # A finite 2-norm proves a tensor finite (NaN and inf propagate through the sum of squares) and
-    # costs a tenth of the max-norm on the CPU; a non-finite one may be an overflow of finite values
+    # is a cheaper reduction than the max-norm on the CPU; a non-finite one may be an overflow of finite values
     # (fp32 accumulation makes that rare even for fp16 gradients), so those get the exact check.
     acc = functools.reduce(torch.promote_types, {g.dtype for g in grads}, torch.float32)
     norms = torch.stack(torch._foreach_norm(grads, dtype=acc))

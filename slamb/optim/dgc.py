@@ -48,7 +48,7 @@ Choices, each named:
   parameters never drift apart.
 * The density is set per epoch: ``opt.begin_epoch(e)`` takes
   ``warmup_densities[e]`` for the first epochs, then ``density`` (the
-  target); ``opt.density = x`` sets it directly. Default warm-up: the seed's
+  target); ``opt.density = x`` sets it directly. Default warm-up: the reference code's
   (0.25, 0.063, 0.015, 0.004), then 0.001; pass ``warmup_densities=()`` for
   none (DGC's ImageNet runs).
 * The sample start of the threshold estimate comes from a generator owned by

@@ -188,7 +188,7 @@ class JointSpar(ContractDefaults, Optimizer):
     when the averaged gradients hold NaN/inf. They are the same on every rank,
     so the decision is local and costs no collective.
 
-    Settings of the seed (the paper; the schedule is the training loop's):
+    Settings of the reference code (the paper; the schedule is the training loop's):
     lr 0.1 with linear scaling, 5 warm-up epochs of 90, x0.1 at epochs 30, 50,
     70, local batch 1024. In simulations with fixed layer norms,
     ``dist_lr=0.003`` brings the variance within 5% of its optimum in about
