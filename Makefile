@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test bench comm-volume tables clean
+.PHONY: demo test test-quick bench comm-volume tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# the quick tier: no worker processes, no end-to-end pipeline runs
+test-quick: $(STAMP)
+	$(PY) -m pytest -q -m "not multiprocess and not e2e" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
