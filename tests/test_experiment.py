@@ -4,7 +4,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -12,7 +18,7 @@ import yaml
 import slamb
 import harness as ex
 from harness.checkpoint import Checkpointer
-from harness.run import RunLogger
+from harness.run import RunLock, RunLogger
 from harness.tables import build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
@@ -135,12 +141,14 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
         assert r["same"] and r["diverged"]  # resumed == uninterrupted, and training did move the weights
         assert r["total_resumed"] == r["total"] > 0  # cumulative bytes survive resume (ledger saved)
     # SLAMB's moments and parameters are per rank: both in every rank's file; LAMB's model once, on rank 0
-    assert out[0]["files"] == ["rank0.pt", "rank1.pt", "shared.pt"]
+    assert out[0]["files"] == ["complete.json", "rank0.pt", "rank1.pt", "shared.pt"]
     per_rank = torch.load(tmp_path / "ckpt/step000000003/rank1.pt", weights_only=False)
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")
     latest = json.loads((tmp_path / "ckpt/latest.json").read_text())
     assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3}
+    assert json.loads((tmp_path / "ckpt/step000000003/complete.json").read_text()) == \
+        {"world_size": 2, "epoch": 1, "step": 3}
 
 
 def test_checkpoint_keeps_the_last_and_refuses_another_world_size(tmp_path):
@@ -164,6 +172,140 @@ def test_a_save_interrupted_before_latest_leaves_the_previous_checkpoint(tmp_pat
     (ckpt.dir / "step000000009").mkdir()
     torch.save({"b": 9}, ckpt.dir / "step000000009" / "rank0.pt")
     assert ckpt.load()[0] == {"step": 5}
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())  # keeps two by default
+    for step in (1, 2, 3):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    newest = ckpt.dir / "step000000003" / "rank0.pt"
+    newest.write_bytes(newest.read_bytes()[:40])  # truncated, as by a full disk
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    out = capsys.readouterr().out
+    assert f"checkpoint file {newest} is unreadable" in out and "resuming from the previous checkpoint, step000000002" in out
+    (ckpt.dir / "step000000002" / "shared.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match=r"step000000002/shared.pt is unreadable .*trainer.resume=never"):
+        ckpt.load()
+
+
+def test_resuming_with_other_inputs_is_refused(tmp_path):
+    Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).save({"step": 1}, {}, {})
+    assert Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).load()[0] == {"step": 1}
+    with pytest.raises(ValueError, match=r"trained with data.dir='/data/a' and this run has data.dir='/data/b'.*"
+                                         r"trainer.resume=never"):
+        Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/b"}).load()
+    with pytest.raises(ValueError, match=r"init_from=None and this run has init_from='/m'"):
+        Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a", "init_from": "/m"}).load()
+    assert ex.checkpoint.run_inputs({"data": {"dir": "d"}, "model": {"dir": "???"}, "init_from": None}) == \
+        {"data.dir": os.path.abspath("d")}
+
+
+@pytest.mark.parametrize("name", ["lamb", "dgc", "jointspar"])
+def test_checkpoints_load_to_the_cpu_whatever_the_run_device(tmp_path, name):
+    """A run on an accelerator resumes: RNG states arrive as CPU ByteTensors (``meta`` stands in for CUDA)."""
+    model = _slamb_model()
+    opt = slamb.create_optimizer(name, model, lr=0.01)
+    for _ in range(2):
+        opt.begin_step()
+        _train_steps(model, opt, 0, 1, 0)
+    ckpt = Checkpointer(tmp_path, solo())
+    ex.save_training(ckpt, {"step": 2}, model=model, optimizer=opt)
+    torch.manual_seed(123)
+    model2 = _slamb_model()
+    opt2 = slamb.create_optimizer(name, model2, lr=0.01)
+    on_gpu = ex.DistEnv(0, 1, 0, 1, torch.device("meta"))
+    assert ex.restore_training(Checkpointer(tmp_path, on_gpu), model=model2, optimizer=opt2)[0] == {"step": 2}
+    assert torch.equal(torch.get_rng_state(), torch.load(tmp_path / "ckpt/step000000002/rank0.pt",
+                                                         weights_only=False)["rng"]["torch"])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    if name == "dgc":
+        assert torch.equal(opt2.generator.get_state(), opt.generator.get_state())
+    if name == "jointspar":
+        assert opt2._prob.device.type == "cpu" and torch.equal(opt2._prob, opt._prob)
+        assert torch.equal(opt2.sample_round(), opt.sample_round())  # the same next round
+
+
+def test_rng_state_round_trip_restores_every_stream():
+    state = ex.seeding.rng_state()
+    a = (torch.rand(3), np.random.rand(), random.random())
+    ex.seeding.set_rng_state(state)
+    b = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    assert state["torch"].dtype == torch.uint8 and state["torch"].device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------- run identity
+
+
+def _cfg(**over):
+    cfg = {"name": "r", "seed": 0, "epochs": 2, "data": {"dir": "/data/a"}, "optimizer": {"name": "sgd", "lr": 0.1},
+           "trainer": {"resume": "auto", "progress": True, "checkpoint": {"every_epochs": 1, "keep": 2}}}
+    for key, value in over.items():
+        node = cfg
+        *path, last = key.split("__")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return cfg
+
+
+def test_empty_schedules_are_refused():
+    for key, value in (("epochs", 0), ("epochs", -1), ("steps", 0), ("trainer__checkpoint__every_epochs", 0)):
+        with pytest.raises(ValueError, match=f"invalid {key.replace('__', '.')}={value}: must be an integer >= 1"):
+            ex.checkpoint.prepare_run(_cfg(**{key: value}), "/nonexistent")
+
+
+def test_a_finished_run_is_reported_finished_and_other_inputs_are_refused(tmp_path, capsys):
+    log = RunLogger(tmp_path, _cfg(), solo(), progress=False)
+    log.finish({"final_test_top1": 90.0})
+    # operational settings do not make it another run
+    assert ex.checkpoint.prepare_run(_cfg(trainer__progress=False), tmp_path) == {"final_test_top1": 90.0}
+    assert f"{tmp_path} is finished" in capsys.readouterr().out
+    assert ex.checkpoint.prepare_run(_cfg(epochs=3), tmp_path) is None  # extended: resumes
+    assert ex.checkpoint.prepare_run(_cfg(seed=1), tmp_path) is None
+    with pytest.raises(ValueError, match="data.dir='/data/a' and this run has data.dir='/data/b'"):
+        ex.checkpoint.prepare_run(_cfg(data__dir="/data/b"), tmp_path)
+    RunLogger(tmp_path, _cfg(), solo(), progress=False)  # a new writer: no longer finished
+    assert not (tmp_path / "metrics.json").exists()
+    assert ex.checkpoint.prepare_run(_cfg(), tmp_path) is None
+    Checkpointer(tmp_path, solo()).save({"step": 1}, {}, {})
+    assert ex.checkpoint.prepare_run(_cfg(trainer__resume="never"), tmp_path) is None
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, capsys):
+    with RunLock(tmp_path):
+        with pytest.raises(RuntimeError, match=rf"run directory {tmp_path} is being written by process {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "run.lock").exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    with RunLock(tmp_path):
+        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {dead.pid} is gone)" in capsys.readouterr().out
+    assert RunLock(tmp_path, hold=False).__enter__() and not (tmp_path / "run.lock").exists()
+
+
+def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
+    """Through ``python -m cifar10.train``: the checks run before any worker starts."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "a" / "cifar-10-batches-py", n_train=64, n_test=16)
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1", "epochs=1",
+              "experiment=cifar10_resnet110_lamb", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = cli([*common, f"data.dir={data}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = cli([*common, f"data.dir={data}", "trainer.progress=true"])
+    assert again.returncode == 0 and f"{tmp_path / 'run'} is finished" in again.stdout
+    assert "resumed" not in again.stdout and (tmp_path / "run" / "metrics.jsonl").read_text() == lines
+    other = shutil.copytree(data, tmp_path / "b" / "cifar-10-batches-py")
+    moved = cli([*common, f"data.dir={other}"])
+    assert moved.returncode != 0 and f"this run has data.dir='{other}'" in moved.stderr
+    empty = cli([*common, f"data.dir={data}", "epochs=0"])
+    assert empty.returncode != 0 and "invalid epochs=0: must be an integer >= 1" in empty.stderr
+    assert not (tmp_path / "run" / "run.lock").exists()
 
 
 # ------------------------------------------------------------------------------- run directory
