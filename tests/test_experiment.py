@@ -345,39 +345,73 @@ def _return_world(cfg, run_dir):
 # ------------------------------------------------------------------------------------- tables
 
 
-def _fixture_run(root, name, row, top1s, bytes_per_epoch, paper=None, study=None, optimizer=None):
+def _fixture_run(root, name, row, top1s, bytes_per_epoch, paper=None, study=None, optimizer=None, seed=0, local=None,
+                 **extra):
     d = root / name
     d.mkdir(parents=True)
-    cfg = {"name": name, "optimizer": optimizer or {"name": row.lower()}, "paper": paper, "study": study}
+    cfg = {"name": row.lower(), "seed": seed, "epochs": len(top1s), "optimizer": optimizer or {"name": row.lower()},
+           "data": {"dir": f"/data/copy{seed}"}, "trainer": {"progress": seed % 2 == 0}, "paper": paper,
+           "study": study, **extra}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    hist = [{"epoch": e + 1, "test_top1": t, "bytes_cum/all": bytes_per_epoch * (e + 1)} for e, t in enumerate(top1s)]
+    hist = [{"epoch": e + 1, "test_top1": t, "bytes_cum/all": bytes_per_epoch * (e + 1),
+             **({"test_top1_local": local[e]} if local else {})} for e, t in enumerate(top1s)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     (d / "metrics.json").write_text(json.dumps({
-        "final_test_top1": top1s[-1], "best_test_top1": max(top1s), "bytes_total": {"all": bytes_per_epoch * len(top1s)},
-        "wall_time_s": 12.0, "epochs": len(top1s), "world_size": 4, "global_batch": 1024, "params": 1_727_962,
+        "final_test_top1": top1s[-1] if top1s else float("nan"), "best_test_top1": max(top1s, default=float("nan")),
+        "bytes_total": {"all": bytes_per_epoch * len(top1s)}, "wall_time_s": 12.0, "epochs": len(top1s),
+        "world_size": 4, "global_batch": 1024, "params": 1_727_962,
         "compressed_share": 0.9 if row == "SLAMB" else None}))
 
 
-def test_make_tables_from_fixture_runs(tmp_path):
+def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     runs = tmp_path / "runs"
     t = "cifar10_resnet110"
-    _fixture_run(runs, "lamb", "LAMB", [80.0, 93.0], 4_000_000, {"table": t, "row": "LAMB", "top1": 93.15})
-    _fixture_run(runs, "sgd", "SGD-M", [70.0, 91.0], 4_000_000, {"table": t, "row": "SGD-M", "top1": 91.70})
-    _fixture_run(runs, "slamb", "SLAMB", [79.0, 93.4], 500_000, {"table": t, "row": "SLAMB", "top1": 93.21})
-    _fixture_run(runs, "slamb_seed1", "SLAMB", [79.0, 93.0], 500_000, {"table": t, "row": "SLAMB", "top1": 93.21})
-    for i, (b3, k, acc) in enumerate([(0.9, 0.1, 90.0), (0.99, 0.1, 92.0), (0.9, 0.05, 89.0)]):
+    paper = {"table": t, "task": "CIFAR-10 / ResNet-110, the paper's Table 1"}
+    slamb_opt = {"name": "slamb", "lr": 0.01, "compress_ratio": 0.1, "sync_interval": 50}
+    _fixture_run(runs, "lamb", "LAMB", [80.0, 93.0], 4_000_000, {**paper, "row": "LAMB", "top1": 93.15},
+                 optimizer={"name": "lamb", "lr": 0.01, "betas": [0.9, 0.999]})
+    _fixture_run(runs, "sgd", "SGD-M", [70.0, 91.0], 4_000_000, {**paper, "row": "SGD-M", "top1": 91.70})
+    for seed, (last, local) in enumerate([(93.4, 92.0), (93.0, 91.0), (93.8, 91.5)]):  # three seeds, one row
+        _fixture_run(runs, f"slamb/{seed}", "SLAMB", [79.0, last], 500_000, {**paper, "row": "SLAMB", "top1": 93.21},
+                     optimizer=slamb_opt, seed=seed, local=[70.0, local])
+    # the same optimizer row with another schedule: its own row, never averaged with the others
+    _fixture_run(runs, "slamb_long", "SLAMB", [60.0, 70.0, 80.0], 500_000, {**paper, "row": "SLAMB", "top1": 93.21},
+                 optimizer=slamb_opt)
+    _fixture_run(runs, "empty", "SLAMB", [], 1, {**paper, "row": "SLAMB"}, optimizer=slamb_opt)  # epochs=0
+    _fixture_run(runs, "nan", "LAMB", [float("nan")], 1, {**paper, "row": "LAMB"})
+    for i, (b3, k, acc) in enumerate([(0.9, 0.1, 90.0), (0.99, 0.1, 92.0), (0.9, 0.05, 89.0), (0.9, 0.1, 91.0)]):
         _fixture_run(runs, f"sweep/{i}", "SLAMB", [acc], 1, {"table": t, "row": "SLAMB", "top1": 93.21},
-                     study="beta3_compress_ratio", optimizer={"name": "slamb", "beta3": b3, "compress_ratio": k})
-    written = build_tables(load_runs(runs), tmp_path / "results")
+                     study="beta3_compress_ratio", optimizer={"name": "slamb", "beta3": b3, "compress_ratio": k},
+                     seed=i)
+    messages = []
+    loaded = load_runs(runs, log=messages.append)
+    assert sorted(messages) == [f"left out of the tables: {runs / 'empty'}: epochs = 0 (trained nothing)",
+                                f"left out of the tables: {runs / 'nan'}: final_test_top1 is NaN"]
+    written = build_tables(loaded, tmp_path / "results")
     md = (tmp_path / "results" / f"{t}.md").read_text()
     lines = [line for line in md.splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in lines[1:]] == ["| SGD-M", "| LAMB", "| SLAMB"]  # the paper's order
-    assert lines[3] == "| SLAMB | 93.21 | 93.20 | 93.20 | 1 MB | 0.125x | 12 s | 2 |"  # two seeds averaged
+    assert lines[0] == ("| Optimizer | configuration | top-1 | top-1 local | best top-1 | bytes sent / worker | "
+                        "vs LAMB | wall time | n |")
+    assert "Every row: workers 4, 1,727,962 parameters." in md
+    # rows in the paper's order; each names its configuration (non-default optimizer settings, the differing rest)
+    assert lines[1] == "| SGD-M | epochs=2 | 91.00 | - | 91.00 | 8 MB | 1.000x | 12 s | 1 |"
+    assert lines[2] == "| LAMB | epochs=2, lr=0.01 | 93.00 | - | 93.00 | 8 MB | 1.000x | 12 s | 1 |"
+    # three seeds: mean ± sample standard deviation, n = 3; the local models' column from the history
+    assert lines[3] == ("| SLAMB | epochs=2, lr=0.01, sync_interval=50 | 93.40 ± 0.40 | "
+                        "91.50 ± 0.50 | 93.40 ± 0.40 | 1 MB | 0.125x | 12 s | 3 |")
+    assert lines[4].startswith("| SLAMB | epochs=3, lr=0.01, sync_interval=50 | 80.00 | - |")
+    assert lines[4].endswith("| 1.5 MB | - | 12 s | 1 |")  # no LAMB run of 3 epochs to compare with
+    # the paper's numbers: a table of their own, under the paper's task
+    assert "The paper's numbers (CIFAR-10 / ResNet-110, the paper's Table 1), for reference:" in md
+    assert lines[5:] == ["| Optimizer | paper top-1 (%) |", "| SGD-M | 91.70 |", "| LAMB | 93.15 |", "| SLAMB | 93.21 |"]
     assert "SLAMB compresses 90.0% of the parameters" in md
     rows = list(csv.DictReader((tmp_path / "results" / f"{t}.csv").read_text().splitlines()))
-    assert float(rows[1]["bytes_vs_lamb"]) == 1.0 and float(rows[2]["bytes_per_worker"]) == 1_000_000
+    assert [r["optimizer"] for r in rows] == ["SGD-M", "LAMB", "SLAMB", "SLAMB"]
+    assert float(rows[2]["top1_std"]) == pytest.approx(0.4) and rows[2]["top1_n"] == "3"
+    assert float(rows[2]["bytes_per_worker"]) == 1_000_000 and rows[2]["seeds"] == "[0, 1, 2]"
     grid = (tmp_path / "results" / f"{t}_beta3_compress_ratio.md").read_text()
-    assert "| beta3 \\ k | 0.05 | 0.1 |" in grid and "| 0.9 | 89.00 | 90.00 |" in grid and "| 0.99 | - | 92.00 |" in grid
+    assert "| beta3 \\ k | 0.05 | 0.1 |" in grid and "| 0.9 | 89.00 (1) | 90.50 ± 0.71 (2) |" in grid
+    assert "| 0.99 | - | 92.00 (1) |" in grid
     pngs = [p for files in written.values() for p in files if str(p).endswith(".png")]
     assert sorted(p.name for p in pngs) == [f"{t}_beta3_compress_ratio_heatmap.png", f"{t}_curves.png"]
     assert all(p.stat().st_size > 10_000 for p in pngs)
