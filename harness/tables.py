@@ -169,7 +169,7 @@ def pm(s: tuple[float, float, int], digits: int = 2) -> str:
     return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
 
 
-def _fmt_bytes(n: float) -> str:
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.3g} {unit}"
@@ -280,7 +280,7 @@ def comparison_markdown(table: str, rows: list[dict], note: str | None = None, t
         ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
         lines.append(f"| {r['optimizer']} | {r['configuration']} | {pm(r['top1_stat'])} | "
                      + (f"{pm(r['top1_local_stat'])} | " if local else "")
-                     + f"{pm(r['best_top1_stat'])} | {_fmt_bytes(r['bytes_per_worker'])} | {ratio} | "
+                     + f"{pm(r['best_top1_stat'])} | {fmt_bytes(r['bytes_per_worker'])} | {ratio} | "
                      f"{r['wall_time_s']:.0f} s | {r['runs']} |")
     slamb = next((r for r in rows if r["compressed_share"] is not None), None)
     if slamb is not None:
@@ -356,7 +356,7 @@ def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> 
     for r in rows:
         ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
         lines.append(f"| {r['optimizer']} | {pm(r['loss_stat'], 4)} | {pm(r['mlm_acc_stat'])} | "
-                     f"{pm(r['nsp_acc_stat'])} | {r['seqs_per_s']:.1f} | {_fmt_bytes(r['bytes_per_worker'])} | "
+                     f"{pm(r['nsp_acc_stat'])} | {r['seqs_per_s']:.1f} | {fmt_bytes(r['bytes_per_worker'])} | "
                      f"{ratio} | {r['configuration']} | {r['runs']} |")
     if note:
         lines += ["", note.strip()]

@@ -415,3 +415,43 @@ def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     pngs = [p for files in written.values() for p in files if str(p).endswith(".png")]
     assert sorted(p.name for p in pngs) == [f"{t}_beta3_compress_ratio_heatmap.png", f"{t}_curves.png"]
     assert all(p.stat().st_size > 10_000 for p in pngs)
+
+
+def _demo_run(root, row, seed, top1, local, bytes_total):
+    d = root / f"{row}_seed{seed}"
+    d.mkdir(parents=True)
+    cfg = {"name": f"demo_digits_{row.lower()}", "seed": seed, "epochs": 2, "optimizer": {"name": row.lower()},
+           "paper": {"table": "demo_digits_resnet8", "row": row, "top1": 93.0, "task": "CIFAR-10 / ResNet-110"}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    hist = [{"epoch": 1, "test_top1": 50.0, "test_top1_local": 49.0, "bytes_cum/all": bytes_total["all"] / 2},
+            {"epoch": 2, "test_top1": top1, "test_top1_local": local, "bytes_cum/all": bytes_total["all"]}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    (d / "metrics.json").write_text(json.dumps({
+        "final_test_top1": top1, "best_test_top1": top1, "bytes_total": bytes_total, "wall_time_s": 5.0, "epochs": 2,
+        "steps": 10, "world_size": 4, "global_batch": 256, "params": 1000,
+        "compressed_share": 0.9 if row == "SLAMB" else None}))
+
+
+def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
+    from cifar10.demo import report
+
+    # SLAMB: 10 steps of k = 0.1 of the 900 compressed entries (3600 B) and the 100 dense ones (4000 B) in fp32,
+    # two parameter syncs of 4000 B, 4 B of control per step
+    slamb = {"momentum": 7600, "params": 8000, "control": 40, "all": 15640}
+    lamb = {"grads": 40000, "control": 40, "all": 40040}
+    for seed, (s, sl, l) in enumerate([(96.0, 95.0, 96.5), (96.4, 95.2, 96.7), (96.2, 95.1, 96.6)]):
+        _demo_run(tmp_path / "runs", "SLAMB", seed, s, sl, slamb)
+        _demo_run(tmp_path / "runs", "LAMB", seed, l, l, lamb)
+    text = report(load_runs(tmp_path / "runs"), tmp_path / "out")
+    assert text == (tmp_path / "out" / "demo.md").read_text()
+    assert "| LAMB | defaults | 96.60 ± 0.10 | 96.60 ± 0.10 | 96.60 ± 0.10 | 40 KB | 1.000x | 5 s | 3 |" in text
+    assert "| SLAMB | defaults | 96.20 ± 0.20 | 95.10 ± 0.10 | 96.20 ± 0.20 | 15.6 KB | 0.391x | 5 s | 3 |" in text
+    assert ("| Optimizer | gradients | momentum, sampled | momentum, always-dense tensors | parameter sync | control "
+            "| total | compressed share |") in text
+    assert "| LAMB | 40 KB | 0 B | 0 B | 0 B | 40 B | 40 KB | 0.0% |" in text
+    assert "| SLAMB | 0 B | 3.6 KB | 4 KB | 8 KB | 40 B | 15.6 KB | 23.0% |" in text
+    # the difference (-0.40) exceeds two standard errors (2 sqrt(0.2^2/3 + 0.1^2/3) = 0.26)
+    assert text.rstrip().endswith(
+        "SLAMB's averaged model is 0.40 points below LAMB's (96.20% vs 96.60% top-1, mean of 3 and 3 seeds; two "
+        "standard errors of the difference: 0.26, so a difference beyond the seeds' spread) at 0.391x LAMB's bytes "
+        "per worker (2.6x fewer).")
