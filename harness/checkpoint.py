@@ -126,7 +126,11 @@ class Checkpointer:
         path = self.dir / LATEST
         if not path.exists():
             return None
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except ValueError:  # written atomically, so only a damaged disk: the folders' markers still say
+            print(f"{path} is unreadable: looking for complete checkpoints in {self.dir}", flush=True)
+            return None
 
     def complete(self) -> list[dict]:
         """The complete checkpoints on disk, newest first (``latest.json``'s first)."""
@@ -269,9 +273,8 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
         if clear and ckpt.exists():
             shutil.rmtree(ckpt)
         return None
-    latest = ckpt / LATEST
-    if latest.exists():
-        check_inputs(json.loads(latest.read_text()).get("inputs"), run_inputs(cfg), ckpt)
+    for entry in Checkpointer(run_dir, None).complete()[:1]:
+        check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
     summary, config = run_dir / "metrics.json", run_dir / "config.yaml"
     if summary.exists() and config.exists():
         import yaml

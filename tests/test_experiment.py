@@ -188,6 +188,16 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path
         ckpt.load()
 
 
+def test_a_damaged_latest_json_resumes_from_the_newest_complete_folder(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    (ckpt.dir / "step000000003").mkdir()  # a save interrupted before it completed: no complete.json
+    (ckpt.dir / "latest.json").write_text('{"dir": "step0')
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    assert "latest.json is unreadable" in capsys.readouterr().out
+
+
 def test_resuming_with_other_inputs_is_refused(tmp_path):
     Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).save({"step": 1}, {}, {})
     assert Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).load()[0] == {"step": 1}
