@@ -181,16 +181,17 @@ def _last(run: dict, key: str):
     return run["history"][-1].get(key) if run["history"] else None
 
 
-def _rest(settings: dict) -> tuple:
-    """The settings of a configuration other than the optimizer's."""
-    return _key({k: v for k, v in settings.items() if not k.startswith("optimizer.") and k not in LABEL_SKIP})
+def _scale(settings: dict) -> tuple:
+    """The settings that fix how much a run communicates apart from its optimizer: model, data, length, workers."""
+    return _key({k: v for k, v in settings.items()
+                 if k in ("epochs", "steps", "workers") or k.startswith(("model.", "data."))})
 
 
 def add_bytes_vs_lamb(rows: list[dict]) -> list[dict]:
-    """Each row's bytes over those of the LAMB row with the same settings apart from the optimizer's."""
-    lamb = {_rest(r["settings"]): r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"}
+    """Each row's bytes over those of the LAMB row with the same model, data, length and workers."""
+    lamb = {_scale(r["settings"]): r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"}
     for r in rows:
-        ref = lamb.get(_rest(r["settings"]))
+        ref = lamb.get(_scale(r["settings"]))
         r["bytes_vs_lamb"] = r["bytes_per_worker"] / ref if ref else math.nan
     return rows
 
