@@ -97,13 +97,13 @@ def run_inputs(cfg) -> dict[str, str]:
 
 
 def check_inputs(saved: dict | None, current: dict, where) -> None:
-    """Refuse to resume the checkpoint in ``where`` (inputs ``saved``) with other inputs."""
+    """Refuse to resume the run in ``where`` (trained with inputs ``saved``) with other inputs."""
     if saved is None:  # written before inputs were recorded
         return
     for key in sorted(set(saved) | set(current)):
         if saved.get(key) != current.get(key):
             raise ValueError(
-                f"the checkpoint in {where} was trained with {key}={saved.get(key)!r} and this run has "
+                f"the run in {where} was trained with {key}={saved.get(key)!r} and this run has "
                 f"{key}={current.get(key)!r}: resuming would mix two inputs under one run. Set {key} back to "
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
