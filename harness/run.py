@@ -95,11 +95,11 @@ class RunLock:
         if holder.get("host") != socket.gethostname():
             return True  # another host's process cannot be checked from here
         try:
-            os.kill(int(holder["pid"]), 0)
+            os.kill(int(holder["pid"]), 0)  # signal 0: is there such a process, nothing sent
         except ProcessLookupError:
             return False
-        except PermissionError:
-            return True
+        except PermissionError:  # there is, run by another user
+            pass
         return True
 
     def acquire(self) -> None:
