@@ -5,6 +5,10 @@
     python -m bench.netbench --quick                           # 2 hosts, 10 Mbit/s, 2 epochs (~1 min)
     python -m bench.netbench --render-only                     # netbench.md and plots from the raw JSON
 
+Only the full matrix (every setting at its default) writes ``results/``; ``--quick`` and any other
+partial matrix write to ``runs/netbench/`` unless ``--out`` names a page, so that a quick check never
+replaces the committed results.
+
 For each host count N a :class:`bench.netns.Cluster` of N network namespaces
 on a switch namespace is created; for each link rate (and an unlimited link,
 the compute-only reference) and each optimizer row, one ``torchrun`` per
@@ -785,6 +789,11 @@ def _git() -> str:
     return f"{g['commit'][:10]}{' (dirty)' if g['dirty'] else ''}"
 
 
+FULL_OUT, SCRATCH_OUT = ROOT / "results" / "netbench.md", ROOT / "runs" / "netbench" / "netbench.md"
+# settings that do not change which runs the matrix holds or what they measure
+NOT_MATRIX = ("note", "workdir", "out", "raw", "render_only", "reanalyse", "run_timeout")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8], help="host counts (CIFAR-10)")
@@ -817,13 +826,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smallest configuration: 2 hosts, 10 Mbit/s (and the unlimited reference), LAMB and SLAMB, "
                         "CIFAR-10, 2 epochs")
     p.add_argument("--workdir", default=None, help="run directories and data (default: a temporary directory, removed)")
-    p.add_argument("--out", default=str(ROOT / "results" / "netbench.md"))
+    p.add_argument("--out", default=None,
+                   help=f"the page (raw JSON and plots beside it); default {FULL_OUT.relative_to(ROOT)} for the full "
+                        f"matrix or --render-only, {SCRATCH_OUT.relative_to(ROOT)} for --quick and partial matrices")
     p.add_argument("--raw", default=None, help="raw JSON (default: netbench_raw.json beside --out)")
     p.add_argument("--render-only", action="store_true", help="rebuild the page and plots from the raw JSON")
     p.add_argument("--reanalyse", metavar="WORKDIR", default=None,
                    help="with --render-only: first recompute the raw JSON's numbers from the run directories of a "
                         "kept --workdir")
     a = p.parse_args(argv)
+    a.partial = a.quick or any(getattr(a, k) != p.get_default(k) for k in vars(a) if k not in NOT_MATRIX)
+    if a.out is None:
+        a.out = str(SCRATCH_OUT if a.partial and not a.render_only else FULL_OUT)
     if a.quick:
         a.hosts, a.rates, a.pipelines, a.check_rates = [2], [10], ["cifar10"], []
         a.optimizers = a.optimizers or ["LAMB", "SLAMB"]
@@ -869,6 +883,9 @@ def main(argv=None) -> int:
     if why:
         raise SystemExit(f"bench.netbench cannot run here: {why}")
     delay = a.delay_ms if a.delay_ms is not None else (0.5 if netem_available() else 0.0)
+    if a.partial and out == SCRATCH_OUT:
+        print(f"a partial matrix: writing to {out.parent} (--out {FULL_OUT.relative_to(ROOT)} replaces the "
+              "committed results)", flush=True)
     tmp = None
     workdir = Path(a.workdir) if a.workdir else Path(tmp := tempfile.mkdtemp(prefix="netbench-"))
     s = Settings(pipelines=a.pipelines, hosts=a.hosts, rates=a.rates, rows=a.optimizers, epochs=a.epochs,

@@ -254,8 +254,14 @@ def bench_section(path: str, inp: Inputs, plot_dir: str) -> tuple[list[str], dic
             skipped.append(f"{r.get('model')} {r.get('hosts')} hosts {r.get('optimizer')}: {e}")
             continue
         usable.append(r)
-    if not usable:
-        return lines + [f"`{path}` holds no shaped record with more than one host.", ""], None
+    hosts = sorted({int(r["hosts"]) for r in usable})
+    if len(hosts) < 2 or any(sum(int(r["hosts"]) != h for r in usable) < 2 for h in hosts):
+        # the held-out error fits (alpha0, efficiency) on the other host counts: it needs two records there
+        raise SystemExit(
+            f"bench.scaling: {path} holds {len(usable)} usable shaped record(s) from host count(s) {hosts}: too few "
+            "to validate the model (each host count is predicted from a fit on at least 2 records of the others). "
+            "Point --netbench at the full matrix's raw JSON (python -m bench.netbench writes "
+            "results/netbench_raw.json)")
     v = sc.validate_bench(usable, delay_hops=inp.bench_delay_hops, backward_share=inp.backward_share)
     fit = v["fit"]
     lines += [

@@ -3,13 +3,17 @@
 scikit-learn's 8x8 digits (1797 images, shipped with the package) are written
 in the exact CIFAR-10 pickle layout (upsampled to 32 x 32 x 3 uint8), then the
 three demo rows (``configs/experiment/demo_digits_*.yaml``: SGD-M, LAMB,
-SLAMB on ResNet-8, 4 gloo workers, global batch 256) run through the same
-entry point as the paper rows, as one Hydra ``--multirun``. The tables and the
-training-curve plot go to ``results/demo/``.
+SLAMB on ResNet-8, 4 gloo workers, global batch 256) run, each for three seeds,
+through the same entry point as the paper rows, as one Hydra ``--multirun``.
+
+Written to ``results/demo/``: the comparison table (mean ± standard deviation
+over the seeds, n), the training curves, ``demo.md`` with the bytes each
+worker sent split by kind and one sentence computed from the numbers.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import time
@@ -18,13 +22,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.tables import build_tables, comparison_rows, load_runs
+from harness.tables import build_tables, comparison_rows, fmt_bytes, load_runs
 
 from .data import write_cifar10
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("demo_digits_sgd", "demo_digits_lamb", "demo_digits_slamb")
+TABLE = "demo_digits_resnet8"  # the rows' paper.table
+SEEDS = (0, 1, 2)
 TEST_SIZE = 297
+# the ledger's kinds as the demo reports them; SLAMB's "momentum" is split into its sampled part and the
+# always-dense small tensors it packs beside it
+KINDS = (("grads", "gradients"), ("momentum", "momentum, sampled"), ("dense", "momentum, always-dense tensors"),
+         ("params", "parameter sync"), ("control", "control"))
+COMM_ITEMSIZE = {"float16": 2, "bfloat16": 2}
 
 
 def write_digits_dataset(path: Path, seed: int = 0) -> Path:
@@ -42,38 +53,96 @@ def write_digits_dataset(path: Path, seed: int = 0) -> Path:
                          [str(c) for c in digits.target_names])
 
 
+def bytes_split(row: dict) -> dict[str, float]:
+    """A comparison row's bytes per worker by :data:`KINDS` (mean over its runs), plus ``other`` and ``all``.
+
+    The ledger records SLAMB's momentum exchange as one kind; its always-dense part (1-D and small
+    tensors, the complement of ``compressed_share``) is the same every step, so it is
+    ``(1 - share) x parameters x element size x steps``.
+    """
+    kinds = dict(row["bytes_by_kind"])
+    total = kinds.pop("all", sum(kinds.values()))
+    out = {kind: kinds.pop(kind, 0.0) for kind, _ in KINDS}
+    share = row["compressed_share"]
+    if out["momentum"] and share is not None:
+        s, cfg = row["members"][0]["summary"], row["members"][0]["config"]
+        itemsize = COMM_ITEMSIZE.get(str((cfg.get("optimizer") or {}).get("comm_dtype")), 4)
+        out["dense"] = (1.0 - share) * s["params"] * itemsize * s["steps"]
+        out["momentum"] -= out["dense"]
+    out["other"] = sum(kinds.values())
+    out["all"] = total
+    return out
+
+
+def bytes_markdown(rows: list[dict]) -> str:
+    splits = [bytes_split(r) for r in rows]
+    cols = [(k, name) for k, name in (*KINDS, ("other", "other")) if any(s[k] for s in splits)]
+    lines = ["Bytes each worker handed to the collectives over the run, by kind (mean over the seeds). The "
+             "compressed share is the part of a row's bytes that is sampled momentum.", "",
+             "| Optimizer | " + " | ".join(name for _, name in cols) + " | total | compressed share |",
+             "|---|" + "---|" * (len(cols) + 2)]
+    for r, s in zip(rows, splits):
+        share = s["momentum"] / s["all"] if s["all"] else math.nan
+        lines.append(f"| {r['optimizer']} | " + " | ".join(fmt_bytes(s[k]) for k, _ in cols)
+                     + f" | {fmt_bytes(s['all'])} | {100 * share:.1f}% |")
+    return "\n".join(lines) + "\n"
+
+
+def verdict(rows: list[dict]) -> str:
+    """One sentence: SLAMB against LAMB, accuracy (with the seeds' spread) and bytes, from the rows."""
+    slamb = next((r for r in rows if r["optimizer"] == "SLAMB"), None)
+    lamb = next((r for r in rows if r["optimizer"] == "LAMB"), None)
+    if slamb is None or lamb is None:
+        return "No SLAMB and LAMB rows to compare."
+    (ms, ss, ns), (ml, sl, nl) = slamb["top1_stat"], lamb["top1_stat"]
+    d = ms - ml
+    model = "averaged model" if slamb["top1_local_stat"][2] else "model"
+    if ns > 1 and nl > 1:
+        half = 2 * math.sqrt(ss**2 / ns + sl**2 / nl)
+        spread = (f"two standard errors of the difference: {half:.2f}, so "
+                  + ("the seeds cannot tell them apart" if abs(d) <= half else "a difference beyond the seeds' spread"))
+    else:
+        spread = "one seed, no interval"
+    ratio = slamb["bytes_vs_lamb"]
+    return (f"SLAMB's {model} is {abs(d):.2f} points {'below' if d < 0 else 'above'} LAMB's ({ms:.2f}% vs "
+            f"{ml:.2f}% top-1, mean of {ns} and {nl} seeds; {spread}) at {ratio:.3f}x LAMB's bytes per worker "
+            f"({1 / ratio:.1f}x fewer).")
+
+
+def report(runs: list[dict], out: Path) -> str:
+    """Tables and plots of the demo's runs into ``out``; returns ``demo.md``'s text (also written there)."""
+    written = build_tables(runs, out)
+    rows = comparison_rows(runs)
+    (table,) = written
+    text = "\n".join([(out / f"{table}.md").read_text(), bytes_markdown(rows), verdict(rows), ""])
+    (out / "demo.md").write_text(text)
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--runs", default=str(ROOT / "runs" / "demo"), help="where the three run directories go")
+    parser.add_argument("--runs", default=str(ROOT / "runs" / "demo"), help="where the run directories go")
     parser.add_argument("--out", default=str(ROOT / "results" / "demo"), help="where the tables and plot go")
     parser.add_argument("--data", default=str(ROOT / "data" / "digits-cifar10-layout"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of every row")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every row (e.g. epochs=5)")
     args = parser.parse_args(argv)
 
     write_digits_dataset(Path(args.data))
     tic = time.perf_counter()
     cmd = [sys.executable, "-m", "cifar10.train", "--multirun", f"experiment={','.join(ROWS)}",
-           f"data.dir={args.data}", f"hydra.sweep.dir={args.runs}", "hydra.sweep.subdir=${name}",
-           "trainer.resume=never", *args.overrides]
+           f"seed={','.join(str(s) for s in args.seeds)}", f"data.dir={args.data}", f"hydra.sweep.dir={args.runs}",
+           "hydra.sweep.subdir=${name}_seed${seed}", "trainer.resume=never", *args.overrides]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=ROOT, check=True)
     total = time.perf_counter() - tic
 
-    runs = [r for r in load_runs(args.runs) if r["config"].get("name") in ROWS]
-    written = build_tables(runs, args.out)
-    rows = comparison_rows(runs)
-    print(f"\nDemo finished in {total:.0f} s (3 rows x 4 workers). Tables and plots in {args.out}:")
-    for files in written.values():
-        for f in files:
-            print("  ", Path(f).relative_to(ROOT) if Path(f).is_relative_to(ROOT) else f)
-    print()
-    for table in written:
-        print((Path(args.out) / f"{table}.md").read_text())
-    slamb = next((r for r in rows if r["optimizer"] == "SLAMB"), None)
-    lamb = next((r for r in rows if r["optimizer"] == "LAMB"), None)
-    if slamb and lamb:
-        print(f"SLAMB: top-1 {slamb['top1']:.2f}% vs LAMB {lamb['top1']:.2f}%, sending "
-              f"{slamb['bytes_vs_lamb']:.3f}x LAMB's bytes ({1 / slamb['bytes_vs_lamb']:.1f}x less).")
+    runs = [r for r in load_runs(args.runs)
+            if (r["config"].get("paper") or {}).get("table") == TABLE and r["config"].get("seed") in args.seeds]
+    text = report(runs, Path(args.out))
+    print(f"\nDemo finished in {total:.0f} s ({len(ROWS)} rows x {len(args.seeds)} seeds x 4 workers). "
+          f"Tables and plots in {args.out}.\n")
+    print(text)
     return 0
 
 

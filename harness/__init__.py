@@ -3,9 +3,12 @@
 * :mod:`.distributed`: the one launch path (torchrun, or local workers via the
   elastic launcher), process-group set-up, the fault-injection test hook;
 * :mod:`.seeding`: per-rank seeds, deterministic mode, RNG state for checkpoints;
-* :mod:`.checkpoint`: atomic, rank-aware checkpoints and auto-resume;
+* :mod:`.checkpoint`: atomic, rank-aware checkpoints, auto-resume with a
+  fallback to the previous checkpoint, the run's inputs checked on resume, the
+  checks made before any worker starts (:func:`.checkpoint.prepare_run`);
 * :mod:`.run`: the run directory (config, git revision, metrics.jsonl /
-  metrics.json, wandb, progress bar) and the ledger's byte columns;
+  metrics.json, wandb, progress bar, the lock of its writer), the ledger's
+  byte columns, what counts as a run's configuration;
 * :mod:`.data`: per-rank index batches (``DistributedSampler.set_epoch``);
 * :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
 * :mod:`.tables`: results tables and plots from run directories.

@@ -1,9 +1,6 @@
 """Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
-
 import torch
 
 from slamb import registry
@@ -58,19 +55,26 @@ def build_optimizer(model: torch.nn.Module, ocfg):
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
-    The job's run directory is Hydra's output directory. With
-    ``trainer.resume=never`` an existing checkpoint there is discarded first.
+    The job's run directory is Hydra's output directory, locked while the job writes it. With
+    ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
+    finished with this configuration returns its summary without training.
     """
+    import os
+
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from .checkpoint import prepare_run
     from .distributed import under_torchrun
+    from .run import RunLock
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     check_trainer(container["trainer"])
     run_dir = HydraConfig.get().runtime.output_dir
-    ckpt = Path(run_dir) / "ckpt"
-    if container["trainer"]["resume"] == "never" and ckpt.exists() and not under_torchrun():
-        shutil.rmtree(ckpt)
-    return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
-                  max_restarts=container["trainer"]["max_restarts"])
+    local = not under_torchrun()
+    with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
+        finished = prepare_run(container, run_dir, clear=local)
+        if finished is not None:
+            return finished
+        return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
+                      max_restarts=container["trainer"]["max_restarts"])

@@ -6,14 +6,28 @@ Layout under ``<run_dir>/ckpt/``::
                                  (model when parameters agree, LR scheduler, progress, extra)
     step000000480/rank{r}.pt     every rank: optimizer state, its ledger, its RNG
                                  streams, and its model when parameters differ by rank
+    step000000480/complete.json  written once every rank's file is on disk: the folder is usable
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
-Each file is written to a temporary name and renamed; ``latest.json`` is
-renamed into place only after every rank has finished writing (a barrier), so
-a worker killed during a save leaves the previous checkpoint in force and all
-ranks resume from the same step. Optimizers whose state is per rank (SLAMB:
-local moments; its load refuses another rank's state) therefore resume
-exactly; so do parameters that differ between SLAMB's model syncs.
+Each file is written to a temporary name and renamed; ``complete.json`` and
+``latest.json`` are renamed into place only after every rank has finished
+writing (a barrier), so a worker killed during a save leaves the previous
+checkpoint in force and all ranks resume from the same step. Optimizers whose
+state is per rank (SLAMB: local moments; its load refuses another rank's
+state) therefore resume exactly; so do parameters that differ between SLAMB's
+model syncs.
+
+The last ``keep`` complete checkpoints stay (two by default): when the newest
+cannot be read on some rank, every rank falls back to the previous one.
+
+A run's data and model inputs (:data:`INPUT_KEYS`) are recorded with each
+checkpoint; resuming from it with other inputs is refused, because the
+directory name leaves them out (a dataset can move) and a resumed run would
+otherwise report one model's results under another's name.
+
+Files are loaded to the CPU and copied where they belong by the objects'
+``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
+resume on another device layout than the one that saved it.
 """
 from __future__ import annotations
 
@@ -24,10 +38,14 @@ from pathlib import Path
 
 import torch
 
+from slamb import comm
 from .distributed import DistEnv, barrier
 from .seeding import rng_state, set_rng_state
 
-LATEST = "latest.json"
+LATEST, COMPLETE = "latest.json", "complete.json"
+# config settings naming what a run reads: data and the model it starts from. They stay out of the run
+# directory's name, so they are checked on resume instead.
+INPUT_KEYS = ("data.dir", "data.train_file", "data.dev_file", "model.dir", "init_from")
 
 
 def atomic_write_bytes(path: Path, write) -> None:
@@ -58,19 +76,73 @@ def params_differ_across_ranks(optimizer) -> bool:
     return optimizer.params_differ
 
 
+def lookup(cfg, dotted: str, default=None):
+    """``cfg["a"]["b"]`` for ``"a.b"`` in a dict or DictConfig, ``default`` where a level is missing."""
+    node = cfg
+    for key in dotted.split("."):
+        if not hasattr(node, "get"):
+            return default
+        node = node.get(key, default)
+    return node
+
+
+def run_inputs(cfg) -> dict[str, str]:
+    """The :data:`INPUT_KEYS` a config sets, as absolute paths (a relative path depends on the cwd)."""
+    out = {}
+    for key in INPUT_KEYS:
+        value = lookup(cfg, key)
+        if isinstance(value, str) and value not in ("", "???"):
+            out[key] = os.path.abspath(value)
+    return out
+
+
+def check_inputs(saved: dict | None, current: dict, where) -> None:
+    """Refuse to resume the run in ``where`` (trained with inputs ``saved``) with other inputs."""
+    if saved is None:  # written before inputs were recorded
+        return
+    for key in sorted(set(saved) | set(current)):
+        if saved.get(key) != current.get(key):
+            raise ValueError(
+                f"the run in {where} was trained with {key}={saved.get(key)!r} and this run has "
+                f"{key}={current.get(key)!r}: resuming would mix two inputs under one run. Set {key} back to "
+                f"resume, or start this run over with trainer.resume=never (or another run directory)")
+
+
+def _unreadable(path: Path, err: Exception) -> str:
+    return (f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); delete that checkpoint "
+            f"folder to resume from an older one, or start over with trainer.resume=never")
+
+
 class Checkpointer:
-    def __init__(self, run_dir, env: DistEnv, keep: int = 1):
+    def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None):
         if keep < 1:
             raise ValueError(f"invalid checkpoint.keep={keep}: must be >= 1 (the last checkpoint resumes the run)")
         self.dir = Path(run_dir) / "ckpt"
         self.env = env
         self.keep = keep
+        self.inputs = inputs
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
         if not path.exists():
             return None
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except ValueError:  # written atomically, so only a damaged disk: the folders' markers still say
+            print(f"{path} is unreadable: looking for complete checkpoints in {self.dir}", flush=True)
+            return None
+
+    def complete(self) -> list[dict]:
+        """The complete checkpoints on disk, newest first (``latest.json``'s first)."""
+        latest = self.latest()
+        found = [latest] if latest is not None else []
+        for marker in sorted(self.dir.glob(f"step*/{COMPLETE}"), reverse=True):
+            if latest is None or marker.parent.name != latest["dir"]:
+                try:
+                    found.append({"dir": marker.parent.name, **json.loads(marker.read_text())})
+                except (OSError, ValueError):
+                    continue
+        return found
 
     def save(self, progress: dict, shared: dict, per_rank: dict) -> Path:
         """Write one checkpoint; ``progress`` (json-able; must hold ``step``) goes in ``latest.json``."""
@@ -82,28 +154,56 @@ class Checkpointer:
             atomic_torch_save({"progress": progress, **shared}, folder / "shared.pt")
         barrier()  # every rank's file is on disk before the checkpoint is declared complete
         if self.env.is_main:
-            atomic_write_json({"dir": name, "world_size": self.env.world_size, **progress}, self.dir / LATEST)
+            record = {"world_size": self.env.world_size, **progress}
+            if self.inputs is not None:
+                record["inputs"] = self.inputs
+            atomic_write_json(record, folder / COMPLETE)
+            atomic_write_json({"dir": name, **record}, self.dir / LATEST)
             old = sorted(p for p in self.dir.glob("step*") if p.is_dir() and p.name != name)
             for stale in old[: max(0, len(old) - (self.keep - 1))]:
                 shutil.rmtree(stale, ignore_errors=True)
         barrier()
         return folder
 
+    def _read(self, folder: Path) -> tuple[dict | None, str | None]:
+        """(shared + this rank's files, None) or (None, why not)."""
+        loaded = {}
+        for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
+            try:
+                loaded[key] = torch.load(folder / name, map_location="cpu", weights_only=False)
+            except Exception as err:  # truncated, corrupt or missing: torch.load raises many kinds
+                return None, _unreadable(folder / name, err)
+        return loaded, None
+
     def load(self) -> tuple[dict, dict, dict] | None:
-        """(progress, shared, this rank's) of the latest checkpoint, or None when there is none."""
-        latest = self.latest()
-        if latest is None:
+        """(progress, shared, this rank's) of the newest checkpoint every rank can read, or None."""
+        candidates = self.complete()
+        if not candidates:
             return None
+        latest = candidates[0]
         if latest["world_size"] != self.env.world_size:
             raise ValueError(
                 f"the checkpoint in {self.dir} was written by {latest['world_size']} workers and this run has "
                 f"{self.env.world_size}: per-rank optimizer state cannot be redistributed. Resume with "
                 f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
             )
-        folder = self.dir / latest["dir"]
-        shared = torch.load(folder / "shared.pt", map_location=self.env.device, weights_only=False)
-        mine = torch.load(folder / f"rank{self.env.rank}.pt", map_location=self.env.device, weights_only=False)
-        return shared.pop("progress"), shared, mine
+        if self.inputs is not None:
+            check_inputs(latest.get("inputs"), self.inputs, self.dir)
+        for i, entry in enumerate(candidates):
+            loaded, why = self._read(self.dir / entry["dir"])
+            # one rank's unreadable file sends every rank back, so that all resume from the same step
+            failed = loaded is None if self.env.world_size == 1 else \
+                comm.agree_any(torch.tensor(loaded is None, device=self.env.device), ledger=None)
+            if not failed:
+                shared = loaded["shared"]
+                return shared.pop("progress"), shared, loaded["mine"]
+            if i + 1 == len(candidates):
+                raise RuntimeError(why or f"checkpoint {self.dir / entry['dir']} is unreadable on another rank; "
+                                   "start over with trainer.resume=never")
+            if self.env.is_main:
+                print(f"{why or 'checkpoint ' + entry['dir'] + ' is unreadable on another rank'}: "
+                      f"resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
+        return None
 
 
 def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, scheduler=None, extra=None) -> Path:
@@ -143,7 +243,7 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     from .run import RunLogger
 
     t = cfg.trainer
-    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep)
+    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain))
     restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
         if t.resume == "auto" else None
     progress, extra = restored or ({**start, "resumed_from": []}, None)
@@ -155,3 +255,34 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     log = RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb, wandb_project=cfg.logger.project,
                     progress=t.progress, resume_epoch=at)
     return ckpt, progress, restored is not None, log
+
+
+def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
+    """What :func:`harness.build.run_from_hydra` checks before any worker starts.
+
+    Refuses an empty schedule and a resume with other inputs; with ``trainer.resume=never`` removes
+    the old checkpoints (``clear``: not under torchrun, where every worker runs this). Returns the
+    summary of a run that already finished with this configuration (nothing to train), else None.
+    """
+    from .run import check_schedule, same_configuration
+
+    check_schedule(cfg)
+    run_dir = Path(run_dir)
+    ckpt = run_dir / "ckpt"
+    if cfg["trainer"]["resume"] == "never":
+        if clear and ckpt.exists():
+            shutil.rmtree(ckpt)
+        return None
+    for entry in Checkpointer(run_dir, None).complete()[:1]:
+        check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
+    summary, config = run_dir / "metrics.json", run_dir / "config.yaml"
+    if summary.exists() and config.exists():
+        import yaml
+
+        saved = yaml.safe_load(config.read_text())
+        check_inputs(run_inputs(saved), run_inputs(cfg), run_dir)
+        if same_configuration(saved, cfg):
+            print(f"{run_dir} is finished (metrics.json): nothing to train. Its summary stands; "
+                  "trainer.resume=never trains it again from scratch", flush=True)
+            return json.loads(summary.read_text())
+    return None

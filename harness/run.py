@@ -5,7 +5,9 @@ Written by rank 0 only::
     config.yaml      the resolved config of the job
     meta.json        git revision (and whether the tree was dirty), command, world size, versions
     metrics.jsonl    one line per epoch (appended; truncated to the resumed epoch on resume)
-    metrics.json     the final summary (last epoch, best top-1, totals, wall time)
+    metrics.json     the final summary (last epoch, best top-1, totals, wall time); removed when a
+                     run starts writing, so that it exists only when the last writer finished
+    run.lock         held while a job writes the directory (see :class:`RunLock`)
 
 Communication columns come from the optimizer's ledger (bytes this rank handed
 to collectives, by kind): ``bytes/<kind>`` for the epoch and ``bytes_cum/<kind>``
@@ -13,9 +15,11 @@ since the start of the run (restored on resume).
 """
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import platform
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +28,117 @@ import torch
 
 from .checkpoint import atomic_write_json
 from .distributed import DistEnv
+
+# Settings that change how a run is operated, not what it computes: two runs that differ only in
+# these are the same configuration (same table row, same finished run). A key covers its subtree.
+OPERATIONAL_KEYS = ("trainer.progress", "trainer.resume", "trainer.max_restarts", "trainer.threads_per_worker",
+                    "trainer.device", "trainer.checkpoint", "logger", "data.workers", "paper", "study")
+# settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
+SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every", "trainer.checkpoint.every_epochs",
+                 "trainer.checkpoint.every_steps")
+
+
+def check_schedule(cfg) -> None:
+    """Clear errors for an empty schedule (``epochs=0``), before any worker starts."""
+    from .checkpoint import lookup
+
+    for key in SCHEDULE_KEYS:
+        value = lookup(cfg, key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1 (an empty schedule trains "
+                             f"nothing); set {key} to 1 or more")
+
+
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    """``{"a.b": value}`` for every leaf of a nested dict (lists are leaves, as tuples)."""
+    out = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def effective_config(cfg: dict, drop: tuple[str, ...] = ()) -> dict:
+    """The flattened settings of ``cfg`` that determine what a run computes (less those under ``drop``)."""
+    skip = OPERATIONAL_KEYS + tuple(drop)
+    return {k: v for k, v in flatten(cfg).items() if not any(k == s or k.startswith(s + ".") for s in skip)}
+
+
+def same_configuration(a: dict, b: dict) -> bool:
+    return effective_config(a) == effective_config(b)
+
+
+class RunLock:
+    """``<run_dir>/run.lock`` while a job writes the run directory; a second writer gets a clear error.
+
+    The file names the holder (host, pid); a lock whose process is gone on this host is stale and is
+    taken over with a message. ``hold=False`` makes it a no-op (the workers torchrun starts beside
+    the one that holds it).
+    """
+
+    def __init__(self, run_dir, hold: bool = True):
+        self.path = Path(run_dir) / "run.lock"
+        self.hold = hold
+        self.me = {"host": socket.gethostname(), "pid": os.getpid()}
+
+    def _holder(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):  # removed meanwhile, or a holder killed while writing it
+            return None
+
+    @staticmethod
+    def _alive(holder: dict) -> bool:
+        if holder.get("host") != socket.gethostname():
+            return True  # another host's process cannot be checked from here
+        try:
+            os.kill(int(holder["pid"]), 0)  # signal 0: is there such a process, nothing sent
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # there is, run by another user
+            pass
+        return True
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        record = {**self.me, "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+        for _ in range(2):
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+            except FileExistsError:
+                holder = self._holder()
+                if holder is not None and self._alive(holder):
+                    raise RuntimeError(
+                        f"run directory {self.path.parent} is being written by process {holder['pid']} on "
+                        f"{holder['host']} (since {holder.get('since')}): wait for it to finish or use another run "
+                        f"directory; if that process is gone, delete {self.path}") from None
+                print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
+                      flush=True)
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                json.dump(record, f)
+            return
+        raise RuntimeError(f"could not lock run directory {self.path.parent}: another job took it; wait for it "
+                           "to finish or use another run directory")
+
+    def release(self) -> None:
+        holder = self._holder()
+        if holder is not None and (holder.get("host"), holder.get("pid")) == (self.me["host"], self.me["pid"]):
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self):
+        if self.hold:
+            self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        if self.hold:
+            self.release()
+        return False
 
 
 def git_revision(repo: Path | None = None) -> dict:
@@ -77,6 +192,7 @@ class RunLogger:
         self.dir.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
 
+        (self.dir / "metrics.json").unlink(missing_ok=True)  # this run has not finished (yet)
         (self.dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
         atomic_write_json({
             "git": git_revision(), "command": sys.argv, "world_size": env.world_size, "device": str(env.device),

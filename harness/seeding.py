@@ -29,20 +29,36 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> in
 
 
 def rng_state() -> dict:
-    """Every RNG a training step may draw from, for checkpoints."""
+    """Every RNG a training step may draw from, for checkpoints.
+
+    Of the accelerator, only the current device's generator: each worker draws on its own device,
+    and a resume may see another number or order of visible devices.
+    """
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.accelerator.is_available():
         acc = torch.accelerator.current_accelerator()
-        state["accelerator"] = (acc.type, torch.get_device_module(acc.type).get_rng_state_all())
+        state["accelerator"] = (acc.type, torch.get_device_module(acc.type).get_rng_state())
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore :func:`rng_state`; states are made CPU ByteTensors, as the generators require."""
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(state["torch"].to("cpu", torch.uint8))
     saved = state.get("accelerator")
-    if saved is not None and torch.accelerator.is_available():
-        kind, states = saved
-        if kind == torch.accelerator.current_accelerator().type:
-            torch.get_device_module(kind).set_rng_state_all(states)
+    if saved is None or not torch.accelerator.is_available():
+        return
+    kind, states = saved
+    if kind != torch.accelerator.current_accelerator().type:
+        print(f"not restoring the {kind} RNG state: this run has no {kind} device", flush=True)
+        return
+    module = torch.get_device_module(kind)
+    if isinstance(states, (list, tuple)):  # every visible device's, by index (older checkpoints)
+        index = torch.accelerator.current_device_index()
+        if len(states) != module.device_count():
+            print(f"not restoring the {kind} RNG state: the checkpoint saw {len(states)} devices and this run "
+                  f"sees {module.device_count()}", flush=True)
+            return
+        states = states[index]
+    module.set_rng_state(states.to("cpu", torch.uint8))

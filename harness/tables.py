@@ -1,42 +1,175 @@
 """Results tables and plots from run directories (``scripts/make_tables.py``, the demo).
 
 A run directory holds ``config.yaml``, ``metrics.jsonl`` and ``metrics.json``
-(see :mod:`.run`). Runs whose config names a ``paper: {table, row, top1}``
-entry form the comparison tables, one per ``paper.table``, laid out like the
-paper's (one row per optimizer, the paper's top-1 beside ours, bytes each
-worker handed to the collectives, the ratio to LAMB, wall time, and the
-config's ``paper.note`` below); several runs of one row (seeds) are averaged. Runs of a ``study`` (the sweeps) form one
-grid per study and table: final top-1 by SLAMB's beta3 x compression ratio,
-also drawn as a heat map.
+(see :mod:`.run`). Runs whose config names a ``paper: {table, row, ...}``
+entry form the comparison tables, one per ``paper.table``, one row per
+optimizer row and configuration.
+
+Runs are grouped by their full effective configuration: every setting except
+the seed, the operational ones (:data:`harness.run.OPERATIONAL_KEYS`: progress
+bar, resume, restarts, threads, device, checkpointing, logger, loader workers,
+the ``paper``/``study`` labels) and where the data lives (:data:`DATA_PATH_KEYS`:
+the same data set in another folder is the same experiment; the model a run
+starts from, ``model.dir`` / ``init_from``, is not a location but a setting).
+The world size comes from the run's summary. Runs of one group are seeds:
+each cell gives their mean ± standard deviation (n - 1) and the row the number
+of runs; groups are never averaged together. A row names its configuration:
+the optimizer settings that differ from the optimizer's defaults, and any
+other setting that differs between the groups of its table; the settings all
+rows share are stated above the table.
+
+The paper's numbers stand in their own small table under the heading of the
+paper's task (``paper.task``, else the table's own task), never as a column
+beside a different task. Runs of a ``study`` (the sweeps) form one grid per
+study: final top-1 by SLAMB's beta3 x compression ratio, also drawn as a heat
+map. A run whose summary is NaN or that trained no epoch or step is left out,
+with a message.
 """
 from __future__ import annotations
 
 import csv
+import inspect
 import json
 import math
+import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 import yaml
 
+from .run import effective_config
+
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
+DATA_PATH_KEYS = ("data.dir", "data.train_file", "data.dev_file")
+# settings that a row's configuration label leaves out: they name the row already, or vary with it
+LABEL_SKIP = ("name", "optimizer.name")
+# the metric that says whether a run produced anything, by kind of summary
+HEADLINE = ("final_test_top1", "f1", "final_loss")
 
 
-def load_runs(root) -> list[dict]:
-    """Every finished run (a ``metrics.json``) under ``root``."""
+def _excluded(summary: dict) -> str | None:
+    """Why a summary cannot enter a table, or None."""
+    for key in ("epochs", "steps"):
+        if isinstance(summary.get(key), (int, float)) and summary[key] < 1:
+            return f"{key} = {summary[key]} (trained nothing)"
+    for key in HEADLINE:
+        value = summary.get(key)
+        if (key in summary and value is None) or (isinstance(value, float) and math.isnan(value)):
+            return f"{key} is NaN"
+    return None
+
+
+def load_runs(root, log=None) -> list[dict]:
+    """Every finished run (a ``metrics.json``) under ``root``; unusable ones are left out with a message."""
+    log = log or (lambda msg: print(msg, file=sys.stderr))
     runs = []
     for summary_path in sorted(Path(root).rglob("metrics.json")):
         folder = summary_path.parent
+        summary = json.loads(summary_path.read_text())
+        why = _excluded(summary)
+        if why:
+            log(f"left out of the tables: {folder}: {why}")
+            continue
         config = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").exists() else {}
         history_path = folder / "metrics.jsonl"
         history = [json.loads(line) for line in history_path.read_text().splitlines() if line.strip()] \
             if history_path.exists() else []
-        runs.append({"dir": folder, "summary": json.loads(summary_path.read_text()), "config": config,
-                     "history": history})
+        runs.append({"dir": folder, "summary": summary, "config": config, "history": history})
     return runs
 
 
-def _fmt_bytes(n: float) -> str:
+# ------------------------------------------------------------------------------------- groups
+
+
+def configuration(run: dict) -> dict:
+    """The settings that define what ``run`` computed, less the seed (its group key, flattened)."""
+    settings = effective_config(run["config"], drop=("seed", "trainer.nproc_per_node", *DATA_PATH_KEYS))
+    settings["workers"] = run["summary"].get("world_size")
+    return settings
+
+
+def _key(settings: dict) -> tuple:
+    return tuple(sorted((k, repr(v)) for k, v in settings.items()))
+
+
+def groups(runs: list[dict]) -> list[dict]:
+    """``[{"row", "settings", "runs"}]``: runs of one ``paper.row`` and one configuration, the paper's order."""
+    found: dict[tuple, dict] = {}
+    for run in runs:
+        row = (run["config"].get("paper") or {}).get("row") or run["config"].get("name", "?")
+        settings = configuration(run)
+        found.setdefault((row, _key(settings)), {"row": row, "settings": settings, "runs": []})["runs"].append(run)
+    order = {name: i for i, name in enumerate(ROW_ORDER)}
+    return sorted(found.values(), key=lambda g: (order.get(g["row"], len(order)), g["row"], _key(g["settings"])))
+
+
+def optimizer_defaults(name: str) -> dict:
+    """The keyword defaults of optimizer ``name``'s constructor ({} for an unknown name)."""
+    from slamb import registry
+
+    try:
+        params = inspect.signature(registry.optimizer_class(name).__init__).parameters
+    except ValueError:
+        return {}
+    return {k: p.default for k, p in params.items() if p.default is not inspect.Parameter.empty}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _value(v) -> str:
+    if isinstance(v, float):
+        return f"{v:g}"
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(_value(x) for x in v) + "]"
+    return str(v)
+
+
+def label_groups(found: list[dict]) -> str:
+    """Set each group's ``label`` (its configuration); returns the settings every group shares, as text."""
+    common = {k: v for k, v in found[0]["settings"].items()
+              if all(k in g["settings"] and g["settings"][k] == v for g in found)}
+    for g in found:
+        s = g["settings"]
+        defaults = optimizer_defaults(s.get("optimizer.name", ""))
+        parts = []
+        for key, value in sorted(s.items()):
+            if key in LABEL_SKIP:
+                continue
+            if key.startswith("optimizer."):
+                short = key[len("optimizer."):]
+                if short in defaults and _same(value, defaults[short]):
+                    continue  # the optimizer's own default: nothing to name
+                parts.append(f"{short}={_value(value)}")
+            elif key not in common:
+                parts.append(f"{key}={_value(value)}")
+        g["label"] = ", ".join(parts) or "defaults"
+    shown = [("workers", "workers"), ("epochs", "epochs"), ("steps", "steps"),
+             ("data.batch_size_per_worker", "per-worker batch")]
+    return ", ".join(f"{name} {_value(common[k])}" for k, name in shown if k in common)
+
+
+def stat(values) -> tuple[float, float, int]:
+    """(mean, sample standard deviation or NaN for one value, n) of the non-missing values."""
+    xs = [float(x) for x in values if x is not None and not (isinstance(x, float) and math.isnan(x))]
+    if not xs:
+        return math.nan, math.nan, 0
+    return statistics.fmean(xs), statistics.stdev(xs) if len(xs) > 1 else math.nan, len(xs)
+
+
+def pm(s: tuple[float, float, int], digits: int = 2) -> str:
+    """``mean ± std`` (just the mean for one run, ``-`` for none)."""
+    mean, std, n = s
+    if n == 0:
+        return "-"
+    return f"{mean:.{digits}f}" if n == 1 else f"{mean:.{digits}f} ± {std:.{digits}f}"
+
+
+def fmt_bytes(n: float) -> str:
     for unit in ("B", "KB", "MB", "GB", "TB"):
         if abs(n) < 1000 or unit == "TB":
             return f"{n:.3g} {unit}"
@@ -44,167 +177,242 @@ def _fmt_bytes(n: float) -> str:
     return f"{n:.3g} TB"
 
 
-def _mean(xs):
-    xs = [x for x in xs if x is not None and not (isinstance(x, float) and math.isnan(x))]
-    return sum(xs) / len(xs) if xs else math.nan
+def _last(run: dict, key: str):
+    return run["history"][-1].get(key) if run["history"] else None
 
 
-def by_paper_row(runs: list[dict]) -> list[tuple[str, list[dict]]]:
-    """The runs of each row of a paper table (``paper.row``), rows in the paper's order."""
-    groups = defaultdict(list)
-    for run in runs:
-        groups[run["config"]["paper"]["row"]].append(run)
-    order = {name: i for i, name in enumerate(ROW_ORDER)}
-    return sorted(groups.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0]))
+def _scale(settings: dict) -> tuple:
+    """The settings that fix how much a run communicates apart from its optimizer: model, data, length, workers."""
+    return _key({k: v for k, v in settings.items()
+                 if k in ("epochs", "steps", "workers") or k.startswith(("model.", "data."))})
 
 
 def add_bytes_vs_lamb(rows: list[dict]) -> list[dict]:
-    lamb = next((r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"), None)
+    """Each row's bytes over those of the LAMB row with the same model, data, length and workers."""
+    lamb = {_scale(r["settings"]): r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"}
     for r in rows:
-        r["bytes_vs_lamb"] = r["bytes_per_worker"] / lamb if lamb else math.nan
+        ref = lamb.get(_scale(r["settings"]))
+        r["bytes_vs_lamb"] = r["bytes_per_worker"] / ref if ref else math.nan
     return rows
 
 
+def _flat(prefix: str, s: tuple[float, float, int]) -> dict:
+    return {prefix: s[0], f"{prefix}_std": s[1]}
+
+
 def comparison_rows(runs: list[dict]) -> list[dict]:
-    """One row per optimizer row of a paper table (runs of the same row averaged)."""
+    """One row per optimizer row and configuration of a paper table, seeds as mean ± std."""
+    found = groups(runs)
+    label_groups(found)
     rows = []
-    for row, members in by_paper_row(runs):
+    for g in found:
+        members = g["runs"]
         s = [m["summary"] for m in members]
-        share = s[0].get("compressed_share")
         rows.append({
-            "optimizer": row,
-            "paper_top1": members[0]["config"]["paper"].get("top1"),
-            "top1": _mean([x["final_test_top1"] for x in s]),
-            "best_top1": _mean([x["best_test_top1"] for x in s]),
-            "bytes_per_worker": _mean([x["bytes_total"].get("all", 0) for x in s]),
-            "wall_time_s": _mean([x["wall_time_s"] for x in s]),
-            "runs": len(members),
-            "epochs": s[0]["epochs"], "workers": s[0]["world_size"], "global_batch": s[0]["global_batch"],
-            "params": s[0]["params"], "compressed_share": share,
+            "optimizer": g["row"], "configuration": g["label"],
+            "paper_top1": (members[0]["config"].get("paper") or {}).get("top1"),
+            "top1_stat": stat(x["final_test_top1"] for x in s),
+            "top1_local_stat": stat(_last(m, "test_top1_local") for m in members),
+            "best_top1_stat": stat(x.get("best_test_top1") for x in s),
+            "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0],
+            "bytes_by_kind": {k: stat(x["bytes_total"].get(k, 0) for x in s)[0]
+                              for k in sorted({k for x in s for k in x["bytes_total"]})},
+            "wall_time_s": stat(x.get("wall_time_s") for x in s)[0],
+            "runs": len(members), "seeds": sorted(m["config"].get("seed") for m in members),
+            "epochs": s[0].get("epochs"), "workers": s[0].get("world_size"), "global_batch": s[0].get("global_batch"),
+            "params": s[0].get("params"), "compressed_share": s[0].get("compressed_share"),
+            "settings": g["settings"], "members": members,
         })
     return add_bytes_vs_lamb(rows)
 
 
+CSV_SKIP = ("settings", "members", "bytes_by_kind")
+
+
 def write_csv(rows: list[dict], path: Path) -> None:
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-
-
-def comparison_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
-    head = rows[0]
-    lines = [f"### {table}", "",
-             (f"{head['workers']} workers, global batch {head['global_batch']}, {head['epochs']} epochs, "
-              f"{head['params']:,} parameters. Top-1 (%) of the last epoch (mean of the runs); bytes = payload "
-              "each worker handed to the collectives over the whole run."), "",
-             "| Optimizer | top-1 paper | top-1 ours | best top-1 ours | bytes sent / worker | vs LAMB | wall time | runs |",
-             "|---|---|---|---|---|---|---|---|"]
+    flat = []
     for r in rows:
-        paper = "-" if r["paper_top1"] is None else f"{r['paper_top1']:.2f}"
+        out = {}
+        for k, v in r.items():
+            if k in CSV_SKIP:
+                continue
+            if k.endswith("_stat"):
+                out.update(_flat(k[:-len("_stat")], v))
+                out[f"{k[:-len('_stat')]}_n"] = v[2]
+            else:
+                out[k] = v
+        for kind, b in r.get("bytes_by_kind", {}).items():
+            out[f"bytes/{kind}"] = b
+        flat.append(out)
+    fields = list(dict.fromkeys(k for r in flat for k in r))
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(flat)
+
+
+def paper_markdown(rows: list[dict], task: str, key: str = "paper_top1", metric: str = "top-1 (%)") -> list[str]:
+    """The paper's own numbers, as a table of their own under the paper's task."""
+    seen = {}
+    for r in rows:
+        seen.setdefault(r["optimizer"], r[key])
+    if all(v is None for v in seen.values()):
+        return []
+    lines = ["", f"The paper's numbers ({task}), for reference:", "", f"| Optimizer | paper {metric} |", "|---|---|"]
+    lines += [f"| {name} | {'-' if v is None else f'{v:.2f}'} |" for name, v in seen.items()]
+    return lines
+
+
+def comparison_markdown(table: str, rows: list[dict], note: str | None = None, task: str | None = None) -> str:
+    shared = label_groups([{"settings": r["settings"]} for r in rows])
+    local = any(r["top1_local_stat"][2] for r in rows)
+    params = {r["params"] for r in rows}
+    lines = [f"### {table}", "",
+             ("Every row: " + ", ".join(x for x in (shared, f"{params.pop():,} parameters" if len(params) == 1 else "")
+                                        if x) + ". "
+              "Top-1 (%) of the last epoch, mean ± standard deviation over the n runs (seeds) of the row's "
+              "configuration" + (" (the ranks' averaged model; 'local' is the mean over ranks of each rank's own "
+                                 "model)" if local else "") + "; bytes = payload each worker handed to the "
+              "collectives over the whole run."), "",
+             "| Optimizer | configuration | top-1 |" + (" top-1 local |" if local else "")
+             + " best top-1 | bytes sent / worker | vs LAMB | wall time | n |",
+             "|---|---|---|" + ("---|" if local else "") + "---|---|---|---|---|"]
+    for r in rows:
         ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
-        lines.append(f"| {r['optimizer']} | {paper} | {r['top1']:.2f} | {r['best_top1']:.2f} | "
-                     f"{_fmt_bytes(r['bytes_per_worker'])} | {ratio} | {r['wall_time_s']:.0f} s | {r['runs']} |")
+        lines.append(f"| {r['optimizer']} | {r['configuration']} | {pm(r['top1_stat'])} | "
+                     + (f"{pm(r['top1_local_stat'])} | " if local else "")
+                     + f"{pm(r['best_top1_stat'])} | {fmt_bytes(r['bytes_per_worker'])} | {ratio} | "
+                     f"{r['wall_time_s']:.0f} s | {r['runs']} |")
     slamb = next((r for r in rows if r["compressed_share"] is not None), None)
     if slamb is not None:
         lines += ["", f"SLAMB compresses {100 * slamb['compressed_share']:.1f}% of the parameters (tensors with "
                   "dim > 1 and >= min_compress_numel elements); the rest is averaged in full every step."]
+    lines += paper_markdown(rows, task or table)
     if note:
         lines += ["", note.strip()]
     return "\n".join(lines) + "\n"
 
 
 def squad_rows(runs: list[dict]) -> list[dict]:
-    """SQuAD fine-tuning: one row per pre-training optimizer (``paper.row``), runs of a row averaged."""
+    """SQuAD fine-tuning: one row per pre-training optimizer (``paper.row``) and configuration."""
+    found = groups(runs)
+    label_groups(found)
     rows = []
-    for row, members in by_paper_row(runs):
-        s, paper = [m["summary"] for m in members], members[0]["config"]["paper"]
-        rows.append({"optimizer": row, "paper_f1": paper.get("f1"), "paper_exact_match": paper.get("exact_match"),
-                     "exact_match": _mean([x["exact_match"] for x in s]), "f1": _mean([x["f1"] for x in s]),
-                     "wall_time_s": _mean([x["wall_time_s"] for x in s]), "runs": len(members),
-                     "epochs": s[0]["epochs"], "global_batch": s[0]["global_batch"], "model_dir": s[0]["model_dir"]})
+    for g in found:
+        s, paper = [m["summary"] for m in g["runs"]], g["runs"][0]["config"].get("paper") or {}
+        rows.append({"optimizer": g["row"], "configuration": g["label"], "paper_f1": paper.get("f1"),
+                     "paper_exact_match": paper.get("exact_match"),
+                     "exact_match_stat": stat(x["exact_match"] for x in s), "f1_stat": stat(x["f1"] for x in s),
+                     "wall_time_s": stat(x["wall_time_s"] for x in s)[0], "runs": len(s),
+                     "epochs": s[0]["epochs"], "global_batch": s[0]["global_batch"], "model_dir": s[0]["model_dir"],
+                     "settings": g["settings"]})
     return rows
 
 
 def squad_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
-    def num(x):
-        return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.2f}"
-
+    shared = label_groups([{"settings": r["settings"]} for r in rows])
     lines = [f"### {table}", "",
-             (f"SQuAD v1.1 dev, official exact match / F1 (%) after fine-tuning ({rows[0]['epochs']} epochs, global "
-              f"batch {rows[0]['global_batch']}) the BERT checkpoint each optimizer pre-trained; mean of the runs."),
-             "",
-             "| Pre-training optimizer | F1 paper | EM paper | F1 ours | EM ours | fine-tune time | runs |",
-             "|---|---|---|---|---|---|---|"]
+             (f"SQuAD v1.1 dev, official exact match / F1 (%) after fine-tuning the BERT checkpoint each optimizer "
+              f"pre-trained (every row: {shared}, global batch {rows[0]['global_batch']}); mean ± standard deviation "
+              "over the n runs of a configuration. The paper's columns are its own SQuAD numbers."), "",
+             "| Pre-training optimizer | F1 paper | EM paper | F1 ours | EM ours | configuration | fine-tune time | n |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         paper_f1, paper_em = ("-" if x is None else f"{x:g}" for x in (r["paper_f1"], r["paper_exact_match"]))
-        lines.append(f"| {r['optimizer']} | {paper_f1} | {paper_em} | {num(r['f1'])} | "
-                     f"{num(r['exact_match'])} | {r['wall_time_s']:.0f} s | {r['runs']} |")
+        lines.append(f"| {r['optimizer']} | {paper_f1} | {paper_em} | {pm(r['f1_stat'])} | "
+                     f"{pm(r['exact_match_stat'])} | {r['configuration']} | {r['wall_time_s']:.0f} s | {r['runs']} |")
     if note:
         lines += ["", note.strip()]
     return "\n".join(lines) + "\n"
 
 
 def pretrain_rows(runs: list[dict]) -> list[dict]:
-    """BERT pre-training (one table per phase): one row per optimizer (``paper.row``), runs of a row averaged."""
+    """BERT pre-training (one table per phase): one row per optimizer (``paper.row``) and configuration."""
+    found = groups(runs)
+    label_groups(found)
     rows = []
-    for row, members in by_paper_row(runs):
-        s = [m["summary"] for m in members]
-        rows.append({"optimizer": row, "loss": _mean([x["final_loss"] for x in s]),
-                     "mlm_acc": _mean([x["final_mlm_acc"] for x in s]), "nsp_acc": _mean([x["final_nsp_acc"] for x in s]),
-                     "seqs_per_s": _mean([x["seqs_per_s"] for x in s]),
-                     "bytes_per_worker": _mean([x["bytes_total"].get("all", 0) for x in s]), "runs": len(members),
+    for g in found:
+        s = [m["summary"] for m in g["runs"]]
+        rows.append({"optimizer": g["row"], "configuration": g["label"],
+                     "loss_stat": stat(x["final_loss"] for x in s),
+                     "mlm_acc_stat": stat(x["final_mlm_acc"] for x in s),
+                     "nsp_acc_stat": stat(x["final_nsp_acc"] for x in s),
+                     "seqs_per_s": stat(x["seqs_per_s"] for x in s)[0],
+                     "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0], "runs": len(s),
                      "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
-                     "global_batch": s[0]["global_batch"], "params": s[0]["params"]})
+                     "global_batch": s[0]["global_batch"], "params": s[0]["params"], "settings": g["settings"]})
     return add_bytes_vs_lamb(rows)
 
 
 def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
+    shared = label_groups([{"settings": r["settings"]} for r in rows])
     head = rows[0]
     lines = [f"### {table}", "",
-             (f"BERT pre-training, seq {head['seq_len']}, {head['steps']} steps, global batch {head['global_batch']}, "
-              f"{head['workers']} workers, {head['params']:,} parameters. Loss (MLM + NSP) and accuracies (%) of the "
-              "last logged period; bytes = payload each worker handed to the collectives."), "",
-             "| Optimizer | loss | MLM acc | NSP acc | sequences/s | bytes sent / worker | vs LAMB | runs |",
-             "|---|---|---|---|---|---|---|---|"]
+             (f"BERT pre-training, seq {head['seq_len']}, global batch {head['global_batch']}, {head['params']:,} "
+              f"parameters; every row: {shared}. Loss (MLM + NSP) and accuracies (%) of the last logged period, "
+              "mean ± standard deviation over the n runs of a configuration; bytes = payload each worker handed to "
+              "the collectives."), "",
+             "| Optimizer | loss | MLM acc | NSP acc | sequences/s | bytes sent / worker | vs LAMB | configuration | n |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
-        lines.append(f"| {r['optimizer']} | {r['loss']:.4f} | {r['mlm_acc']:.2f} | {r['nsp_acc']:.2f} | "
-                     f"{r['seqs_per_s']:.1f} | {_fmt_bytes(r['bytes_per_worker'])} | {ratio} | {r['runs']} |")
+        lines.append(f"| {r['optimizer']} | {pm(r['loss_stat'], 4)} | {pm(r['mlm_acc_stat'])} | "
+                     f"{pm(r['nsp_acc_stat'])} | {r['seqs_per_s']:.1f} | {fmt_bytes(r['bytes_per_worker'])} | "
+                     f"{ratio} | {r['configuration']} | {r['runs']} |")
     if note:
         lines += ["", note.strip()]
     return "\n".join(lines) + "\n"
 
 
-def study_grid(runs: list[dict]) -> tuple[list, list, dict]:
-    """(beta3 values, k values, {(beta3, k): final top-1}) of a sweep's runs."""
-    cells = defaultdict(list)
+GRID_KEYS = ("optimizer.beta3", "optimizer.compress_ratio")
+
+
+def study_grids(runs: list[dict]) -> list[tuple[str, list, list, dict]]:
+    """One grid per configuration of the rest: (label, beta3 values, k values, {(beta3, k): stat})."""
+    by_rest: dict[tuple, list] = defaultdict(list)
     for run in runs:
-        o = run["config"]["optimizer"]
-        cells[(o.get("beta3"), o.get("compress_ratio"))].append(run["summary"]["final_test_top1"])
-    grid = {key: _mean(v) for key, v in cells.items()}
-    return sorted({b for b, _ in grid}), sorted({k for _, k in grid}), grid
+        rest = {k: v for k, v in configuration(run).items() if k not in GRID_KEYS}
+        by_rest[_key(rest)].append((rest, run))
+    found = [{"settings": members[0][0], "runs": [r for _, r in members]} for members in by_rest.values()]
+    label_groups(found)
+    out = []
+    for g in found:
+        cells = defaultdict(list)
+        for run in g["runs"]:
+            o = run["config"]["optimizer"]
+            cells[(o.get("beta3"), o.get("compress_ratio"))].append(run["summary"]["final_test_top1"])
+        grid = {key: stat(v) for key, v in cells.items()}
+        out.append((g["label"] if len(found) > 1 else "", sorted({b for b, _ in grid}), sorted({k for _, k in grid}),
+                    grid))
+    return out
 
 
-def _plots(table: str, runs: list[dict], out: Path) -> list[Path]:
+def _plots(table: str, rows: list[dict], out: Path) -> list[Path]:
+    """Accuracy vs epoch and vs bytes: each row's mean over its runs (seeds)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for run in sorted(runs, key=lambda r: ROW_ORDER.index(r["config"]["paper"]["row"])
-                      if r["config"]["paper"]["row"] in ROW_ORDER else len(ROW_ORDER)):
-        h = run["history"]
-        label = run["config"]["paper"]["row"]
-        ax1.plot([x["epoch"] for x in h], [x["test_top1"] for x in h], label=label)
-        ax2.plot([x["bytes_cum/all"] / 1e6 for x in h], [x["test_top1"] for x in h], label=label)
-    ax1.set(xlabel="epoch", ylabel="test top-1 (%)", title=f"{table}: accuracy vs epoch")
+    several = len({r["optimizer"] for r in rows}) < len(rows)
+    for r in rows:
+        hists = [m["history"] for m in r["members"] if m["history"]]
+        if not hists:
+            continue
+        length = min(len(h) for h in hists)
+        label = r["optimizer"] + (f" ({r['configuration']})" if several else "") + f", n={len(hists)}"
+        epochs = [hists[0][i]["epoch"] for i in range(length)]
+        top1 = [statistics.fmean(h[i]["test_top1"] for h in hists) for i in range(length)]
+        mb = [statistics.fmean(h[i]["bytes_cum/all"] for h in hists) / 1e6 for i in range(length)]
+        ax1.plot(epochs, top1, label=label)
+        ax2.plot(mb, top1, label=label)
+    ax1.set(xlabel="epoch", ylabel="test top-1 (%)", title=f"{table}: accuracy vs epoch (mean over seeds)")
     ax2.set(xlabel="MB sent per worker (cumulative)", ylabel="test top-1 (%)", xscale="symlog",
             title="accuracy vs bytes sent")
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.tight_layout()
     path = out / f"{table}_curves.png"
     fig.savefig(path, dpi=120)
@@ -219,7 +427,7 @@ def _heatmap(name: str, betas, ks, grid, out: Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    values = np.array([[grid.get((b, k), np.nan) for k in ks] for b in betas])
+    values = np.array([[grid[(b, k)][0] if (b, k) in grid else np.nan for k in ks] for b in betas])
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(ks), 1.2 + 0.8 * len(betas)))
     im = ax.imshow(values, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(ks)), [str(k) for k in ks])
@@ -235,6 +443,11 @@ def _heatmap(name: str, betas, ks, grid, out: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def _note(members: list[dict]) -> str | None:
+    return next((m["config"]["paper"].get("note") for m in members if (m["config"].get("paper") or {}).get("note")),
+                None)
 
 
 def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
@@ -255,35 +468,38 @@ def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
             papers[paper["table"]].append(run)
     for table, members in sorted(papers.items()):
         rows = comparison_rows(members)
+        task = next((m["config"]["paper"].get("task") for m in members if m["config"]["paper"].get("task")), None)
         md, csv_path = out / f"{table}.md", out / f"{table}.csv"
-        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
-        md.write_text(comparison_markdown(table, rows, note))
+        md.write_text(comparison_markdown(table, rows, _note(members), task))
         write_csv(rows, csv_path)
-        written[table] = [md, csv_path, *_plots(table, members, out)]
+        written[table] = [md, csv_path, *_plots(table, rows, out)]
     for table, members in sorted(squad.items()):
         rows = squad_rows(members)
         md, csv_path = out / f"{table}.md", out / f"{table}.csv"
-        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
-        md.write_text(squad_markdown(table, rows, note))
+        md.write_text(squad_markdown(table, rows, _note(members)))
         write_csv(rows, csv_path)
         written[table] = [md, csv_path]
     for table, members in sorted(pretrain.items()):
         rows = pretrain_rows(members)
         md, csv_path = out / f"{table}.md", out / f"{table}.csv"
-        note = next((m["config"]["paper"].get("note") for m in members if m["config"]["paper"].get("note")), None)
-        md.write_text(pretrain_markdown(table, rows, note))
+        md.write_text(pretrain_markdown(table, rows, _note(members)))
         write_csv(rows, csv_path)
         written[table] = [md, csv_path]
-    for name, members in sorted(studies.items()):
-        betas, ks, grid = study_grid(members)
-        header = "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |"
-        lines = [f"### {name}", "", "Final top-1 (%) by beta3 (rows) and compression ratio k (columns).", "",
-                 header, "|---" * (len(ks) + 1) + "|"]
-        for b in betas:
-            cells = [f"{grid[(b, k)]:.2f}" if (b, k) in grid else "-" for k in ks]
-            lines.append(f"| {b} | " + " | ".join(cells) + " |")
-        md, csv_path = out / f"{name}.md", out / f"{name}.csv"
-        md.write_text("\n".join(lines) + "\n")
-        write_csv([{"beta3": b, "compress_ratio": k, "top1": v} for (b, k), v in sorted(grid.items())], csv_path)
-        written[name] = [md, csv_path, _heatmap(name, betas, ks, grid, out)]
+    for study, members in sorted(studies.items()):
+        grids = study_grids(members)
+        for i, (label, betas, ks, grid) in enumerate(grids):
+            name = study if len(grids) == 1 else f"{study}_{i + 1}"
+            header = "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |"
+            lines = [f"### {name}", "", "Final top-1 (%) by beta3 (rows) and compression ratio k (columns), "
+                     "mean ± standard deviation over the n runs of a cell (n in brackets)"
+                     + (f"; configuration: {label}" if label else "") + ".", "",
+                     header, "|---" * (len(ks) + 1) + "|"]
+            for b in betas:
+                cells = [f"{pm(grid[(b, k)])} ({grid[(b, k)][2]})" if (b, k) in grid else "-" for k in ks]
+                lines.append(f"| {b} | " + " | ".join(cells) + " |")
+            md, csv_path = out / f"{name}.md", out / f"{name}.csv"
+            md.write_text("\n".join(lines) + "\n")
+            write_csv([{"beta3": b, "compress_ratio": k, "top1": v[0]} for (b, k), v in sorted(grid.items())],
+                      csv_path)
+            written[name] = [md, csv_path, _heatmap(name, betas, ks, grid, out)]
     return written

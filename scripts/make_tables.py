@@ -2,10 +2,13 @@
 
     python scripts/make_tables.py [--runs runs] [--out results]
 
-Comparison tables (one per ``paper.table`` of the experiment configs, the
-paper's top-1 beside ours, bytes per worker, ratio to LAMB, wall time), the
-training curves (accuracy vs epoch and vs bytes sent) and, for sweeps, the
-beta3 x k grid and heat map. See :mod:`harness.tables`.
+Comparison tables (one per ``paper.table`` of the experiment configs): one row
+per optimizer and configuration (all settings but the seed and the operational
+ones), mean ± standard deviation over its seeds and their number, bytes per
+worker, ratio to LAMB, wall time; the paper's numbers in a table of their own.
+Also the training curves (accuracy vs epoch and vs bytes sent) and, for
+sweeps, the beta3 x k grid and heat map. Runs with a NaN summary or no epoch
+are left out with a message. See :mod:`harness.tables`.
 """
 from __future__ import annotations
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 import csv
 import json
 import os
+import random
+import shutil
+import socket
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -12,7 +18,7 @@ import yaml
 import slamb
 import harness as ex
 from harness.checkpoint import Checkpointer
-from harness.run import RunLogger
+from harness.run import RunLock, RunLogger
 from harness.tables import build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
@@ -135,12 +141,14 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
         assert r["same"] and r["diverged"]  # resumed == uninterrupted, and training did move the weights
         assert r["total_resumed"] == r["total"] > 0  # cumulative bytes survive resume (ledger saved)
     # SLAMB's moments and parameters are per rank: both in every rank's file; LAMB's model once, on rank 0
-    assert out[0]["files"] == ["rank0.pt", "rank1.pt", "shared.pt"]
+    assert out[0]["files"] == ["complete.json", "rank0.pt", "rank1.pt", "shared.pt"]
     per_rank = torch.load(tmp_path / "ckpt/step000000003/rank1.pt", weights_only=False)
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")
     latest = json.loads((tmp_path / "ckpt/latest.json").read_text())
     assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3}
+    assert json.loads((tmp_path / "ckpt/step000000003/complete.json").read_text()) == \
+        {"world_size": 2, "epoch": 1, "step": 3}
 
 
 def test_checkpoint_keeps_the_last_and_refuses_another_world_size(tmp_path):
@@ -164,6 +172,150 @@ def test_a_save_interrupted_before_latest_leaves_the_previous_checkpoint(tmp_pat
     (ckpt.dir / "step000000009").mkdir()
     torch.save({"b": 9}, ckpt.dir / "step000000009" / "rank0.pt")
     assert ckpt.load()[0] == {"step": 5}
+
+
+def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())  # keeps two by default
+    for step in (1, 2, 3):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    newest = ckpt.dir / "step000000003" / "rank0.pt"
+    newest.write_bytes(newest.read_bytes()[:40])  # truncated, as by a full disk
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    out = capsys.readouterr().out
+    assert f"checkpoint file {newest} is unreadable" in out and "resuming from the previous checkpoint, step000000002" in out
+    (ckpt.dir / "step000000002" / "shared.pt").write_bytes(b"not a checkpoint")
+    with pytest.raises(RuntimeError, match=r"step000000002/shared.pt is unreadable .*trainer.resume=never"):
+        ckpt.load()
+
+
+def test_a_damaged_latest_json_resumes_from_the_newest_complete_folder(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    (ckpt.dir / "step000000003").mkdir()  # a save interrupted before it completed: no complete.json
+    (ckpt.dir / "latest.json").write_text('{"dir": "step0')
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    assert "latest.json is unreadable" in capsys.readouterr().out
+
+
+def test_resuming_with_other_inputs_is_refused(tmp_path):
+    Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).save({"step": 1}, {}, {})
+    assert Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a"}).load()[0] == {"step": 1}
+    with pytest.raises(ValueError, match=r"trained with data.dir='/data/a' and this run has data.dir='/data/b'.*"
+                                         r"trainer.resume=never"):
+        Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/b"}).load()
+    with pytest.raises(ValueError, match=r"init_from=None and this run has init_from='/m'"):
+        Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a", "init_from": "/m"}).load()
+    assert ex.checkpoint.run_inputs({"data": {"dir": "d"}, "model": {"dir": "???"}, "init_from": None}) == \
+        {"data.dir": os.path.abspath("d")}
+
+
+@pytest.mark.parametrize("name", ["lamb", "dgc", "jointspar"])
+def test_checkpoints_load_to_the_cpu_whatever_the_run_device(tmp_path, name):
+    """A run on an accelerator resumes: RNG states arrive as CPU ByteTensors (``meta`` stands in for CUDA)."""
+    model = _slamb_model()
+    opt = slamb.create_optimizer(name, model, lr=0.01)
+    for _ in range(2):
+        opt.begin_step()
+        _train_steps(model, opt, 0, 1, 0)
+    ckpt = Checkpointer(tmp_path, solo())
+    ex.save_training(ckpt, {"step": 2}, model=model, optimizer=opt)
+    torch.manual_seed(123)
+    model2 = _slamb_model()
+    opt2 = slamb.create_optimizer(name, model2, lr=0.01)
+    on_gpu = ex.DistEnv(0, 1, 0, 1, torch.device("meta"))
+    assert ex.restore_training(Checkpointer(tmp_path, on_gpu), model=model2, optimizer=opt2)[0] == {"step": 2}
+    assert torch.equal(torch.get_rng_state(), torch.load(tmp_path / "ckpt/step000000002/rank0.pt",
+                                                         weights_only=False)["rng"]["torch"])
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+    if name == "dgc":
+        assert torch.equal(opt2.generator.get_state(), opt.generator.get_state())
+    if name == "jointspar":
+        assert opt2._prob.device.type == "cpu" and torch.equal(opt2._prob, opt._prob)
+        assert torch.equal(opt2.sample_round(), opt.sample_round())  # the same next round
+
+
+def test_rng_state_round_trip_restores_every_stream():
+    state = ex.seeding.rng_state()
+    a = (torch.rand(3), np.random.rand(), random.random())
+    ex.seeding.set_rng_state(state)
+    b = (torch.rand(3), np.random.rand(), random.random())
+    assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
+    assert state["torch"].dtype == torch.uint8 and state["torch"].device.type == "cpu"
+
+
+# ------------------------------------------------------------------------------- run identity
+
+
+def _cfg(**over):
+    cfg = {"name": "r", "seed": 0, "epochs": 2, "data": {"dir": "/data/a"}, "optimizer": {"name": "sgd", "lr": 0.1},
+           "trainer": {"resume": "auto", "progress": True, "checkpoint": {"every_epochs": 1, "keep": 2}}}
+    for key, value in over.items():
+        node = cfg
+        *path, last = key.split("__")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return cfg
+
+
+def test_empty_schedules_are_refused():
+    for key, value in (("epochs", 0), ("epochs", -1), ("steps", 0), ("trainer__checkpoint__every_epochs", 0)):
+        with pytest.raises(ValueError, match=f"invalid {key.replace('__', '.')}={value}: must be an integer >= 1"):
+            ex.checkpoint.prepare_run(_cfg(**{key: value}), "/nonexistent")
+
+
+def test_a_finished_run_is_reported_finished_and_other_inputs_are_refused(tmp_path, capsys):
+    log = RunLogger(tmp_path, _cfg(), solo(), progress=False)
+    log.finish({"final_test_top1": 90.0})
+    # operational settings do not make it another run
+    assert ex.checkpoint.prepare_run(_cfg(trainer__progress=False), tmp_path) == {"final_test_top1": 90.0}
+    assert f"{tmp_path} is finished" in capsys.readouterr().out
+    assert ex.checkpoint.prepare_run(_cfg(epochs=3), tmp_path) is None  # extended: resumes
+    assert ex.checkpoint.prepare_run(_cfg(seed=1), tmp_path) is None
+    with pytest.raises(ValueError, match="data.dir='/data/a' and this run has data.dir='/data/b'"):
+        ex.checkpoint.prepare_run(_cfg(data__dir="/data/b"), tmp_path)
+    RunLogger(tmp_path, _cfg(), solo(), progress=False)  # a new writer: no longer finished
+    assert not (tmp_path / "metrics.json").exists()
+    assert ex.checkpoint.prepare_run(_cfg(), tmp_path) is None
+    Checkpointer(tmp_path, solo()).save({"step": 1}, {}, {})
+    assert ex.checkpoint.prepare_run(_cfg(trainer__resume="never"), tmp_path) is None
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, capsys):
+    with RunLock(tmp_path):
+        with pytest.raises(RuntimeError, match=rf"run directory {tmp_path} is being written by process {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+        assert json.loads((tmp_path / "run.lock").read_text())["pid"] == os.getpid()
+    assert not (tmp_path / "run.lock").exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "run.lock").write_text(json.dumps({"host": socket.gethostname(), "pid": dead.pid}))
+    with RunLock(tmp_path):
+        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {dead.pid} is gone)" in capsys.readouterr().out
+    assert RunLock(tmp_path, hold=False).__enter__() and not (tmp_path / "run.lock").exists()
+
+
+def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
+    """Through ``python -m cifar10.train``: the checks run before any worker starts."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "a" / "cifar-10-batches-py", n_train=64, n_test=16)
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1", "epochs=1",
+              "experiment=cifar10_resnet110_lamb", f"hydra.run.dir={tmp_path / 'run'}"]
+    first = cli([*common, f"data.dir={data}"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text()
+    again = cli([*common, f"data.dir={data}", "trainer.progress=true"])
+    assert again.returncode == 0 and f"{tmp_path / 'run'} is finished" in again.stdout
+    assert "resumed" not in again.stdout and (tmp_path / "run" / "metrics.jsonl").read_text() == lines
+    other = shutil.copytree(data, tmp_path / "b" / "cifar-10-batches-py")
+    moved = cli([*common, f"data.dir={other}"])
+    assert moved.returncode != 0 and f"this run has data.dir='{other}'" in moved.stderr
+    empty = cli([*common, f"data.dir={data}", "epochs=0"])
+    assert empty.returncode != 0 and "invalid epochs=0: must be an integer >= 1" in empty.stderr
+    assert not (tmp_path / "run" / "run.lock").exists()
 
 
 # ------------------------------------------------------------------------------- run directory
@@ -203,39 +355,113 @@ def _return_world(cfg, run_dir):
 # ------------------------------------------------------------------------------------- tables
 
 
-def _fixture_run(root, name, row, top1s, bytes_per_epoch, paper=None, study=None, optimizer=None):
+def _fixture_run(root, name, row, top1s, bytes_per_epoch, paper=None, study=None, optimizer=None, seed=0, local=None,
+                 **extra):
     d = root / name
     d.mkdir(parents=True)
-    cfg = {"name": name, "optimizer": optimizer or {"name": row.lower()}, "paper": paper, "study": study}
+    cfg = {"name": row.lower(), "seed": seed, "epochs": len(top1s), "optimizer": optimizer or {"name": row.lower()},
+           "data": {"dir": f"/data/copy{seed}"}, "trainer": {"progress": seed % 2 == 0}, "paper": paper,
+           "study": study, **extra}
     (d / "config.yaml").write_text(yaml.safe_dump(cfg))
-    hist = [{"epoch": e + 1, "test_top1": t, "bytes_cum/all": bytes_per_epoch * (e + 1)} for e, t in enumerate(top1s)]
+    hist = [{"epoch": e + 1, "test_top1": t, "bytes_cum/all": bytes_per_epoch * (e + 1),
+             **({"test_top1_local": local[e]} if local else {})} for e, t in enumerate(top1s)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     (d / "metrics.json").write_text(json.dumps({
-        "final_test_top1": top1s[-1], "best_test_top1": max(top1s), "bytes_total": {"all": bytes_per_epoch * len(top1s)},
-        "wall_time_s": 12.0, "epochs": len(top1s), "world_size": 4, "global_batch": 1024, "params": 1_727_962,
+        "final_test_top1": top1s[-1] if top1s else float("nan"), "best_test_top1": max(top1s, default=float("nan")),
+        "bytes_total": {"all": bytes_per_epoch * len(top1s)}, "wall_time_s": 12.0, "epochs": len(top1s),
+        "world_size": 4, "global_batch": 1024, "params": 1_727_962,
         "compressed_share": 0.9 if row == "SLAMB" else None}))
 
 
-def test_make_tables_from_fixture_runs(tmp_path):
+def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     runs = tmp_path / "runs"
     t = "cifar10_resnet110"
-    _fixture_run(runs, "lamb", "LAMB", [80.0, 93.0], 4_000_000, {"table": t, "row": "LAMB", "top1": 93.15})
-    _fixture_run(runs, "sgd", "SGD-M", [70.0, 91.0], 4_000_000, {"table": t, "row": "SGD-M", "top1": 91.70})
-    _fixture_run(runs, "slamb", "SLAMB", [79.0, 93.4], 500_000, {"table": t, "row": "SLAMB", "top1": 93.21})
-    _fixture_run(runs, "slamb_seed1", "SLAMB", [79.0, 93.0], 500_000, {"table": t, "row": "SLAMB", "top1": 93.21})
-    for i, (b3, k, acc) in enumerate([(0.9, 0.1, 90.0), (0.99, 0.1, 92.0), (0.9, 0.05, 89.0)]):
+    paper = {"table": t, "task": "CIFAR-10 / ResNet-110, the paper's Table 1"}
+    slamb_opt = {"name": "slamb", "lr": 0.01, "compress_ratio": 0.1, "sync_interval": 50}
+    _fixture_run(runs, "lamb", "LAMB", [80.0, 93.0], 4_000_000, {**paper, "row": "LAMB", "top1": 93.15},
+                 optimizer={"name": "lamb", "lr": 0.01, "betas": [0.9, 0.999]})
+    _fixture_run(runs, "sgd", "SGD-M", [70.0, 91.0], 4_000_000, {**paper, "row": "SGD-M", "top1": 91.70})
+    for seed, (last, local) in enumerate([(93.4, 92.0), (93.0, 91.0), (93.8, 91.5)]):  # three seeds, one row
+        _fixture_run(runs, f"slamb/{seed}", "SLAMB", [79.0, last], 500_000, {**paper, "row": "SLAMB", "top1": 93.21},
+                     optimizer=slamb_opt, seed=seed, local=[70.0, local])
+    # the same optimizer row with another schedule: its own row, never averaged with the others
+    _fixture_run(runs, "slamb_long", "SLAMB", [60.0, 70.0, 80.0], 500_000, {**paper, "row": "SLAMB", "top1": 93.21},
+                 optimizer=slamb_opt)
+    _fixture_run(runs, "empty", "SLAMB", [], 1, {**paper, "row": "SLAMB"}, optimizer=slamb_opt)  # epochs=0
+    _fixture_run(runs, "nan", "LAMB", [float("nan")], 1, {**paper, "row": "LAMB"})
+    for i, (b3, k, acc) in enumerate([(0.9, 0.1, 90.0), (0.99, 0.1, 92.0), (0.9, 0.05, 89.0), (0.9, 0.1, 91.0)]):
         _fixture_run(runs, f"sweep/{i}", "SLAMB", [acc], 1, {"table": t, "row": "SLAMB", "top1": 93.21},
-                     study="beta3_compress_ratio", optimizer={"name": "slamb", "beta3": b3, "compress_ratio": k})
-    written = build_tables(load_runs(runs), tmp_path / "results")
+                     study="beta3_compress_ratio", optimizer={"name": "slamb", "beta3": b3, "compress_ratio": k},
+                     seed=i)
+    messages = []
+    loaded = load_runs(runs, log=messages.append)
+    assert sorted(messages) == [f"left out of the tables: {runs / 'empty'}: epochs = 0 (trained nothing)",
+                                f"left out of the tables: {runs / 'nan'}: final_test_top1 is NaN"]
+    written = build_tables(loaded, tmp_path / "results")
     md = (tmp_path / "results" / f"{t}.md").read_text()
     lines = [line for line in md.splitlines() if line.startswith("| ")]
-    assert [line.split(" | ")[0] for line in lines[1:]] == ["| SGD-M", "| LAMB", "| SLAMB"]  # the paper's order
-    assert lines[3] == "| SLAMB | 93.21 | 93.20 | 93.20 | 1 MB | 0.125x | 12 s | 2 |"  # two seeds averaged
+    assert lines[0] == ("| Optimizer | configuration | top-1 | top-1 local | best top-1 | bytes sent / worker | "
+                        "vs LAMB | wall time | n |")
+    assert "Every row: workers 4, 1,727,962 parameters." in md
+    # rows in the paper's order; each names its configuration (non-default optimizer settings, the differing rest)
+    assert lines[1] == "| SGD-M | epochs=2 | 91.00 | - | 91.00 | 8 MB | 1.000x | 12 s | 1 |"
+    assert lines[2] == "| LAMB | epochs=2, lr=0.01 | 93.00 | - | 93.00 | 8 MB | 1.000x | 12 s | 1 |"
+    # three seeds: mean ± sample standard deviation, n = 3; the local models' column from the history
+    assert lines[3] == ("| SLAMB | epochs=2, lr=0.01, sync_interval=50 | 93.40 ± 0.40 | "
+                        "91.50 ± 0.50 | 93.40 ± 0.40 | 1 MB | 0.125x | 12 s | 3 |")
+    assert lines[4].startswith("| SLAMB | epochs=3, lr=0.01, sync_interval=50 | 80.00 | - |")
+    assert lines[4].endswith("| 1.5 MB | - | 12 s | 1 |")  # no LAMB run of 3 epochs to compare with
+    # the paper's numbers: a table of their own, under the paper's task
+    assert "The paper's numbers (CIFAR-10 / ResNet-110, the paper's Table 1), for reference:" in md
+    assert lines[5:] == ["| Optimizer | paper top-1 (%) |", "| SGD-M | 91.70 |", "| LAMB | 93.15 |", "| SLAMB | 93.21 |"]
     assert "SLAMB compresses 90.0% of the parameters" in md
     rows = list(csv.DictReader((tmp_path / "results" / f"{t}.csv").read_text().splitlines()))
-    assert float(rows[1]["bytes_vs_lamb"]) == 1.0 and float(rows[2]["bytes_per_worker"]) == 1_000_000
+    assert [r["optimizer"] for r in rows] == ["SGD-M", "LAMB", "SLAMB", "SLAMB"]
+    assert float(rows[2]["top1_std"]) == pytest.approx(0.4) and rows[2]["top1_n"] == "3"
+    assert float(rows[2]["bytes_per_worker"]) == 1_000_000 and rows[2]["seeds"] == "[0, 1, 2]"
     grid = (tmp_path / "results" / f"{t}_beta3_compress_ratio.md").read_text()
-    assert "| beta3 \\ k | 0.05 | 0.1 |" in grid and "| 0.9 | 89.00 | 90.00 |" in grid and "| 0.99 | - | 92.00 |" in grid
+    assert "| beta3 \\ k | 0.05 | 0.1 |" in grid and "| 0.9 | 89.00 (1) | 90.50 ± 0.71 (2) |" in grid
+    assert "| 0.99 | - | 92.00 (1) |" in grid
     pngs = [p for files in written.values() for p in files if str(p).endswith(".png")]
     assert sorted(p.name for p in pngs) == [f"{t}_beta3_compress_ratio_heatmap.png", f"{t}_curves.png"]
     assert all(p.stat().st_size > 10_000 for p in pngs)
+
+
+def _demo_run(root, row, seed, top1, local, bytes_total):
+    d = root / f"{row}_seed{seed}"
+    d.mkdir(parents=True)
+    cfg = {"name": f"demo_digits_{row.lower()}", "seed": seed, "epochs": 2, "optimizer": {"name": row.lower()},
+           "paper": {"table": "demo_digits_resnet8", "row": row, "top1": 93.0, "task": "CIFAR-10 / ResNet-110"}}
+    (d / "config.yaml").write_text(yaml.safe_dump(cfg))
+    hist = [{"epoch": 1, "test_top1": 50.0, "test_top1_local": 49.0, "bytes_cum/all": bytes_total["all"] / 2},
+            {"epoch": 2, "test_top1": top1, "test_top1_local": local, "bytes_cum/all": bytes_total["all"]}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
+    (d / "metrics.json").write_text(json.dumps({
+        "final_test_top1": top1, "best_test_top1": top1, "bytes_total": bytes_total, "wall_time_s": 5.0, "epochs": 2,
+        "steps": 10, "world_size": 4, "global_batch": 256, "params": 1000,
+        "compressed_share": 0.9 if row == "SLAMB" else None}))
+
+
+def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
+    from cifar10.demo import report
+
+    # SLAMB: 10 steps of k = 0.1 of the 900 compressed entries (3600 B) and the 100 dense ones (4000 B) in fp32,
+    # two parameter syncs of 4000 B, 4 B of control per step
+    slamb = {"momentum": 7600, "params": 8000, "control": 40, "all": 15640}
+    lamb = {"grads": 40000, "control": 40, "all": 40040}
+    for seed, (s, sl, l) in enumerate([(96.0, 95.0, 96.5), (96.4, 95.2, 96.7), (96.2, 95.1, 96.6)]):
+        _demo_run(tmp_path / "runs", "SLAMB", seed, s, sl, slamb)
+        _demo_run(tmp_path / "runs", "LAMB", seed, l, l, lamb)
+    text = report(load_runs(tmp_path / "runs"), tmp_path / "out")
+    assert text == (tmp_path / "out" / "demo.md").read_text()
+    assert "| LAMB | defaults | 96.60 ± 0.10 | 96.60 ± 0.10 | 96.60 ± 0.10 | 40 KB | 1.000x | 5 s | 3 |" in text
+    assert "| SLAMB | defaults | 96.20 ± 0.20 | 95.10 ± 0.10 | 96.20 ± 0.20 | 15.6 KB | 0.391x | 5 s | 3 |" in text
+    assert ("| Optimizer | gradients | momentum, sampled | momentum, always-dense tensors | parameter sync | control "
+            "| total | compressed share |") in text
+    assert "| LAMB | 40 KB | 0 B | 0 B | 0 B | 40 B | 40 KB | 0.0% |" in text
+    assert "| SLAMB | 0 B | 3.6 KB | 4 KB | 8 KB | 40 B | 15.6 KB | 23.0% |" in text
+    # the difference (-0.40) exceeds two standard errors (2 sqrt(0.2^2/3 + 0.1^2/3) = 0.26)
+    assert text.rstrip().endswith(
+        "SLAMB's averaged model is 0.40 points below LAMB's (96.20% vs 96.60% top-1, mean of 3 and 3 seeds; two "
+        "standard errors of the difference: 0.26, so a difference beyond the seeds' spread) at 0.391x LAMB's bytes "
+        "per worker (2.6x fewer).")

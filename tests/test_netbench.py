@@ -83,6 +83,16 @@ def test_invalid_settings_are_rejected_with_the_setting_named():
     assert (a.hosts, a.rates, a.optimizers, a.timing_epochs) == ([2], [10], ["LAMB", "SLAMB"], 2)
 
 
+def test_only_the_full_matrix_writes_the_committed_results():
+    committed, scratch = ROOT / "results" / "netbench.md", ROOT / "runs" / "netbench" / "netbench.md"
+    assert Path(netbench.parse_args([]).out) == committed
+    assert Path(netbench.parse_args(["--note", "x", "--run-timeout", "60"]).out) == committed
+    assert Path(netbench.parse_args(["--render-only"]).out) == committed
+    for partial in (["--quick"], ["--hosts", "2"], ["--pipelines", "cifar10"], ["--epochs", "5"], ["--delay-ms", "0"]):
+        assert Path(netbench.parse_args(partial).out) == scratch, partial
+    assert netbench.parse_args(["--quick", "--out", "/tmp/q/netbench.md"]).out == "/tmp/q/netbench.md"
+
+
 @needs_netns
 def test_quick_bench_measures_link_bytes_against_the_ledger(tmp_path):
     before = set(list_namespaces())

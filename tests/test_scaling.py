@@ -248,3 +248,19 @@ def test_command_with_and_without_bench_file(tmp_path, capsys):
     assert set(v["by_hosts"]) == {2, 4, 8}
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         main(["--out", str(out), "--set", "no_such_input=1"])
+
+
+def test_a_bench_file_too_small_to_validate_is_refused(tmp_path):
+    from bench.scaling import main
+
+    bench = tmp_path / "netbench_raw.json"
+    out = tmp_path / "scaling.md"
+    quick = [r for r in synthetic_records() if r["hosts"] == 2][:2]  # what --quick gives: one host count
+    bench.write_text(json.dumps(quick))
+    with pytest.raises(SystemExit, match=r"2 usable shaped record\(s\) from host count\(s\) \[2\]: too few"):
+        main(["--netbench", str(bench), "--out", str(out)])
+    assert not out.exists()
+    one_other = [r for r in synthetic_records() if r["hosts"] == 2] + synthetic_records()[-1:]  # one 8-host record
+    bench.write_text(json.dumps(one_other))
+    with pytest.raises(SystemExit, match="too few to validate"):
+        main(["--netbench", str(bench), "--out", str(out)])

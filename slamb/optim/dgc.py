@@ -271,7 +271,7 @@ class DGC(LocalStateOptimizer):
         self.epoch = int(extra["epoch"])
         self.density = extra["density"]
         self._sparse_pending = bool(extra["sparse_pending"])
-        self.generator.set_state(extra["generator"])
+        self.generator.set_state(extra["generator"].to("cpu", torch.uint8))  # a CPU generator's state
         self._last = None
 
     # -- the step -------------------------------------------------------------------

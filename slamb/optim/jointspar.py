@@ -373,13 +373,14 @@ class JointSpar(ContractDefaults, Optimizer):
                              f"optimizer kappa={self.kappa}, p_min={self.p_min}: construct it with the saved ones")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "jointspar"})
         self._round = int(extra["round"])
-        self._prob = extra["prob"].to(torch.float64).clone()
+        # the sampling runs on the CPU (a host decision: which layers train), whatever device saved it
+        self._prob = extra["prob"].to("cpu", torch.float64, copy=True)
         self.seed = int(extra["seed"])
         self.ledger.load_state_dict(extra["ledger"])
         if extra["active"] is None:
             self.unfreeze()
         else:
-            self._set_active(extra["active"].clone())
+            self._set_active(extra["active"].to("cpu", torch.bool, copy=True))
 
     # -- the step -----------------------------------------------------------------------------
 
