@@ -99,10 +99,13 @@ def dcp_case(rank, name):
     whole = snapshot(model)
 
     model, ddp, opt = build(name)
+    fresh = get_optimizer_state_dict(model, opt)  # takes no step, sends nothing
+    untouched = (opt._step, opt.ledger.steps, opt.ledger.summary()["total"]["all"]["payload"]) == (0, 0, 0)
+    model.load_state_dict(saved["model"])  # the rank's own parameters first, as set_state_dict does
     set_optimizer_state_dict(model, opt, saved["optim"])
-    model.load_state_dict(saved["model"])
     train(ddp, opt, rank, range(CUT, STEPS))
-    return {"equal": all(torch.equal(a, b) for a, b in zip(whole, snapshot(model))), "keys": sorted(saved["optim"])}
+    return {"equal": all(torch.equal(a, b) for a, b in zip(whole, snapshot(model))), "keys": sorted(saved["optim"]),
+            "untouched": untouched and fresh["param_groups"][0][opt.state_key]["step"] == 0}
 
 
 def scaler_case(rank):
@@ -284,6 +287,7 @@ def test_dcp_state_dict_round_trip_continues_bit_exactly(results):
         for r in results:
             assert r["dcp"][name]["equal"], name
             assert r["dcp"][name]["keys"] == ["param_groups", "state"]  # all DCP keeps, and all it needs
+            assert r["dcp"][name]["untouched"], name
 
 
 # ------------------------------------------------------------------------------ the loss scaler

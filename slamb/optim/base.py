@@ -53,6 +53,11 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             raise RuntimeError(f"{type(self).__name__}'s flat layout is fixed at the first step: "
                                "add parameter groups before it")
         super().add_param_group(param_group)
+        # An entry per parameter from the start (empty until the layout holds it): DCP's state_dict helpers
+        # then see an initialized optimizer and skip the zero-lr step they take on a fresh one, which here
+        # would average the ranks' parameters (a SLAMB sync) and count a step.
+        for p in self.param_groups[-1]["params"]:
+            self.state.setdefault(p, {})
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
