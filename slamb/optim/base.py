@@ -86,8 +86,10 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             bad = nonfinite_tensors([everything[i].grad for i in have])
         mine = (NONFINITE if bad is not None and bool(bad.any()) else
                 NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT)
-        decision = int(comm.agree_max(torch.tensor(float(mine)), ledger=self.ledger, group=self.process_group)
-                       .item()) if agree else mine
+        decision = mine
+        if agree:  # from the parameters' device: the one a backend such as NCCL communicates from
+            decision = int(comm.agree_max(torch.tensor(float(mine), device=everything[0].device),
+                                          ledger=self.ledger, group=self.process_group).item())
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
             raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))
@@ -103,14 +105,14 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
     def _grow(self, have: list[int], *, agree: bool) -> None:
         """Lay out the union over the ranks of the parameters with gradients; the layout's state is kept
         and the newcomers start as at a first step."""
-        everything = self._all_params()
-        flags = torch.zeros(len(everything))
+        everything, known = self._all_params(), set(self._layout_ids)
+        flags = torch.zeros(len(everything), device=everything[0].device)
         flags[have] = 1.0
         if agree:
             flags = comm.agree_max(flags, ledger=self.ledger, group=self.process_group)
-        new = [i for i in torch.nonzero(flags).flatten().tolist() if i not in set(self._layout_ids)]
+        new = [i for i in torch.nonzero(flags).flatten().tolist() if i not in known]
         self._check_growth(new)
-        self._build(sorted(set(self._layout_ids) | set(new)))
+        self._build(sorted(known | set(new)))
 
     def _check_growth(self, new: list[int]) -> None:
         """Refuse, on every rank, parameters that cannot join the layout now."""
