@@ -7,12 +7,12 @@ the file it wrote; any other optimizer as one file, ``optimizer.pt``, written
 by rank 0. The world size, the rank and the optimizer are checked before
 anything loads, and every refusal is one line naming the file and the fix.
 
-``torch.distributed.checkpoint`` (DCP) cannot hold such state: it keeps one
-copy of every entry, so all ranks but one would resume from another rank's
-moments (the optimizer then refuses the state). Its in-memory
-``get_optimizer_state_dict`` / ``set_optimizer_state_dict`` round trip works
-(each rank gets and sets its own); a per-rank state goes to disk through
-:func:`save_optimizer`.
+``torch.distributed.checkpoint`` (DCP) files cannot hold such state: they
+keep one copy of every entry for all ranks, so every rank would resume from
+some other rank's moments; the optimizers refuse such a state on load, on
+every rank, pointing here. DCP's in-memory ``get_optimizer_state_dict`` /
+``set_optimizer_state_dict`` round trip works (each rank gets and sets its
+own), and takes no step of its own on these optimizers.
 """
 from __future__ import annotations
 

@@ -108,6 +108,23 @@ def dcp_case(rank, name):
             "untouched": untouched and fresh["param_groups"][0][opt.state_key]["step"] == 0}
 
 
+def dcp_disk_case(rank, directory):
+    """DCP's own files keep one copy of each entry for all ranks: a per-rank state must be refused on load."""
+    import torch.distributed.checkpoint as dcp
+
+    model, ddp, opt = build("slamb")
+    train(ddp, opt, rank, range(CUT))
+    dcp.save({"optim": get_optimizer_state_dict(model, opt)}, checkpoint_id=directory)
+    model, ddp, opt = build("slamb")
+    loaded = {"optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(loaded, checkpoint_id=directory)
+    try:
+        set_optimizer_state_dict(model, opt, loaded["optim"])
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def scaler_case(rank):
     model, ddp, opt = build("slamb")
     scaler = slamb.RankAgreedGradScaler("cpu", init_scale=1024.0, growth_interval=2)
@@ -202,6 +219,7 @@ def worker(rank, world, directory):
     return {
         "resume": {name: resume_case(rank, name, f"{directory}/{name}") for name in OPTIMIZERS},
         "dcp": {name: dcp_case(rank, name) for name in OPTIMIZERS},
+        "dcp_disk": dcp_disk_case(rank, f"{directory}/dcp"),
         "scaler": scaler_case(rank),
         "late": {f"{name}-{step}-{both}": late_case(rank, name, step, both)
                  for name, step, both in (("slamb", 2, False), ("dgc", 2, False), ("onebit", 1, True),
@@ -288,6 +306,12 @@ def test_dcp_state_dict_round_trip_continues_bit_exactly(results):
             assert r["dcp"][name]["equal"], name
             assert r["dcp"][name]["keys"] == ["param_groups", "state"]  # all DCP keeps, and all it needs
             assert r["dcp"][name]["untouched"], name
+
+
+def test_dcp_files_of_per_rank_state_are_refused_on_every_rank_with_the_fix(results):
+    for r in results:  # which rank's copy DCP kept varies: each rank gets one of the two refusals
+        assert r["dcp_disk"] is not None and "slamb.save_optimizer and slamb.load_optimizer" in r["dcp_disk"]
+        assert ("lost on the way" in r["dcp_disk"]) or ("cannot be redistributed" in r["dcp_disk"])
 
 
 # ------------------------------------------------------------------------------ the loss scaler

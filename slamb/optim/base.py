@@ -167,14 +167,23 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             raise ValueError(
                 f"{name} checkpoint saved by rank {extra['rank']} of world size {extra['world_size']}, loaded on "
                 f"rank {r} of world size {n}: {self.per_rank_reason}, which cannot be redistributed. Resume with "
-                f"{extra['world_size']} workers, each rank loading the state it saved (save one optimizer state "
-                f"per rank), or {self.per_rank_alternative}."
+                f"{extra['world_size']} workers, each rank loading the state it saved (slamb.save_optimizer and "
+                f"slamb.load_optimizer keep one file per rank), or {self.per_rank_alternative}."
             )
         ids = extra["layout_ids"]
         if ids is not None:
             everything = self._all_params()
             if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
                 raise ValueError(f"{name} checkpoint was saved for a different parameter layout (shapes differ)")
+            saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+            lost = [i for i in ids if i >= len(saved) or not state_dict["state"].get(saved[i])]
+            if lost:
+                raise ValueError(
+                    f"{name} state dict holds no state for {', '.join(param_labels(self, lost[:4]))}"
+                    f"{' ...' if len(lost) > 4 else ''} of its layout: the rank's own state was lost on the way "
+                    "(torch.distributed.checkpoint keeps one copy of each entry for all ranks, and loads only "
+                    "the entries of the state dict it is given): save and load it with slamb.save_optimizer and "
+                    "slamb.load_optimizer")
         self._check_extra_state(extra)
         super().load_state_dict({**{k: v for k, v in state_dict.items() if k != key},
                                  "param_groups": [{k: v for k, v in g.items() if k != key}
