@@ -343,7 +343,8 @@ def test_scaler_is_torch_gradscaler_with_one_rank():
             scaler.update()
         return snapshot(model), scaler.get_scale()
 
-    ours, theirs = run(slamb.RankAgreedGradScaler("cpu", init_scale=2.0**120)), run(torch.amp.GradScaler("cpu", 2.0**120))
+    ours = run(slamb.RankAgreedGradScaler("cpu", init_scale=2.0**120))
+    theirs = run(torch.amp.GradScaler("cpu", init_scale=2.0**120))
     assert ours[1] == theirs[1] == 2.0**119
     assert all(torch.equal(a, b) for a, b in zip(ours[0], theirs[0]))
 

@@ -444,10 +444,10 @@ class SLAMB(LocalStateOptimizer):
         if self._alike_steps == _ALIKE_STEPS:
             self._alike_steps = None
             warnings.warn(
-                f"SLAMB: every rank held the same momentum before averaging at its first {_ALIKE_STEPS} steps: the gradients "
-                "were already averaged across ranks (plain DDP, or a framework's trainer), or every rank trains on "
-                "the same data. SLAMB needs each rank's local gradients, else it sends its momentum on top of a "
-                "gradient all-reduce: wrap the model with slamb.wrap_model(model, optimizer) (or use the "
+                f"SLAMB: every rank held the same momentum before averaging at its first {_ALIKE_STEPS} steps: the "
+                "gradients were already averaged across ranks (plain DDP, or a framework's trainer), or every rank "
+                "trains on the same data. SLAMB needs each rank's local gradients, else it sends its momentum on top "
+                "of a gradient all-reduce: wrap the model with slamb.wrap_model(model, optimizer) (or use the "
                 "slamb.integrations trainer) instead of DistributedDataParallel.", stacklevel=3)
 
     def _sync_params(self) -> None:
