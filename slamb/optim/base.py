@@ -97,6 +97,10 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             self.ledger.end_step()
             return loss, None
         if self._layout_ids is None:
+            if not have:
+                raise ValueError(f"{type(self).__name__}: this rank has no gradient at the first step while another "
+                                 "rank has: the layout is fixed then, so every rank must compute gradients for the "
+                                 "same parameters at the first step")
             self._build()
         elif decision == NEW_PARAMETERS:
             self._grow(have, agree=agree)
