@@ -93,7 +93,7 @@ def test_per_group_learning_rates_and_no_decay_groups():
         torch.testing.assert_close(a[i] - start[i], scale * (b[i] - start[i]), rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("kwargs,name", [(dict(lr=0), "lr"), (dict(betas=(0.9, 1.0)), "betas"),
+@pytest.mark.parametrize("kwargs,name", [(dict(lr=-0.1), "lr"), (dict(betas=(0.9, 1.0)), "betas"),
                                          (dict(eps=-1.0), "eps"), (dict(weight_decay=-1.0), "weight_decay"),
                                          (dict(trust_clamp=(0.5, 0.1)), "trust_clamp"),
                                          (dict(nonfinite="warn"), "nonfinite")])

@@ -378,7 +378,7 @@ def test_nonfinite_skip_does_not_count_the_step():
     ("freeze_step", 0, "freeze_step"), ("freeze_step", 2.5, "freeze_step"), ("freeze_step", True, "freeze_step"),
     ("coeff_beta", 1.0, "coeff_beta"), ("factor_min", 0.0, "factor_min"), ("factor_max", 0.4, "factor_max"),
     ("factor_threshold", -0.1, "factor_threshold"), ("factor_threshold", 1.0, "factor_threshold"),
-    ("min_coeff", -1.0, "min_coeff"), ("max_coeff", 0.001, "max_coeff"), ("lr", 0.0, "lr"),
+    ("min_coeff", -1.0, "min_coeff"), ("max_coeff", 0.001, "max_coeff"), ("lr", -0.1, "lr"),
     ("betas", (0.9, 1.0), "betas"), ("eps", 0.0, "eps"), ("weight_decay", -0.1, "weight_decay"),
     ("bias_correction", "yes", "bias_correction"), ("nonfinite", "warn", "nonfinite"),
     ("reset_error_on_load", 1, "reset_error_on_load"),
