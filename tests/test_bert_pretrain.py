@@ -213,11 +213,11 @@ def tiny_data(tmp_path_factory) -> dict:
                           dupe_factor=1, seed=3)
         d = root / f"seq{seq}"
         prep.prepare(files, vocab, d, s, progress=False)
-        with h5py.File(d / "part0.hdf5", "r") as f:
+        with h5py.File(d / "part0_training.hdf5", "r") as f:
             arrays = {k: f[k][:N_EXAMPLES] for k in prep.FIELDS}
         assert len(arrays["input_ids"]) == N_EXAMPLES
-        prep.write_shard(d / "part0.hdf5", arrays)
-        prep.write_shard(d / "part1.hdf5", arrays)
+        prep.write_shard(d / "part0_training.hdf5", arrays)
+        prep.write_shard(d / "part1_training.hdf5", arrays)
         out[seq] = d
     out["vocab_size"] = len(vocab.read_text().splitlines())
     out["root"] = root
