@@ -13,7 +13,7 @@ from .distributed import launch
 
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
-HARNESS_KEYS = ("name", "weight_decay", "no_decay")
+HARNESS_KEYS = ("name", "weight_decay", "no_decay", "decay_all")
 
 
 def check_trainer(t) -> None:
@@ -30,9 +30,9 @@ def check_trainer(t) -> None:
         torch.device(t["device"]) if t["device"] != "auto" else None
     except RuntimeError as e:
         raise ValueError(f"invalid trainer.device={t['device']!r}: use auto, cpu, cuda, ... ({e})") from None
-    every = t["checkpoint"]["every_epochs"]
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"invalid trainer.checkpoint.every_epochs={every!r}: must be an integer >= 1")
+    every = t["checkpoint"]["every"]
+    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ValueError(f"invalid trainer.checkpoint.every={every!r}: must be an integer >= 1 (epochs, or BERT's steps)")
 
 
 def optimizer_kwargs(ocfg) -> dict:
@@ -50,13 +50,23 @@ def optimizer_kwargs(ocfg) -> dict:
 
 
 def build_optimizer(model: torch.nn.Module, ocfg):
-    """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``)."""
-    return registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
+    """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``).
+
+    ``decay_all``: one group, weight decay on every parameter (the CIFAR-10 reference code) instead of
+    exempting biases, norms and ``no_decay`` names.
+    """
+    decay_all = ocfg.get("decay_all", False)
+    check_choice("optimizer.decay_all", decay_all, (False, True))
+    params = [p for p in model.parameters() if p.requires_grad] if decay_all else model
+    return registry.create_optimizer(ocfg["name"], params, weight_decay=ocfg.get("weight_decay", 0.0),
                                      no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
 
 
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
+
+    ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
+    spawn or submitit import it instead of unpickling a function of ``__main__``.
 
     The job's run directory is Hydra's output directory. With
     ``trainer.resume=never`` an existing checkpoint there is discarded first.
@@ -64,13 +74,13 @@ def run_from_hydra(worker, cfg):
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
-    from .distributed import under_torchrun
+    from .distributed import started_externally
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     check_trainer(container["trainer"])
     run_dir = HydraConfig.get().runtime.output_dir
     ckpt = Path(run_dir) / "ckpt"
-    if container["trainer"]["resume"] == "never" and ckpt.exists() and not under_torchrun():
+    if container["trainer"]["resume"] == "never" and ckpt.exists() and not started_externally():
         shutil.rmtree(ckpt)
     return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
                   max_restarts=container["trainer"]["max_restarts"])
