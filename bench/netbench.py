@@ -577,8 +577,8 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          f"{TRAIN_IMAGES} training images, so {', '.join(f'{n} hosts: {cifar_steps_per_epoch(n)}' for n in sorted({r['hosts'] for r in records if r['pipeline'] == 'cifar10'}))} steps per epoch); "
          f"BERT pipeline with the tiny BERT (2 layers, hidden 64) on the offline docstring corpus, "
          f"{BERT_MICRO} sequences of 128 tokens per worker and step, fp32.",
-         "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=demo_digits_lamb|slamb`; BERT: "
-         "`bert_phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
+         "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=cifar10/demo_lamb|demo_slamb`; BERT: "
+         "`bert/phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
          "1-bit LAMB: LAMB's row settings (lr 0.01, wd 1e-4), freeze_step = 20% of the run's steps; DGC: the SGD-M "
          "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up.",
          "",

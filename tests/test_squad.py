@@ -321,7 +321,7 @@ def e2e_worker(rank, world, cfg, run_dir):
     return train(cfg, run_dir)
 
 
-def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path):
+def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, capfd):
     train_file = write_json(tmp_path / "train.json", squad_json())
     dev_file = write_json(tmp_path / "dev.json", squad_json())
     cfg = compose_squad(f"model.dir={bert_dir}", f"data.train_file={train_file}", f"data.dev_file={dev_file}",
@@ -332,6 +332,7 @@ def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path):
                         "paper={table: squad_tiny, row: LAMB, f1: 91.345, exact_match: null}")
     run_dir = tmp_path / "run"
     results = distributed.run(e2e_worker, 2, cfg, str(run_dir))
+    assert "".join(capfd.readouterr()).count("LOAD REPORT") == 1  # transformers' load report: rank 0 only
     summary = json.loads((run_dir / "metrics.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     examples = sdata.load_squad(dev_file)
