@@ -117,6 +117,18 @@ def test_every_config_composes_and_builds_its_optimizer(root, experiment):
         assert cfg["paper"]["row"] and cfg["paper"]["table"]
 
 
+GROUP_ROOT = {"resnet": "cifar10", "cifar10": "cifar10", "digits": "cifar10", "swin": "swin", "imagenet": "swin",
+              "bert": "bert", "squad": "squad"}
+GROUP_FILES = sorted(f"{p.parent.name}={p.stem}" for group in ("model", "data") for p in (CONFIGS / group).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("choice", GROUP_FILES)
+def test_every_model_and_data_config_composes_in_its_pipeline(choice):
+    group, name = choice.split("=")
+    root = next(r for prefix, r in GROUP_ROOT.items() if name.startswith(prefix))
+    assert compose_root(root, choice)[group] == yaml.safe_load((CONFIGS / group / f"{name}.yaml").read_text())
+
+
 def test_every_row_has_its_own_run_directory():
     names = {}
     for e in EXPERIMENTS:
