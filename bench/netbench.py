@@ -107,7 +107,7 @@ def _install_probes(dev: str) -> None:
 
     def recording_log(self, metrics: dict) -> None:
         rank = int(os.environ.get("RANK", "0"))
-        line = {"period": metrics.get("epoch"), "step": metrics.get("step"), "time": time.time(),
+        line = {"period": metrics.get("epoch", metrics.get("step")), "step": metrics.get("step"), "time": time.time(),
                 "ledger": latest.get("ledger"), **interface_counters(dev), **tcp_snmp()}
         out = Path(self.dir) / "netbench"
         out.mkdir(parents=True, exist_ok=True)
@@ -141,24 +141,24 @@ def worker_main(argv: list[str]) -> None:
 # LAMB's row settings (its warm-up, freeze_step, is set per run to 20% of the steps as in bert.demo), DGC takes
 # the SGD-M demo row's (lr 0.03, momentum 0.9, wd 1e-4) with DGC's own density 0.001 and 4-epoch warm-up.
 ROWS = {
-    "LAMB": {"cifar10": ["experiment=demo_digits_lamb"],
-             "bert": ["experiment=bert_phase1_lamb"]},
-    "SLAMB": {"cifar10": ["experiment=demo_digits_slamb"],
-              "bert": ["experiment=bert_phase1_slamb", "optimizer.sync_interval=10",
+    "LAMB": {"cifar10": ["experiment=cifar10/demo_lamb"],
+             "bert": ["experiment=bert/phase1_lamb"]},
+    "SLAMB": {"cifar10": ["experiment=cifar10/demo_slamb"],
+              "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
                        "optimizer.min_compress_numel=2000"]},
-    "SLAMB+overlap": {"cifar10": ["experiment=demo_digits_slamb", "optimizer.overlap=true"],
-                      "bert": ["experiment=bert_phase1_slamb", "optimizer.sync_interval=10",
+    "SLAMB+overlap": {"cifar10": ["experiment=cifar10/demo_slamb", "optimizer.overlap=true"],
+                      "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
                                "optimizer.min_compress_numel=2000", "optimizer.overlap=true"]},
-    "1-bit LAMB": {"cifar10": ["experiment=demo_digits_common", "optimizer=onebit_lamb", "name=netbench_onebit_lamb",
+    "1-bit LAMB": {"cifar10": ["+mixin=demo_digits", "optimizer=onebit_lamb", "name=netbench_onebit_lamb",
                                "optimizer.lr=0.01", "optimizer.weight_decay=1.0e-4"],
-                   "bert": ["experiment=bert_phase1_onebit_lamb"]},
-    "DGC": {"cifar10": ["experiment=demo_digits_common", "optimizer=dgc", "name=netbench_dgc", "optimizer.lr=0.03",
+                   "bert": ["experiment=bert/phase1_onebit_lamb"]},
+    "DGC": {"cifar10": ["+mixin=demo_digits", "optimizer=dgc", "name=netbench_dgc", "optimizer.lr=0.03",
                         "optimizer.momentum=0.9", "optimizer.weight_decay=1.0e-4"],
             "bert": ["optimizer=dgc", "name=netbench_bert_dgc", "optimizer.momentum=0.9",
                      "optimizer.weight_decay=0.01"]},
 }
 TRAIN_IMAGES = 1500        # digits demo: training images (cifar10.demo.TEST_SIZE of 1797 held out)
-CIFAR_BATCH = 64           # data.batch_size_per_worker of the demo rows
+CIFAR_BATCH = 64           # data.micro_batch of the demo rows
 BERT_MICRO = 16            # sequences per worker and step (one micro-batch: no accumulation)
 
 
@@ -581,8 +581,8 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          f"{TRAIN_IMAGES} training images, so {', '.join(f'{n} hosts: {cifar_steps_per_epoch(n)}' for n in sorted({r['hosts'] for r in records if r['pipeline'] == 'cifar10'}))} steps per epoch); "
          f"BERT pipeline with the tiny BERT (2 layers, hidden 64) on the offline docstring corpus, "
          f"{BERT_MICRO} sequences of 128 tokens per worker and step, fp32.",
-         "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=demo_digits_lamb|slamb`; BERT: "
-         "`bert_phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
+         "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=cifar10/demo_lamb|demo_slamb`; BERT: "
+         "`bert/phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
          "1-bit LAMB: LAMB's row settings (lr 0.01, wd 1e-4), freeze_step = 20% of the run's steps; DGC: the SGD-M "
          "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up.",
          "",

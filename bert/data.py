@@ -21,11 +21,17 @@ from .prepare_data import FIELDS
 IGNORE_INDEX = -100  # the label ``transformers`` skips in the MLM loss
 
 
-def find_shards(data_dir: str | Path, pattern: str = "*.hdf5") -> list[Path]:
-    files = sorted(Path(data_dir).glob(pattern))
+# NVIDIA's run_pretraining.py trains on the files of its input directory whose names contain "training":
+# its hdf5 directories also hold <dataset>_test_<i>.hdf5 shards, which must stay out of training.
+SHARD_PATTERN = "*training*.hdf5"
+
+
+def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN) -> list[Path]:
+    """The shard files of ``data_dir`` matching ``pattern`` (default: NVIDIA's rule), sorted by name."""
+    files = sorted(p for p in Path(data_dir).glob(pattern) if p.is_file())
     if not files:
         raise FileNotFoundError(
-            f"no pre-training shards {pattern!r} in {str(data_dir)!r}: prepare them with "
+            f"no pre-training shards {pattern!r} in {str(data_dir)!r} (data.pattern): prepare them with "
             "`python -m bert.prepare_data --input TEXT... --vocab vocab.txt --output DIR` (or point data.dir at "
             "NVIDIA's hdf5 directory)"
         )

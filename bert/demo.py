@@ -91,13 +91,13 @@ def main(argv=None) -> dict:
 
     extra = {"lamb": [], "onebit_lamb": [f"optimizer.freeze_step={max(1, a.steps // 5)}"],
              "slamb": ["optimizer.sync_interval=10", "optimizer.min_compress_numel=2000"]}[a.optimizer]
-    overrides = [f"experiment=bert_phase1_{a.optimizer}", "model=bert_tiny",
+    overrides = [f"experiment=bert/phase1_{a.optimizer}", "model=bert_tiny",
                  f"model.vocab_size={len(vocab.read_text().splitlines())}", "model.hidden_size=64",
                  "model.intermediate_size=256", f"data.dir={out / 'seq128'}", "data.global_batch=64",
                  "data.micro_batch=16", f"steps={a.steps}", "log_every=25", "schedule.warmup_steps=null",
                  "+schedule.warmup_fraction=0.1", "optimizer.lr=0.01", "trainer.precision=fp32",
                  f"trainer.nproc_per_node={a.workers}", "trainer.progress=false", "trainer.resume=never",
-                 f"trainer.checkpoint.every_steps={a.steps}", "paper=null", f"name=bert_demo_{a.optimizer}",
+                 f"trainer.checkpoint.every={a.steps}", "paper=null", f"name=bert_demo_{a.optimizer}",
                  *extra, *a.overrides]
     with initialize_config_dir(config_dir=str(Path(__file__).resolve().parents[1] / "configs"), version_base="1.3"):
         cfg = OmegaConf.to_container(compose("bert", overrides=overrides), resolve=True)

@@ -7,7 +7,9 @@
 
 Input: one sentence per line, a blank line between documents (the format of
 BERT's ``create_pretraining_data.py`` and of NVIDIA's sharded Wikipedia/Books
-text). Each input file becomes one output shard ``<stem>.hdf5`` holding
+text). Each input file becomes one output shard ``<stem>_training.hdf5`` (a name
+NVIDIA's loader selects: it trains on the files whose names contain
+"training") holding
 
     input_ids [N, L] i4   input_mask [N, L] i1   segment_ids [N, L] i1
     masked_lm_positions [N, P] i4   masked_lm_ids [N, P] i4   next_sentence_labels [N] i1
@@ -228,13 +230,17 @@ def _init_worker(vocab_path: str, lowercase: bool) -> None:
     _VOCAB = Vocab(load_tokenizer(vocab_path, lowercase))
 
 
+def shard_name(path) -> str:
+    return f"{Path(path).stem}_training.hdf5"
+
+
 def prepare_file(task) -> dict:
     """One input file -> one shard; returns its statistics."""
     index, path, out_dir, s = task
     rng = random.Random(f"{s.seed}:{index}")
     instances = create_instances(read_documents(Path(path), _VOCAB), _VOCAB, s, rng)
     features = to_arrays(instances, s)
-    out = Path(out_dir) / f"{Path(path).stem}.hdf5"
+    out = Path(out_dir) / shard_name(path)
     write_shard(out, features)
     tokens = int(features["input_mask"].sum())
     return {"input": str(path), "shard": str(out), "examples": len(instances), "tokens": tokens,
@@ -251,7 +257,7 @@ def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, 
         raise FileNotFoundError(f"input text files not found: {missing or 'none given'} (--input FILE ...)")
     stems = [p.stem for p in inputs]
     if len(set(stems)) != len(stems):
-        raise ValueError("input files must have distinct names: each becomes the shard <name>.hdf5")
+        raise ValueError("input files must have distinct names: each becomes the shard <name>_training.hdf5")
     load_tokenizer(vocab, lowercase)  # a missing or empty vocabulary fails here, before any worker starts
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -272,7 +278,7 @@ def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--input", nargs="+", required=True, help="text files: a sentence per line, blank line between documents")
-    p.add_argument("--output", required=True, help="directory for the <input stem>.hdf5 shards and stats.json")
+    p.add_argument("--output", required=True, help="directory for the <input stem>_training.hdf5 shards and stats.json")
     vocab = p.add_mutually_exclusive_group(required=True)
     vocab.add_argument("--vocab", help="WordPiece vocab.txt (or a directory holding one)")
     vocab.add_argument("--train-vocab", type=int, metavar="SIZE",

@@ -1,9 +1,9 @@
 """BERT pre-training, phase 1 (seq 128) and phase 2 (seq 512), with any optimizer of the package.
 
-    python -m bert.train experiment=bert_phase1_slamb trainer.nproc_per_node=8
-    python -m bert.train experiment=bert_phase2_slamb init_from=runs/bert_phase1_slamb/model
+    python -m bert.train experiment=bert/phase1_slamb trainer.nproc_per_node=8
+    python -m bert.train experiment=bert/phase2_slamb init_from=runs/bert_phase1_slamb/model
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
-        -m bert.train experiment=bert_phase1_slamb                          # multi-node
+        -m bert.train experiment=bert/phase1_slamb                          # multi-node
 
 The global batch (``data.global_batch``, 65,536 in phase 1) is reached from
 any number of workers by gradient accumulation over micro-batches of
@@ -14,8 +14,8 @@ together (:mod:`harness.amp`); ``clip_grad`` clips the unscaled
 gradients' global norm before the optimizer step (null: no clipping).
 
 Training is counted in optimizer steps. Every ``log_every`` steps a line goes
-to ``metrics.jsonl`` (``epoch`` there is the step count, so that a resume
-truncates it at the checkpoint): loss (MLM + NSP), MLM and NSP accuracy over
+to ``metrics.jsonl`` (keyed by ``step``, so that a resume truncates it at
+the checkpoint): loss (MLM + NSP), MLM and NSP accuracy over
 the period's micro-batches of all ranks, sequences/s, LR, loss scale, skipped
 steps and the ledger's bytes. At the end rank 0 writes the model (parameters
 averaged over ranks, as they differ between SLAMB's syncs) in Hugging Face
@@ -107,9 +107,6 @@ def check_settings(cfg) -> None:
     for key in ("steps", "log_every"):
         if not (isinstance(cfg[key], int) and cfg[key] >= 1):
             raise ValueError(f"invalid {key}={cfg[key]!r}: must be an integer >= 1")
-    every = cfg.trainer.checkpoint.every_steps
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"invalid trainer.checkpoint.every_steps={every!r}: must be an integer >= 1")
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -162,7 +159,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             train_time += elapsed
             bytes_now = ex.comm_totals(optimizer)
             log.log({
-                "epoch": step + 1, "step": step + 1, **period_metrics(sums),
+                "step": step + 1, **period_metrics(sums),
                 "lr": optimizer.param_groups[0]["lr"], "loss_scale": amp.scale,
                 "skipped_steps": amp.skipped_steps - skipped_before,
                 **ex.comm_metrics(bytes_now, bytes_before),
@@ -172,7 +169,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             bytes_before, skipped_before, period_steps = bytes_now, amp.skipped_steps, 0
             sums.zero_()
             tic = time.perf_counter()
-        if t.checkpoint.enabled and ((step + 1) % t.checkpoint.every_steps == 0 or step + 1 == cfg.steps):
+        if t.checkpoint.enabled and ((step + 1) % t.checkpoint.every == 0 or step + 1 == cfg.steps):
             ex.save_training(ckpt, {"step": step + 1, "resumed_from": resumed_from}, model=model,
                              optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
     export_model(model, optimizer, env, Path(run_dir) / "model", data_vocab(d.dir))
@@ -197,7 +194,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return ex.run_from_hydra(train, cfg)
+    return ex.run_from_hydra("bert.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 scikit-learn's 8x8 digits (1797 images, shipped with the package) are written
 in the exact CIFAR-10 pickle layout (upsampled to 32 x 32 x 3 uint8), then the
-three demo rows (``configs/experiment/demo_digits_*.yaml``: SGD-M, LAMB,
+three demo rows (``configs/experiment/cifar10/demo_*.yaml``: SGD-M, LAMB,
 SLAMB on ResNet-8, 4 gloo workers, global batch 256) run, each for three seeds,
 through the same entry point as the paper rows, as one Hydra ``--multirun``.
 
@@ -27,7 +27,7 @@ from harness.tables import build_tables, comparison_rows, fmt_bytes, load_runs
 from .data import write_cifar10
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = ("demo_digits_sgd", "demo_digits_lamb", "demo_digits_slamb")
+ROWS = ("cifar10/demo_sgd", "cifar10/demo_lamb", "cifar10/demo_slamb")
 TABLE = "demo_digits_resnet8"  # the rows' paper.table
 SEEDS = (0, 1, 2)
 TEST_SIZE = 297

@@ -1,10 +1,10 @@
 """Train ResNet-110 on CIFAR-10 with any optimizer of the package.
 
-    python -m cifar10.train experiment=cifar10_resnet110_slamb              # 4 local workers
-    python -m cifar10.train experiment=cifar10_resnet110_lamb trainer.nproc_per_node=8
+    python -m cifar10.train experiment=cifar10/slamb                         # 4 local workers
+    python -m cifar10.train experiment=cifar10/lamb trainer.nproc_per_node=8
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
-        -m cifar10.train experiment=cifar10_resnet110_slamb                 # multi-node
-    python -m cifar10.train --multirun experiment=cifar10_resnet110_slamb +sweep=beta3
+        -m cifar10.train experiment=cifar10/slamb                            # multi-node
+    python -m cifar10.train --multirun experiment=cifar10/slamb sweep=beta3
 
 The run directory is Hydra's output directory (``runs/<name>/<overrides>``);
 running the same command again resumes from its last checkpoint.
@@ -62,9 +62,9 @@ def train(cfg: dict, run_dir: str) -> dict:
     data = load_cifar10(d.dir)
     train_x, train_y = (v.to(env.device) for v in data["train"])
     test_x, test_y = (v.to(env.device) for v in data["test"])
-    batches = ex.ShardedBatches(len(train_x), d.batch_size_per_worker, env, seed=cfg.seed)
+    batches = ex.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
-    global_batch = d.batch_size_per_worker * env.world_size
+    global_batch = d.micro_batch * env.world_size
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model).to(env.device)
@@ -106,8 +106,8 @@ def train(cfg: dict, run_dir: str) -> dict:
         if env.device.type != "cpu":
             torch.accelerator.synchronize()
         train_time = time.perf_counter() - tic
-        train_loss, train_top1 = global_means(sums, steps_per_epoch * d.batch_size_per_worker)
-        test_loss, test_top1 = evaluate(model, test_x, test_y, env, d.eval_batch_size)
+        train_loss, train_top1 = global_means(sums, steps_per_epoch * d.micro_batch)
+        test_loss, test_top1 = evaluate(model, test_x, test_y, env, d.eval_batch)
         bytes_now = ex.comm_totals(optimizer)
         log.log({
             "epoch": epoch + 1, "step": step,
@@ -119,7 +119,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             "epoch_time_s": time.perf_counter() - tic,
         })
         bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
             ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
                              model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
 
@@ -141,7 +141,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return ex.run_from_hydra(train, cfg)
+    return ex.run_from_hydra("cifar10.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from .distributed import launch
 
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
-HARNESS_KEYS = ("name", "weight_decay", "no_decay")
+HARNESS_KEYS = ("name", "weight_decay", "no_decay", "decay_all")
 
 
 def check_trainer(t) -> None:
@@ -27,9 +27,9 @@ def check_trainer(t) -> None:
         torch.device(t["device"]) if t["device"] != "auto" else None
     except RuntimeError as e:
         raise ValueError(f"invalid trainer.device={t['device']!r}: use auto, cpu, cuda, ... ({e})") from None
-    every = t["checkpoint"]["every_epochs"]
-    if not (isinstance(every, int) and every >= 1):
-        raise ValueError(f"invalid trainer.checkpoint.every_epochs={every!r}: must be an integer >= 1")
+    every = t["checkpoint"]["every"]
+    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
+        raise ValueError(f"invalid trainer.checkpoint.every={every!r}: must be an integer >= 1 (epochs, or BERT's steps)")
 
 
 def optimizer_kwargs(ocfg) -> dict:
@@ -47,13 +47,23 @@ def optimizer_kwargs(ocfg) -> dict:
 
 
 def build_optimizer(model: torch.nn.Module, ocfg):
-    """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``)."""
-    return registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
+    """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``).
+
+    ``decay_all``: one group, weight decay on every parameter (the CIFAR-10 reference code) instead of
+    exempting biases, norms and ``no_decay`` names.
+    """
+    decay_all = ocfg.get("decay_all", False)
+    check_choice("optimizer.decay_all", decay_all, (False, True))
+    params = [p for p in model.parameters() if p.requires_grad] if decay_all else model
+    return registry.create_optimizer(ocfg["name"], params, weight_decay=ocfg.get("weight_decay", 0.0),
                                      no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
 
 
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
+
+    ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
+    spawn or submitit import it instead of unpickling a function of ``__main__``.
 
     The job's run directory is Hydra's output directory, locked while the job writes it. With
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
@@ -65,13 +75,13 @@ def run_from_hydra(worker, cfg):
     from omegaconf import OmegaConf
 
     from .checkpoint import prepare_run
-    from .distributed import under_torchrun
+    from .distributed import started_externally
     from .run import RunLock
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     check_trainer(container["trainer"])
     run_dir = HydraConfig.get().runtime.output_dir
-    local = not under_torchrun()
+    local = not started_externally()
     with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
         finished = prepare_run(container, run_dir, clear=local)
         if finished is not None:

@@ -18,14 +18,14 @@ class ShardedBatches:
 
     def __init__(self, num_samples: int, batch_size: int, env: DistEnv, *, seed: int, shuffle: bool = True):
         if batch_size < 1:
-            raise ValueError(f"invalid batch size {batch_size}: must be >= 1 (data.batch_size_per_worker)")
+            raise ValueError(f"invalid batch size {batch_size}: must be >= 1 (data.micro_batch)")
         self.sampler = DistributedSampler(range(num_samples), num_replicas=env.world_size, rank=env.rank,
                                           shuffle=shuffle, seed=seed, drop_last=True)
         self.batch_size = batch_size
         if len(self) == 0:
             raise ValueError(
                 f"{num_samples} samples cannot give every one of {env.world_size} workers a full batch of "
-                f"{batch_size}: lower data.batch_size_per_worker or the number of workers"
+                f"{batch_size}: lower data.micro_batch or the number of workers"
             )
 
     def __len__(self) -> int:

@@ -1,10 +1,16 @@
 """Distributed set-up and the one launch path of every pipeline.
 
 ``launch(worker, cfg, run_dir)`` runs ``worker(cfg, run_dir)`` on every
-worker:
+worker (``worker``: a function, or its ``"package.module:function"`` name, which
+any process can import: a function of ``__main__`` cannot be pickled into the
+workers when ``__main__`` is another program, as under submitit):
 
 * under ``torchrun`` (any number of nodes) it simply calls it: torchrun
   already started one process per worker;
+* in a SLURM step of several tasks (``srun``, sbatch/submitit with
+  ``--ntasks``), each task is one worker: its rank, local rank, the world
+  size and the master address (the first host of the step's node list) come
+  from SLURM's environment, and it simply calls it;
 * otherwise, with ``trainer.nproc_per_node > 1``, it starts that many local
   workers itself through torch's elastic launcher (the engine behind
   torchrun), on a fresh rendezvous port, with ``trainer.max_restarts``;
@@ -20,8 +26,11 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import importlib
 import os
+import re
 import socket
+import sys
 import uuid
 
 import torch
@@ -49,6 +58,49 @@ class DistEnv:
 def under_torchrun() -> bool:
     """True in a worker that torchrun or the elastic launcher started."""
     return "TORCHELASTIC_RUN_ID" in os.environ or ("RANK" in os.environ and "WORLD_SIZE" in os.environ)
+
+
+def slurm_tasks() -> int:
+    """The number of tasks of this SLURM step (0 outside SLURM)."""
+    return int(os.environ.get("SLURM_NTASKS", "0"))
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``gpu[07-09,12],cpu3`` -> ``gpu07``; ``n[1-2]-ib`` -> ``n1-ib``."""
+    first = re.match(r"(?:[^,\[]|\[[^\]]*\])+", nodelist.strip())
+    if first is None:
+        raise ValueError(f"cannot read a host from SLURM_NODELIST={nodelist!r}")
+    return re.sub(r"\[([^\]]*)\]", lambda m: re.split(r"[-,]", m.group(1))[0], first.group(0))
+
+
+def slurm_env(environ=os.environ) -> dict[str, str]:
+    """torch.distributed's ``env://`` variables for this task of a multi-task SLURM step (one task per worker).
+
+    ``MASTER_ADDR``/``MASTER_PORT`` already set win; otherwise the first host of
+    the node list, and a port every task derives from the job id.
+    """
+    nodelist = environ.get("SLURM_NODELIST", environ.get("SLURM_JOB_NODELIST"))
+    missing = [k for k in ("SLURM_PROCID", "SLURM_LOCALID", "SLURM_NTASKS") if k not in environ]
+    missing += [] if nodelist or "MASTER_ADDR" in environ else ["SLURM_NODELIST"]
+    missing += [] if "SLURM_JOB_ID" in environ or "MASTER_PORT" in environ else ["SLURM_JOB_ID"]
+    if missing:
+        raise RuntimeError(
+            f"a SLURM step of {environ.get('SLURM_NTASKS')} tasks without {missing} in the environment: start "
+            "one task per worker with srun (or hydra/launcher=slurm), or set MASTER_ADDR, MASTER_PORT, RANK, "
+            "WORLD_SIZE and LOCAL_RANK yourself")
+    per_node = re.match(r"\d+", environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1")
+    return {
+        "RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_NTASKS"],
+        "LOCAL_RANK": environ["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": per_node.group(0) if per_node else "1",
+        "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
+        "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodelist),
+        "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ["SLURM_JOB_ID"]) % 20000),
+    }
+
+
+def started_externally() -> bool:
+    """True in a worker that torchrun, the elastic launcher or a multi-task SLURM step started."""
+    return under_torchrun() or slurm_tasks() > 1
 
 
 def restart_count() -> int:
@@ -98,7 +150,16 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
         store = dist.PrefixStore(f"slamb/attempt{restart_count()}", store)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout,
                                 device_id=dev if backend == "nccl" else None)
+    if comm.rank() != 0:
+        quiet_library_warnings()
     return DistEnv(comm.rank(), comm.world_size(), local_rank, local_world, dev)
+
+
+def quiet_library_warnings() -> None:
+    """Hugging Face's warnings (a model's 20-line load report) at error level: one copy per job, from rank 0."""
+    os.environ["TRANSFORMERS_VERBOSITY"] = "error"  # read when transformers configures its logger
+    if "transformers" in sys.modules:
+        sys.modules["transformers"].logging.set_verbosity_error()
 
 
 def barrier() -> None:
@@ -127,10 +188,21 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def resolve_worker(worker):
+    """A worker function, or the function a ``"package.module:function"`` name imports."""
+    if callable(worker):
+        return worker
+    module, _, name = str(worker).partition(":")
+    fn = getattr(importlib.import_module(module), name, None) if name else None
+    if not callable(fn):
+        raise ValueError(f"invalid worker {worker!r}: must be a function or 'package.module:function'")
+    return fn
+
+
 def _worker_entry(worker, cfg, run_dir):
     """Elastic-launcher entry point (module level, so spawn can pickle it)."""
     try:
-        return worker(cfg, run_dir)
+        return resolve_worker(worker)(cfg, run_dir)
     finally:
         shutdown()
 
@@ -139,7 +211,10 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
     """Run ``worker(cfg, run_dir)`` on every worker; returns rank 0's result.
 
     ``cfg`` must be picklable (a plain dict) when workers are started here.
+    In a multi-task SLURM step ``nproc_per_node`` is ignored: each task is a worker.
     """
+    if slurm_tasks() > 1 and not under_torchrun():
+        os.environ.update(slurm_env())
     if under_torchrun() or nproc_per_node <= 1:
         return _worker_entry(worker, cfg, run_dir)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch

@@ -180,6 +180,10 @@ def compressed_share(optimizer, model) -> float | None:
     return big / sum(p.numel() for p in params)
 
 
+def _position(line: dict) -> int:
+    return line.get("epoch", line.get("step", 0))
+
+
 class RunLogger:
     def __init__(self, run_dir, cfg: dict, env: DistEnv, *, wandb: bool = False, wandb_project: str = "slamb",
                  progress: bool = True, resume_epoch: int = 0):
@@ -203,12 +207,15 @@ class RunLogger:
             self._wandb = self._init_wandb(cfg, wandb_project)
 
     def _truncate_metrics(self, resume_epoch: int) -> None:
-        """Drop lines of epochs the resumed run will redo: those after the ``resume_epoch`` epochs it completed."""
+        """Drop lines of epochs the resumed run will redo: those after the ``resume_epoch`` epochs it completed.
+
+        A step-based run's lines carry no ``epoch``: ``step`` and ``resume_epoch`` then count optimizer steps.
+        """
         path = self.dir / "metrics.jsonl"
         if not path.exists():
             return
         keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("epoch", 0) <= resume_epoch]
+                if line.strip() and _position(json.loads(line)) <= resume_epoch]
         path.write_text("".join(line + "\n" for line in keep))
 
     def _init_wandb(self, cfg: dict, project: str):

@@ -19,21 +19,21 @@ PHASE1_DATA=${PHASE1_DATA:-data/bert/seq128}
 PHASE2_DATA=${PHASE2_DATA:-data/bert/seq512}
 NNODES=${NNODES:-1}
 
-train() {  # train EXPERIMENT DATA_DIR [OVERRIDES...]
+train() {  # train EXPERIMENT (of experiment/bert/) DATA_DIR [OVERRIDES...]
     local exp=$1 data=$2
     shift 2
     if [ "$NNODES" -gt 1 ]; then
         "$PY" -m torch.distributed.run --nnodes "$NNODES" --node-rank "${NODE_RANK:?set NODE_RANK}" \
             --nproc-per-node "${NPROC_PER_NODE:-8}" --rdzv-backend c10d \
             --rdzv-endpoint "${MASTER_ADDR:?set MASTER_ADDR}:${MASTER_PORT:-29400}" \
-            -m bert.train experiment="$exp" data.dir="$data" hydra.run.dir="runs/$exp" "$@"
+            -m bert.train experiment="bert/$exp" data.dir="$data" hydra.run.dir="runs/bert_$exp" "$@"
     else
-        "$PY" -m bert.train experiment="$exp" data.dir="$data" hydra.run.dir="runs/$exp" "$@"
+        "$PY" -m bert.train experiment="bert/$exp" data.dir="$data" hydra.run.dir="runs/bert_$exp" "$@"
     fi
 }
 
 for row in $ROWS; do
-    train "bert_phase1_${row}" "$PHASE1_DATA" "$@"
-    train "bert_phase2_${row}" "$PHASE2_DATA" init_from="runs/bert_phase1_${row}/model" "$@"
+    train "phase1_${row}" "$PHASE1_DATA" "$@"
+    train "phase2_${row}" "$PHASE2_DATA" init_from="runs/bert_phase1_${row}/model" "$@"
 done
 "$PY" scripts/make_tables.py --runs runs --out results

@@ -8,6 +8,6 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}
 for row in sgd lamb slamb; do
-    "$PY" -m cifar10.train experiment=cifar10_resnet110_${row} "$@"
+    "$PY" -m cifar10.train experiment=cifar10/${row} "$@"
 done
 "$PY" scripts/make_tables.py --runs runs --out results

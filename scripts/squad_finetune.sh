@@ -6,13 +6,13 @@
 #       data.dev_file=/data/squad/dev-v1.1.json trainer.nproc_per_node=8 trainer.precision=bf16
 # ROWS="lamb slamb" picks rows. Multi-node: run one row per command under torchrun, e.g.
 #   torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
-#       -m squad_finetune.train experiment=squad_slamb
+#       -m squad_finetune.train experiment=squad/slamb
 # Rerunning resumes each row from its run directory (runs/squad_<row>/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline} HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1}
 for row in ${ROWS:-lamb onebit_lamb slamb}; do
-    "$PY" -m squad_finetune.train experiment=squad_${row} "$@"
+    "$PY" -m squad_finetune.train experiment=squad/${row} "$@"
 done
 "$PY" scripts/make_tables.py --runs runs --out results

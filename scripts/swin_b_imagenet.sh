@@ -8,12 +8,14 @@
 # Multi-node (torchrun on every node, same command, its own NODE_RANK):
 #   scripts/swin_b_imagenet.sh 8 16 0 node0.example:29400 -- data.dir=/data/imagenet
 # Gradient accumulation (same global batch on half the GPUs): ... -- accumulation_steps=2
+# SLURM (one task per GPU, docs/configs.md): python -m swin.train --multirun hydra/launcher=slurm \
+#   hydra.launcher.nodes=16 trainer.nproc_per_node=8 experiment=swin_b/slamb data.dir=/data/imagenet
 # ROWS="slamb" runs one row. Rerunning resumes each row from its run directory (runs/swin_b_<row>/...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}
-usage() { sed -n 2,11p "$0" >&2; exit 2; }
+usage() { sed -n 2,13p "$0" >&2; exit 2; }
 
 [[ $# -ge 1 && $1 =~ ^[0-9]+$ ]] || usage
 gpus=$1; shift

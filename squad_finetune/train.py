@@ -1,9 +1,9 @@
 """Fine-tune BERT on SQuAD v1.1 and report the official exact match and F1.
 
     python -m squad_finetune.train model.dir=runs/bert_phase2_lamb/model   # 4 local workers
-    python -m squad_finetune.train experiment=squad_slamb trainer.nproc_per_node=8
+    python -m squad_finetune.train experiment=squad/slamb trainer.nproc_per_node=8
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
-        -m squad_finetune.train experiment=squad_lamb                     # multi-node
+        -m squad_finetune.train experiment=squad/lamb                     # multi-node
 
 ``model.dir`` is a local BERT directory (``config.json`` + weights +
 ``vocab.txt`` / tokenizer files, as ``save_pretrained`` writes them): a
@@ -59,7 +59,7 @@ def load_model(model_dir, vocab_size: int):
 
 def split_batch(global_batch: int, world_size: int) -> int:
     if global_batch < world_size or global_batch % world_size:
-        raise ValueError(f"data.global_batch_size={global_batch} must be a multiple of the {world_size} workers "
+        raise ValueError(f"data.global_batch={global_batch} must be a multiple of the {world_size} workers "
                          "(each worker takes an equal share)")
     return global_batch // world_size
 
@@ -114,7 +114,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     dev_examples = subset(load_squad(d.dev_file), d.max_dev_examples)
     train_feats = make_features(train_examples, tokenizer, **shape)
     dev_feats = make_features(dev_examples, tokenizer, **shape)
-    per_worker = split_batch(d.global_batch_size, env.world_size)
+    per_worker = split_batch(d.global_batch, env.world_size)
     batches = ex.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
 
@@ -158,25 +158,25 @@ def train(cfg: dict, run_dir: str) -> dict:
         train_time = time.perf_counter() - tic
         comm.all_reduce_sum_(loss_sum, kind="eval", ledger=None)
         train_loss = loss_sum.item() / (steps_per_epoch * env.world_size)
-        logits = predict(model, dev_feats, env, d.eval_batch_size, autocast)
+        logits = predict(model, dev_feats, env, d.eval_batch, autocast)
         metrics = score(dev_examples, dev_feats, logits, cfg, run_dir, env)
         bytes_now = ex.comm_totals(optimizer)
         log.log({
             "epoch": epoch + 1, "step": step, "train_loss": train_loss, **metrics,
             "lr": optimizer.param_groups[0]["lr"], **ex.comm_metrics(bytes_now, bytes_before),
             "step_time_s": train_time / steps_per_epoch,
-            "sequences_per_s": steps_per_epoch * d.global_batch_size / train_time,
+            "sequences_per_s": steps_per_epoch * d.global_batch / train_time,
             "epoch_time_s": time.perf_counter() - tic,
         })
         bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
             ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
                              model=model, optimizer=optimizer, scheduler=scheduler)
 
     history = log.history() if env.is_main else []
     summary = {
         "name": cfg.name, "optimizer": cfg.optimizer.name, "model_dir": str(cfg.model.dir),
-        "world_size": env.world_size, "global_batch": d.global_batch_size, "epochs": cfg.epochs, "steps": step,
+        "world_size": env.world_size, "global_batch": d.global_batch, "epochs": cfg.epochs, "steps": step,
         "params": sum(p.numel() for p in model.parameters()),
         "train_windows": len(train_feats), "dev_questions": len(dev_examples),
         "exact_match": history[-1]["exact_match"] if history else math.nan,
@@ -191,7 +191,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return ex.run_from_hydra(train, cfg)
+    return ex.run_from_hydra("squad_finetune.train:train", cfg)
 
 
 if __name__ == "__main__":

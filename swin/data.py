@@ -81,16 +81,16 @@ def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: 
     train_tf, val_tf = transforms(dcfg, img_size)
     train_set = ImageDataset(str(root / "train"), transform=train_tf)
     val_set = ImageDataset(str(root / "val"), transform=val_tf)
-    batch = dcfg["batch_size_per_worker"]
+    batch = dcfg["micro_batch"]
     if len(train_set) < batch * env.world_size:
         raise ValueError(f"{len(train_set)} training images cannot give every one of {env.world_size} workers "
-                         f"a full batch of {batch}: lower data.batch_size_per_worker or the number of workers")
+                         f"a full batch of {batch}: lower data.micro_batch or the number of workers")
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
                                  seed=seed, drop_last=True)
     common = {"num_workers": dcfg["workers"], "pin_memory": dcfg["pin_memory"] and env.device.type != "cpu",
               "persistent_workers": dcfg["workers"] > 0}
     train = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **common)
-    val = DataLoader(Subset(val_set, eval_shard(len(val_set), env).tolist()), batch_size=dcfg["eval_batch_size"],
+    val = DataLoader(Subset(val_set, eval_shard(len(val_set), env).tolist()), batch_size=dcfg["eval_batch"],
                      shuffle=False, **common)
     return train, sampler, val
 
@@ -99,8 +99,8 @@ def mixup_and_loss(dcfg, num_classes: int):
     """(timm ``Mixup`` or None, training loss) for the ``data.mixup`` settings."""
     m = dcfg["mixup"]
     if m["mixup_alpha"] > 0 or m["cutmix_alpha"] > 0:
-        if dcfg["batch_size_per_worker"] % 2:
-            raise ValueError(f"data.batch_size_per_worker={dcfg['batch_size_per_worker']} must be even with "
+        if dcfg["micro_batch"] % 2:
+            raise ValueError(f"data.micro_batch={dcfg['micro_batch']} must be even with "
                              "mixup/cutmix (timm mixes each batch with its flip)")
         mixup = Mixup(mixup_alpha=m["mixup_alpha"], cutmix_alpha=m["cutmix_alpha"], prob=m["prob"],
                       switch_prob=m["switch_prob"], mode=m["mode"], label_smoothing=m["label_smoothing"],

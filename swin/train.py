@@ -6,7 +6,7 @@
     scripts/swin_b_imagenet.sh slamb 8 1                                     # the paper's rows
 
 The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
-(global batch = workers x data.batch_size_per_worker x accumulation_steps),
+(global batch = workers x data.micro_batch x accumulation_steps),
 reached after ``schedule.warmup_epochs`` and decayed per step by a cosine.
 Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
 a skip decision agreed by all ranks, :mod:`harness.amp`).
@@ -112,8 +112,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     steps_per_epoch = len(train_loader) // accum
     if steps_per_epoch == 0:
         raise ValueError(f"{len(train_loader)} batches per worker and epoch are fewer than accumulation_steps="
-                         f"{accum}: lower accumulation_steps or data.batch_size_per_worker")
-    global_batch = d.batch_size_per_worker * env.world_size * accum
+                         f"{accum}: lower accumulation_steps or data.micro_batch")
+    global_batch = d.micro_batch * env.world_size * accum
     ocfg = dict(plain["optimizer"])
     ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
     optimizer = ex.build_optimizer(model, ocfg)
@@ -169,7 +169,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             "epoch_time_s": time.perf_counter() - tic,
         })
         bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every_epochs == 0 or epoch + 1 == cfg.epochs):
+        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
             ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
                              model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
 
@@ -194,7 +194,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return ex.run_from_hydra(train, cfg)
+    return ex.run_from_hydra("swin.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -2,18 +2,22 @@
 recipe, reproducibility across worker counts, the tokenizer checks, and the per-rank shard stream."""
 from __future__ import annotations
 
+import os
 import random
+import shutil
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
+import yaml
 
 from bert import prepare_data as prep
-from bert.data import IGNORE_INDEX, PretrainingStream, find_shards, load_shard, mlm_labels
+from bert.data import IGNORE_INDEX, SHARD_PATTERN, PretrainingStream, find_shards, load_shard, mlm_labels
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
 
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SEQ, PRED = 64, 10
 SETTINGS = prep.Settings(max_seq_length=SEQ, max_predictions_per_seq=PRED, dupe_factor=5, seed=7)
 WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "ne", "su", "ta", "vo", "ri") for b in ("p", "rn", "st", "x", "dge")]
@@ -56,7 +60,7 @@ def read(path: Path) -> dict[str, np.ndarray]:
 
 def test_shards_have_nvidia_field_names_shapes_and_dtypes(shards):
     out, stats, _ = shards
-    assert [p.name for p in find_shards(out)] == ["part0.hdf5", "part1.hdf5"]
+    assert [p.name for p in find_shards(out)] == ["part0_training.hdf5", "part1_training.hdf5"]
     for path in find_shards(out):
         a = read(path)
         n = len(a["next_sentence_labels"])
@@ -128,7 +132,7 @@ def test_continuation_pairs_are_consecutive_text_of_one_document(corpus, shards)
     root, files, vocab = corpus
     out, _, tok = shards
     text = " ".join(line for line in files[0].read_text().splitlines() if line)
-    ids, docs = read(out / "part0.hdf5"), tok(text, add_special_tokens=False)["input_ids"]
+    ids, docs = read(out / "part0_training.hdf5"), tok(text, add_special_tokens=False)["input_ids"]
     stream = " ".join(map(str, docs))
     sep = tok.convert_tokens_to_ids("[SEP]")
     checked = 0
@@ -153,12 +157,13 @@ def test_preparation_is_reproducible_with_any_number_of_workers(corpus, shards, 
     root, files, vocab = corpus
     out, _, _ = shards
     prep.prepare(files, vocab, tmp_path, SETTINGS, workers=1, progress=False)
-    for name in ("part0.hdf5", "part1.hdf5"):
+    for name in ("part0_training.hdf5", "part1_training.hdf5"):
         a, b = read(out / name), read(tmp_path / name)
         assert all(np.array_equal(a[k], b[k]) for k in prep.FIELDS)
     other = prep.Settings(**{**SETTINGS.__dict__, "seed": 8})
     prep.prepare(files[:1], vocab, tmp_path / "seed8", other, progress=False)
-    assert not np.array_equal(read(tmp_path / "seed8" / "part0.hdf5")["input_ids"], read(out / "part0.hdf5")["input_ids"])
+    assert not np.array_equal(read(tmp_path / "seed8" / "part0_training.hdf5")["input_ids"],
+                              read(out / "part0_training.hdf5")["input_ids"])
 
 
 def test_whole_word_masking_masks_every_piece_of_a_word(corpus):
@@ -224,6 +229,28 @@ def test_shards_in_nvidias_own_dtypes_load(tmp_path):
         PretrainingStream([tmp_path / "bad.hdf5"], 1, 0, 1, seed=0, seq_len=16)
     with pytest.raises(FileNotFoundError, match="bert.prepare_data"):
         find_shards(tmp_path / "empty")
+
+
+def nvidia_selection(data_dir: Path) -> list[str]:
+    """The file list of NVIDIA's run_pretraining.py: the directory's files whose names contain "training"."""
+    return sorted(f for f in os.listdir(data_dir) if os.path.isfile(data_dir / f) and "training" in f)
+
+
+def test_default_pattern_follows_nvidia_rule_and_selects_our_shards(shards, tmp_path):
+    out, _, _ = shards
+    assert nvidia_selection(out) == [p.name for p in find_shards(out)] == ["part0_training.hdf5", "part1_training.hdf5"]
+    nvidia = tmp_path / "nvidia"
+    nvidia.mkdir()
+    for name in ("books_wiki_en_corpus_training_0.hdf5", "books_wiki_en_corpus_training_1.hdf5",
+                 "books_wiki_en_corpus_test_0.hdf5", "books_wiki_en_corpus_test_1.hdf5"):
+        shutil.copy(out / "part0_training.hdf5", nvidia / name)
+    (nvidia / "old_training.hdf5").mkdir()  # a directory is not a shard, whatever its name
+    assert [p.name for p in find_shards(nvidia)] == nvidia_selection(nvidia) == \
+        ["books_wiki_en_corpus_training_0.hdf5", "books_wiki_en_corpus_training_1.hdf5"]
+    for phase in ("bert_phase1", "bert_phase2"):
+        assert yaml.safe_load((CONFIGS / "data" / f"{phase}.yaml").read_text())["pattern"] == SHARD_PATTERN
+    with pytest.raises(FileNotFoundError, match=r"no pre-training shards '\*test\*.hdf5' .* \(data.pattern\)"):
+        find_shards(out, "*test*.hdf5")
 
 
 def test_mlm_labels_place_ids_at_positions_and_ignore_padding():

@@ -87,8 +87,8 @@ def test_exp_warmup_exp_decay_matches_deepspeeds_formula():
 
 def test_nvidia_phase_schedules():
     p = torch.nn.Parameter(torch.zeros(1))
-    for phase, steps, lr, warmup in (("bert_phase1_lamb", 7038, 6e-3, 2000), ("bert_phase2_lamb", 1563, 4e-3, 201)):
-        cfg = compose_bert(f"experiment={phase}")
+    for phase, steps, lr, warmup in (("phase1_lamb", 7038, 6e-3, 2000), ("phase2_lamb", 1563, 4e-3, 201)):
+        cfg = compose_bert(f"experiment=bert/{phase}")
         assert cfg["steps"] == steps and cfg["optimizer"]["lr"] == lr
         opt = torch.optim.SGD([p], lr=lr)
         sched = build_lr_scheduler(opt, cfg["schedule"], 1, steps)
@@ -99,18 +99,18 @@ def test_nvidia_phase_schedules():
 
 
 def test_paper_rows_hold_the_recipes_settings():
-    slamb_row = compose_bert("experiment=bert_phase1_slamb")
+    slamb_row = compose_bert("experiment=bert/phase1_slamb")
     assert slamb_row["data"]["global_batch"] == 65536 and slamb_row["data"]["seq_len"] == 128
     o = slamb_row["optimizer"]
     assert (o["variant"], o["betas"], o["beta3"], o["compress_ratio"], o["sync_interval"], o["comm_dtype"]) == \
         ("v2", [0.9, 0.999], 0.93, 0.1, 100, "float16")
-    one = compose_bert("experiment=bert_phase1_onebit_lamb")["optimizer"]
+    one = compose_bert("experiment=bert/phase1_onebit_lamb")["optimizer"]
     assert (one["freeze_step"], one["min_coeff"], one["max_coeff"], one["weight_decay"]) == (1000, 0.01, 0.3, 0.01)
-    assert compose_bert("experiment=bert_phase2_onebit_lamb")["optimizer"]["freeze_step"] == 6100
-    p2 = compose_bert("experiment=bert_phase2_slamb")
+    assert compose_bert("experiment=bert/phase2_onebit_lamb")["optimizer"]["freeze_step"] == 6100
+    p2 = compose_bert("experiment=bert/phase2_slamb")
     assert (p2["data"]["global_batch"], p2["data"]["seq_len"], p2["init_from"]) == \
         (32768, 512, "runs/bert_phase1_slamb/model")
-    assert compose_bert("experiment=bert_phase1_lamb")["optimizer"]["weight_decay"] == 0.01
+    assert compose_bert("experiment=bert/phase1_lamb")["optimizer"]["weight_decay"] == 0.01
 
 
 # ------------------------------------------------------------------------------ accumulation, fp16
@@ -213,11 +213,11 @@ def tiny_data(tmp_path_factory) -> dict:
                           dupe_factor=1, seed=3)
         d = root / f"seq{seq}"
         prep.prepare(files, vocab, d, s, progress=False)
-        with h5py.File(d / "part0.hdf5", "r") as f:
+        with h5py.File(d / "part0_training.hdf5", "r") as f:
             arrays = {k: f[k][:N_EXAMPLES] for k in prep.FIELDS}
         assert len(arrays["input_ids"]) == N_EXAMPLES
-        prep.write_shard(d / "part0.hdf5", arrays)
-        prep.write_shard(d / "part1.hdf5", arrays)
+        prep.write_shard(d / "part0_training.hdf5", arrays)
+        prep.write_shard(d / "part1_training.hdf5", arrays)
         out[seq] = d
     out["vocab_size"] = len(vocab.read_text().splitlines())
     out["root"] = root
@@ -230,15 +230,15 @@ def tiny_cfg(data: dict, run_dir: Path, *overrides) -> dict:
         "model.attention_probs_dropout_prob=0.0", f"data.dir={data[SEQ1]}", f"data.seq_len={SEQ1}",
         f"data.global_batch={2 * N_EXAMPLES}", "data.micro_batch=4", "steps=6", "log_every=2",
         "schedule.warmup_steps=1", "schedule.power=0.0", "trainer.nproc_per_node=2", "trainer.progress=false",
-        "trainer.threads_per_worker=1", "trainer.checkpoint.every_steps=2", "trainer.checkpoint.keep=2",
+        "trainer.threads_per_worker=1", "trainer.checkpoint.every=2", "trainer.checkpoint.keep=2",
         *overrides)
 
 
 ROWS = {
-    "lamb": ["experiment=bert_phase1_lamb", "optimizer.lr=0.05", "trainer.precision=fp32"],
-    "onebit_lamb": ["experiment=bert_phase1_onebit_lamb", "optimizer.lr=0.05", "optimizer.freeze_step=3",
+    "lamb": ["experiment=bert/phase1_lamb", "optimizer.lr=0.05", "trainer.precision=fp32"],
+    "onebit_lamb": ["experiment=bert/phase1_onebit_lamb", "optimizer.lr=0.05", "optimizer.freeze_step=3",
                     "trainer.precision=fp32"],
-    "slamb": ["experiment=bert_phase1_slamb", "optimizer.lr=0.05", "optimizer.sync_interval=3",
+    "slamb": ["experiment=bert/phase1_slamb", "optimizer.lr=0.05", "optimizer.sync_interval=3",
               "optimizer.min_compress_numel=500", "trainer.precision=fp16"],
 }
 
@@ -297,7 +297,7 @@ def runs(job) -> dict:
 def test_two_workers_lower_the_loss_on_a_repeated_batch(runs, row):
     h = history(runs["dirs"][row])
     s = runs["summaries"][row]
-    assert [r["step"] for r in h] == [2, 4, 6]
+    assert [r["step"] for r in h] == [2, 4, 6] and not any("epoch" in r for r in h)  # periods of steps
     losses = [r["loss"] for r in h]
     assert all(b < a for a, b in zip(losses, losses[1:])) and losses[-1] < losses[0] - 0.3, losses
     assert h[-1]["mlm_acc"] > h[0]["mlm_acc"] + 10
@@ -375,17 +375,17 @@ def test_tables_render_the_pretraining_rows_per_phase(runs, tmp_path):
     assert f"{ratio:.3f}x" in slamb_line and slamb_line.endswith("| 2 |")  # the run and its resumed copy
 
 
-BERT_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment").glob("bert_*.yaml"))
+BERT_EXPERIMENTS = sorted(p.stem for p in (CONFIGS / "experiment" / "bert").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("experiment", BERT_EXPERIMENTS)
 def test_every_bert_experiment_composes_and_builds(experiment):
-    cfg = compose_bert(f"experiment={experiment}", "model=bert_tiny")
+    cfg = compose_bert(f"experiment=bert/{experiment}", "model=bert_tiny")
     from harness import build_optimizer
     from harness.amp import PRECISIONS
 
     model = build_model(cfg["model"])
     opt = build_optimizer(model, cfg["optimizer"])
     build_lr_scheduler(opt, cfg["schedule"], 1, cfg["steps"])
-    assert cfg["trainer"]["precision"] in PRECISIONS and cfg["paper"]["row"] and cfg["name"] == experiment
+    assert cfg["trainer"]["precision"] in PRECISIONS and cfg["paper"]["row"] and cfg["name"] == f"bert_{experiment}"
     assert accumulation_steps(cfg["data"]["global_batch"], cfg["data"]["micro_batch"], 128) >= 1

@@ -24,11 +24,11 @@ from tests.test_configs import compose_cfg
 ROOT = Path(__file__).resolve().parents[1]
 TIMING = ("step_time_s", "images_per_s", "epoch_time_s")
 # a tiny, fast job: ResNet-8 of width 4, 2 workers x 16 images, 5 steps per epoch, 2 epochs
-TINY = ["model=resnet8", "model.width=4", "data.batch_size_per_worker=16", "data.eval_batch_size=64",
+TINY = ["model=resnet8", "model.width=4", "data.micro_batch=16", "data.eval_batch=64",
         "schedule.milestones=[1,2]", "trainer.nproc_per_node=2", "trainer.progress=false",
         "trainer.threads_per_worker=1"]
 TWO_EPOCHS = ["epochs=2", "trainer.deterministic=true"]
-SLAMB_TINY = ["experiment=cifar10_resnet110_slamb", "optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
+SLAMB_TINY = ["experiment=cifar10/slamb", "optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
 
 
 def write_tiny_cifar(path: Path, n_train: int = 160, n_test: int = 40, seed: int = 0) -> Path:

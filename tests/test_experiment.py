@@ -83,7 +83,7 @@ def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     assert len(seen) == 90 and len(set(seen.tolist())) == 90  # disjoint across ranks
     assert not torch.equal(epoch0[0], torch.cat(list(shards[0].epoch(1))))  # set_epoch reshuffles
     assert torch.equal(torch.cat(list(shards[1].epoch(0, start=2))), epoch0[1][20:])
-    with pytest.raises(ValueError, match="lower data.batch_size_per_worker or the number of workers"):
+    with pytest.raises(ValueError, match="lower data.micro_batch or the number of workers"):
         ex.ShardedBatches(20, 16, solo(0, 2), seed=0)
     assert ex.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
 

@@ -291,16 +291,16 @@ def compose_squad(*overrides) -> dict:
 
 def test_default_config_is_the_standard_recipe():
     cfg = compose_squad("model.dir=/some/bert")
-    assert (cfg["epochs"], cfg["optimizer"]["name"], cfg["optimizer"]["lr"], cfg["data"]["global_batch_size"]) == \
+    assert (cfg["epochs"], cfg["optimizer"]["name"], cfg["optimizer"]["lr"], cfg["data"]["global_batch"]) == \
         (2, "adamw", 3e-5, 32)
     assert cfg["schedule"] == {"name": "warmup_poly", "warmup_fraction": 0.1, "power": 1.0}
     assert (cfg["data"]["max_length"], cfg["data"]["doc_stride"], cfg["eval"]["n_best"],
             cfg["eval"]["max_answer_length"]) == (384, 128, 20, 30)
-    rows = {r: compose_squad(f"experiment=squad_{r}") for r in ("lamb", "onebit_lamb", "slamb")}
+    rows = {r: compose_squad(f"experiment=squad/{r}") for r in ("lamb", "onebit_lamb", "slamb")}
     assert {c["paper"]["row"] for c in rows.values()} == {"LAMB", "1-bit LAMB", "SLAMB"}
     assert rows["lamb"]["paper"]["f1"] == pytest.approx(91.345)
     assert {c["model"]["dir"] for c in rows.values()} == {f"runs/bert_phase2_{r}/model" for r in rows}
-    tiny = compose_squad("experiment=squad_tiny")
+    tiny = compose_squad("experiment=squad/tiny")
     assert tiny["data"]["name"] == "squad_tiny" and tiny["trainer"]["nproc_per_node"] == 2
 
 
@@ -321,17 +321,18 @@ def e2e_worker(rank, world, cfg, run_dir):
     return train(cfg, run_dir)
 
 
-def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path):
+def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, capfd):
     train_file = write_json(tmp_path / "train.json", squad_json())
     dev_file = write_json(tmp_path / "dev.json", squad_json())
     cfg = compose_squad(f"model.dir={bert_dir}", f"data.train_file={train_file}", f"data.dev_file={dev_file}",
                         "data.max_length=48", "data.doc_stride=16", "data.max_query_length=16",
-                        "data.global_batch_size=4",
-                        "data.eval_batch_size=5", "epochs=3", "optimizer.lr=3e-3", "schedule.warmup_fraction=0",
+                        "data.global_batch=4",
+                        "data.eval_batch=5", "epochs=3", "optimizer.lr=3e-3", "schedule.warmup_fraction=0",
                         "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.deterministic=true",
                         "paper={table: squad_tiny, row: LAMB, f1: 91.345, exact_match: null}")
     run_dir = tmp_path / "run"
     results = distributed.run(e2e_worker, 2, cfg, str(run_dir))
+    assert "".join(capfd.readouterr()).count("LOAD REPORT") == 1  # transformers' load report: rank 0 only
     summary = json.loads((run_dir / "metrics.json").read_text())
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     examples = sdata.load_squad(dev_file)

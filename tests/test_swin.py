@@ -30,7 +30,7 @@ from tests import distributed
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 ROWS = ("adamw", "lamb", "slamb")
-TINY = ["model=swin_tiny_test", "data.batch_size_per_worker=4", "data.eval_batch_size=8", "data.workers=0",
+TINY = ["model=swin_tiny_test", "data.micro_batch=4", "data.eval_batch=8", "data.workers=0",
         "epochs=2", "schedule.warmup_epochs=1", "trainer.nproc_per_node=2", "trainer.progress=false",
         "trainer.threads_per_worker=1", "trainer.device=cpu"]
 SLAMB_TINY = ["optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
@@ -65,8 +65,8 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 def test_layout_gives_the_classes_and_timm_reads_the_jpegs(tiny_dir):
     assert sdata.check_layout(tiny_dir) == [f"n{c:08d}" for c in range(4)]
-    cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.batch_size_per_worker=4",
-                       "data.eval_batch_size=8", "data.workers=0")
+    cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.micro_batch=4",
+                       "data.eval_batch=8", "data.workers=0")
     train_loader, _, val_loader = sdata.build_loaders(cfg["data"], 32, 4, CPU1, seed=0)
     x, y = next(iter(train_loader))
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and set(y.tolist()) <= {0, 1, 2, 3}
@@ -84,7 +84,7 @@ def test_layout_gives_the_classes_and_timm_reads_the_jpegs(tiny_dir):
 
 
 def test_mixup_gives_smoothed_soft_targets():
-    cfg = compose_swin("data.batch_size_per_worker=4")
+    cfg = compose_swin("data.micro_batch=4")
     mixup, criterion = sdata.mixup_and_loss(cfg["data"], 10)
     assert (mixup.mixup_alpha, mixup.cutmix_alpha, mixup.label_smoothing) == (0.8, 1.0, 0.1)
     x, y = torch.randn(4, 3, 8, 8), torch.tensor([0, 1, 2, 3])
@@ -92,8 +92,8 @@ def test_mixup_gives_smoothed_soft_targets():
     assert target.shape == (4, 10) and torch.allclose(target.sum(1), torch.ones(4))
     assert target.min() >= 0.1 / 10 - 1e-6 and target.max() <= 1 - 0.1 + 0.1 / 10 + 1e-6  # smoothing 0.1
     assert type(criterion).__name__ == "SoftTargetCrossEntropy"
-    odd = compose_swin("data.batch_size_per_worker=3")
-    with pytest.raises(ValueError, match="batch_size_per_worker=3 must be even"):
+    odd = compose_swin("data.micro_batch=3")
+    with pytest.raises(ValueError, match="micro_batch=3 must be even"):
         sdata.mixup_and_loss(odd["data"], 10)
 
 
@@ -151,7 +151,7 @@ def test_model_config_errors_name_the_setting():
 def test_every_swin_config_composes_with_the_reference_recipe(experiment):
     cfg = compose_swin(*([f"experiment={experiment}"] if experiment else []))
     check_trainer(cfg["trainer"])
-    assert (cfg["epochs"], cfg["schedule"]["warmup_epochs"], cfg["data"]["batch_size_per_worker"]) == (300, 20, 128)
+    assert (cfg["epochs"], cfg["schedule"]["warmup_epochs"], cfg["data"]["micro_batch"]) == (300, 20, 128)
     assert cfg["optimizer"]["lr"] == pytest.approx(5e-4 / 8 * 2.828, rel=1e-4)
     assert cfg["optimizer"]["weight_decay"] == 0.05 and cfg["clip_grad"] == 1.0
     assert cfg["model"]["arch"] == "swin_base_patch4_window7_224" and cfg["model"]["drop_path_rate"] == 0.5
@@ -255,7 +255,7 @@ def repeated_batch_case(rank, world, name, precision, lr, tiny_dir):
     """10 steps on one fixed batch (no mixup): the loss must fall, on every rank."""
     import slamb
 
-    cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.batch_size_per_worker=8",
+    cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.micro_batch=8",
                        "data.workers=0", f"optimizer={name}", f"optimizer.lr={lr}", "optimizer.weight_decay=0.0",
                        *(SLAMB_TINY if name == "slamb" else []))
     env = DistEnv(rank, world, rank, world, torch.device("cpu"))
