@@ -87,32 +87,20 @@ def interface_counters(dev: str) -> dict:
 
 def _install_probes(dev: str) -> None:
     """Record ledger totals and interface counters at every period the pipeline logs (all ranks)."""
-    import harness as ex
-    from harness import run as run_mod
+    from harness import PERIOD_HOOKS
 
-    latest = {}
-    comm_totals = ex.comm_totals
-
-    def recording_comm_totals(optimizer):
-        # the pipelines take these totals just before they log a period: keep the full ledger (wire too)
-        latest["ledger"] = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"])}
-                            for k, v in optimizer.comm_stats()["total"].items()}
-        return comm_totals(optimizer)
-
-    log = run_mod.RunLogger.log
-
-    def recording_log(self, metrics: dict) -> None:
+    def record(loop, metrics: dict) -> None:
         rank = int(os.environ.get("RANK", "0"))
+        ledger = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"])}
+                  for k, v in loop.optimizer.comm_stats()["total"].items()}
         line = {"period": metrics.get("epoch"), "step": metrics.get("step"), "time": time.time(),
-                "ledger": latest.get("ledger"), **interface_counters(dev), **tcp_snmp()}
-        out = Path(self.dir) / "netbench"
+                "ledger": ledger, **interface_counters(dev), **tcp_snmp()}
+        out = Path(loop.run_dir) / "netbench"
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        log(self, metrics)
 
-    ex.comm_totals = recording_comm_totals
-    run_mod.RunLogger.log = recording_log
+    PERIOD_HOOKS.append(record)
 
 
 def worker_main(argv: list[str]) -> None:
