@@ -134,9 +134,10 @@ class Loop:
                "lr": opt.param_groups[0]["lr"], **{k: getattr(opt, k) for k in SCHEDULED if hasattr(opt, k)}}
         if self.amp is not None:
             row.update(loss_scale=self.amp.scale, skipped_steps=self.amp.skipped_steps - self.skipped_before)
+        per_s = steps * self.global_batch / self.train_time
         row.update({**comm_metrics(bytes_now, self.bytes_before), "period_steps": steps,
-                    "step_time_s": self.train_time / steps, self.throughput: steps * self.global_batch / self.train_time,
-                    f"{self.throughput}_per_worker": steps * self.global_batch / self.train_time / self.env.world_size,
+                    "step_time_s": self.train_time / steps, self.throughput: per_s,
+                    f"{self.throughput}_per_worker": per_s / self.env.world_size,
                     "epoch_time_s": time.perf_counter() - self.tic})
         for hook in PERIOD_HOOKS:
             hook(self, row)

@@ -136,6 +136,11 @@ def train(cfg: dict, run_dir: str) -> dict:
                   global_batch=d.global_batch_size, throughput="sequences")
 
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+
+    def dev_scores() -> dict:
+        logits = predict(model, dev_feats, env, d.eval_batch_size, autocast)
+        return score(dev_examples, dev_feats, logits, cfg, run_dir, env)
+
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
@@ -153,9 +158,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             scheduler.step()
             loss_sum += loss.detach().double()
         (loss_sum,) = ex.rank_sums(loss_sum)
-        metrics = run.evaluate(lambda: score(dev_examples, dev_feats, predict(model, dev_feats, env,
-                                                                              d.eval_batch_size, autocast),
-                                             cfg, run_dir, env))
+        metrics = run.evaluate(dev_scores)
         run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},
                       steps=steps_per_epoch)
 
