@@ -13,7 +13,7 @@ batch. :class:`Loop` does the rest, the same way in all four:
 * the logged period (an epoch, or BERT's ``log_every`` steps): learning rate,
   where the optimizer's per-epoch schedules stand (DGC's ``density``, SLAMB's
   ``compress_ratio``), loss scale, the ledger's byte columns, step time and
-  throughput, then the hooks of :data:`PERIOD_HOOKS`; the checkpoint cadence;
+  throughput; the checkpoint cadence; :data:`PERIOD_HOOKS` around each period's training;
 * the run summary's common fields.
 
 :func:`check_counts` rejects counts below 1 (epochs, steps, ...) and
@@ -36,8 +36,9 @@ from .run import comm_metrics, comm_totals, compressed_share
 # warm-up): logged each period to show the schedule the run followed. Reporting only; nothing branches on them.
 SCHEDULED = ("density", "compress_ratio")
 
-# Called on every rank as ``hook(loop, metrics)`` just before a period is logged (bench.netbench records
-# the full ledger and the network counters there).
+# Called on every rank as ``hook(loop, event)`` where the training part of a period begins (``"begin"``)
+# and ends (``"end"``, before evaluation): bench.netbench reads the ledger and the network counters there,
+# so that evaluation's traffic (the averaged model) stays out of its per-step figures.
 PERIOD_HOOKS: list[Callable] = []
 
 
@@ -106,6 +107,8 @@ class Loop:
         self.tic = time.perf_counter()
         self.train_time: float | None = None
         self.skipped_before = self.amp.skipped_steps if self.amp is not None else 0
+        for hook in PERIOD_HOOKS:
+            hook(self, "begin")
 
     def _stop_clock(self) -> None:
         """The period's training time ends here (after the device's queued work), before any evaluation."""
@@ -113,6 +116,8 @@ class Loop:
             if self.env.device.type != "cpu":
                 torch.accelerator.synchronize()
             self.train_time = time.perf_counter() - self.tic
+            for hook in PERIOD_HOOKS:
+                hook(self, "end")
 
     def evaluate(self, evaluate: Callable[[], dict]) -> dict:
         """``evaluate()``'s metrics of the run's model, the ranks' average, and of the local models
@@ -139,8 +144,6 @@ class Loop:
                     "step_time_s": self.train_time / steps, self.throughput: per_s,
                     f"{self.throughput}_per_worker": per_s / self.env.world_size,
                     "epoch_time_s": time.perf_counter() - self.tic})
-        for hook in PERIOD_HOOKS:
-            hook(self, row)
         self.log.log(row)
         self.bytes_before = bytes_now
         self.begin_period()
