@@ -90,33 +90,21 @@ def interface_counters(dev: str) -> dict:
 
 
 def _install_probes(dev: str) -> None:
-    """Record ledger totals and interface counters at every period the pipeline logs (all ranks)."""
-    import harness as ex
-    from harness import run as run_mod
+    """Record ledger totals and interface counters where each period's training begins and ends (all ranks)."""
+    from harness import PERIOD_HOOKS
 
-    latest = {}
-    comm_totals = ex.comm_totals
-
-    def recording_comm_totals(optimizer):
-        # the pipelines take these totals just before they log a period: keep the full ledger (wire too)
-        latest["ledger"] = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"])}
-                            for k, v in optimizer.comm_stats()["total"].items()}
-        return comm_totals(optimizer)
-
-    log = run_mod.RunLogger.log
-
-    def recording_log(self, metrics: dict) -> None:
+    def record(loop, event: str) -> None:
         rank = int(os.environ.get("RANK", "0"))
-        line = {"period": metrics.get("epoch", metrics.get("step")), "step": metrics.get("step"), "time": time.time(),
-                "ledger": latest.get("ledger"), **interface_counters(dev), **tcp_snmp()}
-        out = Path(self.dir) / "netbench"
+        ledger = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"])}
+                  for k, v in loop.optimizer.comm_stats()["total"].items()}
+        line = {"event": event, "step": loop.step, "time": time.time(), "ledger": ledger,
+                **interface_counters(dev), **tcp_snmp()}
+        out = Path(loop.run_dir) / "netbench"
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank{rank}.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
-        log(self, metrics)
 
-    ex.comm_totals = recording_comm_totals
-    run_mod.RunLogger.log = recording_log
+    PERIOD_HOOKS.append(record)
 
 
 def worker_main(argv: list[str]) -> None:
@@ -319,11 +307,23 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()] if path.exists() else []
 
 
+def _training_intervals(lines: list[dict]) -> list[tuple[dict, dict]]:
+    """(begin, end) probe lines of each period's training: an end pairs with the last begin before it."""
+    intervals, begin = [], None
+    for line in lines:
+        if line["event"] == "begin":
+            begin = line
+        elif begin is not None:
+            intervals.append((begin, line))
+            begin = None
+    return intervals
+
+
 def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | None) -> dict:
     """Per-step numbers of a finished run from rank 0's metrics and every rank's probe lines."""
     history = _read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "metrics.json").read_text())
-    probes = [_read_jsonl(run_dir / "netbench" / f"rank{r}.jsonl") for r in range(hosts)]
+    probes = [_training_intervals(_read_jsonl(run_dir / "netbench" / f"rank{r}.jsonl")) for r in range(hosts)]
     if len(history) < 2 or any(len(p) != len(history) for p in probes):
         raise RuntimeError(f"{run_dir}: need >= 2 logged periods on every rank "
                            f"(metrics: {len(history)}, probes: {[len(p) for p in probes]})")
@@ -331,15 +331,17 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
     measured = history[1:]
     steps = history[-1]["step"] - history[0]["step"]
     per_rank = []
-    for lines in probes:
-        first, last = lines[0], lines[-1]
-        kinds = set(last["ledger"]) - {"all"}
-        payload = sum(last["ledger"][k]["payload"] - first["ledger"].get(k, {}).get("payload", 0) for k in kinds)
-        wire = sum(last["ledger"][k]["wire"] - first["ledger"].get(k, {}).get("wire", 0.0) for k in kinds)
-        calls = sum(last["ledger"][k]["calls"] - first["ledger"].get(k, {}).get("calls", 0) for k in kinds)
-        d = {k: last[k] - first[k] for k in ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "out_segs",
-                                             "retrans_segs")}
-        per_rank.append({"payload": payload, "wire": wire, "calls": calls, **d})
+    for intervals in probes:
+        counters = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "out_segs", "retrans_segs")
+        totals = {k: 0.0 for k in ("payload", "wire", "calls", *counters)}
+        for first, last in intervals[1:]:  # training only: evaluation's traffic is not in the ledger
+            kinds = set(last["ledger"]) - {"all"}
+            for field in ("payload", "wire", "calls"):
+                totals[field] += sum(last["ledger"][k][field] - first["ledger"].get(k, {}).get(field, 0)
+                                     for k in kinds)
+            for k in counters:
+                totals[k] += last[k] - first[k]
+        per_rank.append(totals)
 
     def mean(key):
         return statistics.fmean(r[key] for r in per_rank) / steps

@@ -13,21 +13,23 @@ loss is scaled dynamically and overflowing steps are skipped by all ranks
 together (:mod:`harness.amp`); ``clip_grad`` clips the unscaled
 gradients' global norm before the optimizer step (null: no clipping).
 
-Training is counted in optimizer steps. Every ``log_every`` steps a line goes
-to ``metrics.jsonl`` (keyed by ``step``, so that a resume truncates it at
-the checkpoint): loss (MLM + NSP), MLM and NSP accuracy over
+Training is counted in optimizer steps; ``steps_per_epoch`` (default: the
+examples of all shards over the global batch) gives the optimizer contract
+its epochs, so that per-epoch schedules (DGC's density warm-up, SLAMB's
+compression warm-up) advance. Every ``log_every`` steps a line goes to
+``metrics.jsonl`` (``epoch`` there is the step count, so that a resume
+truncates it at the checkpoint): loss (MLM + NSP), MLM and NSP accuracy over
 the period's micro-batches of all ranks, sequences/s, LR, loss scale, skipped
-steps and the ledger's bytes. At the end rank 0 writes the model (parameters
-averaged over ranks, as they differ between SLAMB's syncs) in Hugging Face
-format to ``<run_dir>/model``, with the data's ``vocab.txt``: phase 2's
-``init_from`` and SQuAD fine-tuning load it from there.
+steps, the optimizer's scheduled settings and the ledger's bytes. At the end
+the model is the ranks' average (:func:`slamb.average_model`: SLAMB's ranks
+differ between model syncs) and rank 0 writes it in Hugging Face format to
+``<run_dir>/model``, with the data's ``vocab.txt``: phase 2's ``init_from``
+and SQuAD fine-tuning load it from there.
 """
 from __future__ import annotations
 
 import json
-import math
 import shutil
-import time
 from pathlib import Path
 
 import hydra
@@ -36,13 +38,12 @@ from omegaconf import OmegaConf
 
 import slamb
 import harness as ex
-from slamb import comm
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 
 from .data import IGNORE_INDEX, PretrainingStream, find_shards
-from .model import build_model, load_pretrained, parameter_count
+from .model import build_model, load_pretrained
 
 # per-period sums, kept on the device (no host sync per step)
 LOSS, MLM_CORRECT, MLM_COUNT, NSP_CORRECT, NSP_COUNT, MICRO = range(6)
@@ -70,9 +71,7 @@ def batch_sums(out, batch: dict) -> torch.Tensor:
 
 def period_metrics(sums: torch.Tensor) -> dict:
     """Loss and accuracies over all ranks from this rank's period sums."""
-    totals = sums.clone()
-    comm.all_reduce_sum_(totals, kind="eval", ledger=None)  # bookkeeping, not training traffic
-    s = totals.tolist()
+    s = ex.rank_sums(sums)
     return {"loss": s[LOSS] / max(s[MICRO], 1), "mlm_acc": 100.0 * s[MLM_CORRECT] / max(s[MLM_COUNT], 1),
             "nsp_acc": 100.0 * s[NSP_CORRECT] / max(s[NSP_COUNT], 1)}
 
@@ -80,12 +79,10 @@ def period_metrics(sums: torch.Tensor) -> dict:
 @torch.no_grad()
 def export_model(model, optimizer, env, out_dir: Path, vocab: Path | None) -> None:
     """Rank 0 saves the ranks' average model in Hugging Face format (with the vocabulary when known)."""
-    model = ex.unwrap(model)
-    if optimizer.params_differ and env.world_size > 1:
-        for p in model.parameters():  # parameters differ by rank between model syncs
-            comm.all_reduce_mean_(p.data, kind="export", ledger=None)
+    if optimizer.params_differ:
+        slamb.average_model(model)  # the run's model: one model's bytes once, outside the training ledger
     if env.is_main:
-        model.save_pretrained(str(out_dir))
+        ex.unwrap(model).save_pretrained(str(out_dir))
         if vocab is not None and vocab.is_file():
             shutil.copyfile(vocab, out_dir / "vocab.txt")
     ex.barrier()
@@ -97,26 +94,16 @@ def data_vocab(data_dir) -> Path | None:
     return Path(json.loads(stats.read_text())["vocab"]) if stats.is_file() else None
 
 
-def throughput(history: list[dict], global_batch: int) -> float:
-    """Sequences/s over every logged period of the run (resumed attempts included)."""
-    seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
-    return sum(h["period_steps"] for h in history) * global_batch / seconds if seconds > 0 else math.nan
-
-
-def check_settings(cfg) -> None:
-    for key in ("steps", "log_every"):
-        if not (isinstance(cfg[key], int) and cfg[key] >= 1):
-            raise ValueError(f"invalid {key}={cfg[key]!r}: must be an integer >= 1")
-
-
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    check_settings(cfg)
+    ex.check_counts(cfg, "steps", "log_every", "trainer.checkpoint.every",
+                    *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
     env = ex.init_distributed(t.device, t.threads_per_worker)
     accum = accumulation_steps(d.global_batch, d.micro_batch, env.world_size)
     stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, env.rank, env.world_size,
                                seed=cfg.seed, seq_len=d.seq_len)
+    steps_per_epoch = cfg.get("steps_per_epoch") or max(1, sum(stream.lengths) // d.global_batch)
 
     model = initial_model(cfg).to(env.device)
     optimizer = ex.build_optimizer(model, plain["optimizer"])
@@ -125,71 +112,40 @@ def train(cfg: dict, run_dir: str) -> dict:
     amp = MixedPrecision(t.precision, env.device, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                  global_batch=d.global_batch, throughput="seqs", unit="step")
 
-    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
-                                                scheduler=scheduler, amp=amp, start={"step": 0})
-    step = start = progress["step"]
-    resumed_from = progress["resumed_from"]
-    if restored and env.is_main:
-        print(f"resumed from {run_dir}/ckpt at step {start}", flush=True)
-
+    start = period_start = run.step
     micro_batches = stream.micro_batches(start=start * accum)
-    bytes_before = ex.comm_totals(optimizer)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
-    period_steps, skipped_before, train_time = 0, amp.skipped_steps, 0.0
     model.train()
-    tic = time.perf_counter()
-    for step in log.progress(range(start, cfg.steps), total=cfg.steps - start, desc=d.phase):
-        ex.maybe_inject_fault(step + 1, env)
+    for step in run.steps(range(start, cfg.steps), total=cfg.steps - start, desc=d.phase):
+        if step % steps_per_epoch == 0 or step == start:
+            optimizer.begin_epoch(step // steps_per_epoch)  # DGC's density and SLAMB's compression warm-ups
+        optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
         optimizer.zero_grad(set_to_none=True)
         for m in range(accum):
             batch = {k: v.to(env.device, non_blocking=True) for k, v in next(micro_batches).items()}
             with accumulation_context(model, last_micro_batch=m == accum - 1):
                 with amp.autocast():
                     out = model(**batch)
-                amp.backward(out.loss / accum)
+                if out.loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                    amp.backward(out.loss / accum)
             sums += batch_sums(out, batch)
         amp.step(optimizer, params, clip_grad=cfg.clip_grad)
         scheduler.step()
-        period_steps += 1
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            if env.device.type != "cpu":
-                torch.accelerator.synchronize()
-            elapsed = time.perf_counter() - tic
-            train_time += elapsed
-            bytes_now = ex.comm_totals(optimizer)
-            log.log({
-                "step": step + 1, **period_metrics(sums),
-                "lr": optimizer.param_groups[0]["lr"], "loss_scale": amp.scale,
-                "skipped_steps": amp.skipped_steps - skipped_before,
-                **ex.comm_metrics(bytes_now, bytes_before),
-                "period_steps": period_steps, "step_time_s": elapsed / period_steps,
-                "seqs_per_s": period_steps * d.global_batch / elapsed,
-            })
-            bytes_before, skipped_before, period_steps = bytes_now, amp.skipped_steps, 0
+            run.log_period(step + 1, period_metrics(sums), steps=step + 1 - period_start)
             sums.zero_()
-            tic = time.perf_counter()
-        if t.checkpoint.enabled and ((step + 1) % t.checkpoint.every == 0 or step + 1 == cfg.steps):
-            ex.save_training(ckpt, {"step": step + 1, "resumed_from": resumed_from}, model=model,
-                             optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
+            period_start = step + 1
+        run.save_if_due(step + 1)
     export_model(model, optimizer, env, Path(run_dir) / "model", data_vocab(d.dir))
 
-    history = log.history() if env.is_main else []
-    last = history[-1] if history else {}
-    summary = {
-        "name": cfg.name, "optimizer": cfg.optimizer.name, "phase": d.phase, "world_size": env.world_size,
-        "global_batch": d.global_batch, "micro_batch": d.micro_batch, "accumulation_steps": accum,
-        "seq_len": d.seq_len, "steps": cfg.steps, "params": parameter_count(ex.unwrap(model)),
-        "precision": t.precision, "skipped_steps": amp.skipped_steps,
-        "final_loss": last.get("loss", math.nan), "final_mlm_acc": last.get("mlm_acc", math.nan),
-        "final_nsp_acc": last.get("nsp_acc", math.nan),
-        "seqs_per_s": throughput(history, d.global_batch),
-        "bytes_total": ex.comm_totals(optimizer), "train_time_s": train_time,  # this attempt's
-        "init_from": cfg.get("init_from"), "resumed_from": resumed_from, "run_dir": str(run_dir),
-        "model_dir": str(Path(run_dir) / "model"), "paper": plain.get("paper"),
-    }
-    log.finish(summary)
-    return summary
+    return run.finish(phase=d.phase, micro_batch=d.micro_batch, accumulation_steps=accum, seq_len=d.seq_len,
+                      steps_per_epoch=steps_per_epoch, precision=t.precision, skipped_steps=amp.skipped_steps,
+                      final_loss=run.last("loss"), final_mlm_acc=run.last("mlm_acc"),
+                      final_nsp_acc=run.last("nsp_acc"), init_from=cfg.get("init_from"),
+                      model_dir=str(Path(run_dir) / "model"))
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")

@@ -1,22 +1,22 @@
 """Train ResNet-110 on CIFAR-10 with any optimizer of the package.
 
-    python -m cifar10.train experiment=cifar10/slamb                         # 4 local workers
+    python -m cifar10.train experiment=cifar10/slamb              # 4 local workers
     python -m cifar10.train experiment=cifar10/lamb trainer.nproc_per_node=8
     torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
-        -m cifar10.train experiment=cifar10/slamb                            # multi-node
+        -m cifar10.train experiment=cifar10/slamb                 # multi-node
     python -m cifar10.train --multirun experiment=cifar10/slamb sweep=beta3
 
 The run directory is Hydra's output directory (``runs/<name>/<overrides>``);
 running the same command again resumes from its last checkpoint.
 
-Evaluation runs each rank's own model on its shard of the test set (no
-extra communication): under SLAMB the ranks' parameters differ between model
-syncs, so the reported top-1 is that of the workers' models, not of their average.
+After each epoch the test set is scored by the run's model, the ranks'
+average with its BatchNorm statistics averaged too (each rank's statistics
+describe only its own shard); training continues from the local models.
+Under SLAMB, whose ranks' parameters differ between model syncs, the local
+models' scores are logged beside it (``test_top1_local``: each rank's own
+model on its shard of the test set).
 """
 from __future__ import annotations
-
-import math
-import time
 
 import hydra
 import torch
@@ -25,7 +25,6 @@ from omegaconf import OmegaConf
 
 import slamb
 import harness as ex
-from slamb import comm
 from harness.amp import MixedPrecision
 from harness.schedules import build_lr_scheduler
 
@@ -34,29 +33,24 @@ from .model import build_model
 
 
 @torch.no_grad()
-def evaluate(model, x, y, env, batch_size: int) -> tuple[float, float]:
-    """(mean loss, top-1 %) over the whole test set, each rank scoring its strided shard."""
+def evaluate(model, x, y, env, batch_size: int) -> dict:
+    """Mean loss and top-1 % over the whole test set, each rank scoring its strided shard."""
     model.eval()
     idx = ex.eval_shard(len(x), env)
-    sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct
+    sums = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     for lo in range(0, len(idx), batch_size):
         b = idx[lo:lo + batch_size]
         logits = model(normalize(x[b])).float()
-        sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum()]).double()
-    return global_means(sums, len(idx))
-
-
-def global_means(sums: torch.Tensor, count: int) -> tuple[float, float]:
-    """(loss, top-1 %) over all ranks from this rank's (loss sum, correct) and sample count."""
-    totals = torch.cat([sums, sums.new_tensor([count])])
-    comm.all_reduce_sum_(totals, kind="eval", ledger=None)  # bookkeeping, not training traffic
-    loss, correct, count = totals.tolist()
-    return loss / count, 100.0 * correct / count
+        sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum(),
+                             logits.new_tensor(len(b))]).double()
+    loss, correct, count = ex.rank_sums(sums)
+    return {"test_loss": loss / count, "test_top1": 100.0 * correct / count}
 
 
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
+    ex.check_counts(cfg, "epochs")
     env = ex.init_distributed(t.device, t.threads_per_worker)
 
     data = load_cifar10(d.dir)
@@ -64,7 +58,6 @@ def train(cfg: dict, run_dir: str) -> dict:
     test_x, test_y = (v.to(env.device) for v in data["test"])
     batches = ex.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
-    global_batch = d.micro_batch * env.world_size
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model).to(env.device)
@@ -74,23 +67,16 @@ def train(cfg: dict, run_dir: str) -> dict:
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                  global_batch=d.micro_batch * env.world_size, throughput="images")
 
-    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
-                                                scheduler=scheduler, amp=amp, start={"epoch": 0, "step": 0})
-    start_epoch, step, resumed_from = progress["epoch"], progress["step"], progress["resumed_from"]
-    if restored and env.is_main:
-        print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
-
-    bytes_before = ex.comm_totals(optimizer)
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
-        tic = time.perf_counter()
-        for idx in log.progress(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            ex.maybe_inject_fault(step + 1, env)
+        for idx in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             x = train_x[idx]
-            x = normalize(augment(x, augment_generator(cfg.seed, env.rank, step)) if d.augment else x)
+            x = normalize(augment(x, augment_generator(cfg.seed, env.rank, run.step)) if d.augment else x)
             y = train_y[idx]
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             with amp.autocast():
@@ -101,42 +87,14 @@ def train(cfg: dict, run_dir: str) -> dict:
                 amp.backward(loss)
             amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
-            step += 1
             sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
-        if env.device.type != "cpu":
-            torch.accelerator.synchronize()
-        train_time = time.perf_counter() - tic
-        train_loss, train_top1 = global_means(sums, steps_per_epoch * d.micro_batch)
-        test_loss, test_top1 = evaluate(model, test_x, test_y, env, d.eval_batch)
-        bytes_now = ex.comm_totals(optimizer)
-        log.log({
-            "epoch": epoch + 1, "step": step,
-            "train_loss": train_loss, "train_top1": train_top1,
-            "test_loss": test_loss, "test_top1": test_top1,
-            "lr": optimizer.param_groups[0]["lr"], "compress_ratio": getattr(optimizer, "compress_ratio", None),
-            **ex.comm_metrics(bytes_now, bytes_before),
-            "step_time_s": train_time / steps_per_epoch, "images_per_s": steps_per_epoch * global_batch / train_time,
-            "epoch_time_s": time.perf_counter() - tic,
-        })
-        bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
-            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
-                             model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
+        loss_sum, correct = ex.rank_sums(sums)
+        seen = steps_per_epoch * run.global_batch
+        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch))
+        run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
+                      steps=steps_per_epoch)
 
-    history = log.history() if env.is_main else []
-    summary = {
-        "name": cfg.name, "optimizer": cfg.optimizer.name, "world_size": env.world_size,
-        "global_batch": global_batch, "epochs": cfg.epochs, "steps": step,
-        "params": sum(p.numel() for p in model.parameters()),
-        "compressed_share": ex.compressed_share(optimizer, model),
-        "final_test_top1": history[-1]["test_top1"] if history else math.nan,
-        "best_test_top1": max((h["test_top1"] for h in history), default=math.nan),
-        "bytes_total": ex.comm_totals(optimizer),
-        "wall_time_s": sum(h["epoch_time_s"] for h in history),
-        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
-    }
-    log.finish(summary)
-    return summary
+    return run.finish(final_test_top1=run.last("test_top1"), best_test_top1=run.best("test_top1"))
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")

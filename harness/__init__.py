@@ -10,12 +10,15 @@
   metrics.json, wandb, progress bar, the lock of its writer), the ledger's
   byte columns, what counts as a run's configuration;
 * :mod:`.data`: per-rank index batches (``DistributedSampler.set_epoch``);
+* :mod:`.loop`: what every training loop shares (resume, the schedules of the optimizer contract,
+  evaluation of the ranks' averaged model, period logging, checkpoint cadence, the run summary);
 * :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
 * :mod:`.tables`: results tables and plots from run directories.
 """
 from .build import build_optimizer, check_trainer, optimizer_kwargs, run_from_hydra
 from .checkpoint import Checkpointer, open_run, restore_training, save_training, unwrap
 from .data import ShardedBatches, eval_shard
+from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums
 from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
 from .run import RunLogger, comm_metrics, comm_totals, compressed_share, git_revision
 from .seeding import seed_everything
@@ -26,5 +29,5 @@ __all__ = [
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",
-    "seed_everything",
+    "seed_everything", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums",
 ]

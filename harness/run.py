@@ -34,8 +34,7 @@ from .distributed import DistEnv
 OPERATIONAL_KEYS = ("trainer.progress", "trainer.resume", "trainer.max_restarts", "trainer.threads_per_worker",
                     "trainer.device", "trainer.checkpoint", "logger", "data.workers", "paper", "study")
 # settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
-SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every", "trainer.checkpoint.every_epochs",
-                 "trainer.checkpoint.every_steps")
+SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
 
 
 def check_schedule(cfg) -> None:

@@ -149,7 +149,7 @@ def label_groups(found: list[dict]) -> str:
                 parts.append(f"{key}={_value(value)}")
         g["label"] = ", ".join(parts) or "defaults"
     shown = [("workers", "workers"), ("epochs", "epochs"), ("steps", "steps"),
-             ("data.batch_size_per_worker", "per-worker batch")]
+             ("data.micro_batch", "per-worker batch")]
     return ", ".join(f"{name} {_value(common[k])}" for k, name in shown if k in common)
 
 

@@ -11,14 +11,15 @@ pre-trained ``BertForPreTraining`` gets a fresh span head, a
 ``BertForQuestionAnswering`` keeps its own. The recipe is the standard one:
 2 epochs, AdamW at LR 3e-5, global batch 32, linear warm-up over 10% of the
 steps then linear decay, max length 384, doc stride 128. After every epoch
-the whole dev set is scored (each rank its strided shard of windows, logits
-summed to every rank), and rank 0 writes ``predictions.json``,
-``nbest_predictions.json`` and the exact match / F1 into the run directory.
+the whole dev set is scored by the run's model, the ranks' average (each rank
+its strided shard of windows, logits summed to every rank), and rank 0 writes
+``predictions.json``, ``nbest_predictions.json`` and the exact match / F1 into
+the run directory. Under SLAMB, whose ranks' parameters differ between model
+syncs, the local models' scores are logged beside them (``f1_local``, ...).
 """
 from __future__ import annotations
 
 import math
-import time
 from pathlib import Path
 
 import hydra
@@ -91,7 +92,8 @@ def predict(model, features: Features, env, batch_size: int, autocast) -> tuple[
 
 
 def score(examples, features, logits, cfg, run_dir, env) -> dict[str, float]:
-    """Rank 0: post-process, write the predictions, return EM / F1 (NaN on the other ranks)."""
+    """Rank 0: post-process, write the predictions (over those of earlier calls), return EM / F1
+    (NaN on the other ranks)."""
     if not env.is_main:
         return {"exact_match": math.nan, "f1": math.nan}
     predictions, nbest = postprocess(examples, features, *logits, n_best=cfg.eval.n_best,
@@ -104,6 +106,7 @@ def score(examples, features, logits, cfg, run_dir, env) -> dict[str, float]:
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
+    ex.check_counts(cfg, "epochs")
     # fine-tuning has no loss scaler: fp16 would underflow silently, bf16 autocast needs none
     check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
     env = ex.init_distributed(t.device, t.threads_per_worker)
@@ -117,6 +120,10 @@ def train(cfg: dict, run_dir: str) -> dict:
     per_worker = split_batch(d.global_batch, env.world_size)
     batches = ex.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
+    if env.is_main:
+        print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
+              f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {per_worker}, "
+              f"{steps_per_epoch} steps per epoch", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same fresh span head on every rank (DDP also broadcasts rank 0's)
     model = load_model(cfg.model.dir, len(tokenizer)).to(env.device)
@@ -125,68 +132,38 @@ def train(cfg: dict, run_dir: str) -> dict:
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
-
-    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
-                                                scheduler=scheduler, start={"epoch": 0, "step": 0})
-    start_epoch, step, resumed_from = progress["epoch"], progress["step"], progress["resumed_from"]
-    if env.is_main:
-        print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
-              f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {per_worker}, "
-              f"{steps_per_epoch} steps per epoch" + (f"; resumed at epoch {start_epoch}" if restored else ""),
-              flush=True)
+    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler,
+                  global_batch=d.global_batch, throughput="sequences")
 
     autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
-    bytes_before = ex.comm_totals(optimizer)
-    for epoch in range(start_epoch, cfg.epochs):
+
+    def dev_scores() -> dict:
+        logits = predict(model, dev_feats, env, d.eval_batch, autocast)
+        return score(dev_examples, dev_feats, logits, cfg, run_dir, env)
+
+    for epoch in run.epochs():
+        optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)  # no host sync per step
-        tic = time.perf_counter()
-        for idx in log.progress(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            ex.maybe_inject_fault(step + 1, env)
+        for idx in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             inputs = batch_inputs(train_feats, idx, env.device)
+            optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             with autocast:
                 loss = model(**inputs, start_positions=train_feats.start_positions[idx].to(env.device),
                              end_positions=train_feats.end_positions[idx].to(env.device)).loss
             optimizer.zero_grad(set_to_none=True)
-            loss.float().backward()
+            if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                loss.float().backward()
             optimizer.step()
             scheduler.step()
-            step += 1
             loss_sum += loss.detach().double()
-        if env.device.type != "cpu":
-            torch.accelerator.synchronize()
-        train_time = time.perf_counter() - tic
-        comm.all_reduce_sum_(loss_sum, kind="eval", ledger=None)
-        train_loss = loss_sum.item() / (steps_per_epoch * env.world_size)
-        logits = predict(model, dev_feats, env, d.eval_batch, autocast)
-        metrics = score(dev_examples, dev_feats, logits, cfg, run_dir, env)
-        bytes_now = ex.comm_totals(optimizer)
-        log.log({
-            "epoch": epoch + 1, "step": step, "train_loss": train_loss, **metrics,
-            "lr": optimizer.param_groups[0]["lr"], **ex.comm_metrics(bytes_now, bytes_before),
-            "step_time_s": train_time / steps_per_epoch,
-            "sequences_per_s": steps_per_epoch * d.global_batch / train_time,
-            "epoch_time_s": time.perf_counter() - tic,
-        })
-        bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
-            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
-                             model=model, optimizer=optimizer, scheduler=scheduler)
+        (loss_sum,) = ex.rank_sums(loss_sum)
+        metrics = run.evaluate(dev_scores)
+        run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},
+                      steps=steps_per_epoch)
 
-    history = log.history() if env.is_main else []
-    summary = {
-        "name": cfg.name, "optimizer": cfg.optimizer.name, "model_dir": str(cfg.model.dir),
-        "world_size": env.world_size, "global_batch": d.global_batch, "epochs": cfg.epochs, "steps": step,
-        "params": sum(p.numel() for p in model.parameters()),
-        "train_windows": len(train_feats), "dev_questions": len(dev_examples),
-        "exact_match": history[-1]["exact_match"] if history else math.nan,
-        "f1": history[-1]["f1"] if history else math.nan,
-        "bytes_total": ex.comm_totals(optimizer),
-        "wall_time_s": sum(h["epoch_time_s"] for h in history),
-        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
-    }
-    log.finish(summary)
-    return summary
+    return run.finish(model_dir=str(cfg.model.dir), train_windows=len(train_feats),
+                      dev_questions=len(dev_examples), exact_match=run.last("exact_match"), f1=run.last("f1"))
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")

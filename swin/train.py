@@ -12,8 +12,9 @@ Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
 a skip decision agreed by all ranks, :mod:`harness.amp`).
 
 Per epoch the run directory's metrics hold the training loss, validation
-top-1/top-5 (each rank scores its shard with its own model: under SLAMB
-ranks differ between model syncs), images/s per worker and in total, and the
+top-1/top-5 of the run's model (the ranks' average; under SLAMB, whose ranks'
+parameters differ between model syncs, the local models' scores beside it as
+``test_top1_local`` ...), images/s per worker and in total, and the
 step time split into data wait, forward+backward (under DDP it includes the
 gradient all-reduce that overlaps backward) and the optimizer step (which
 includes the collectives of optimizers that communicate themselves, SLAMB's
@@ -22,7 +23,6 @@ at each boundary when ``time_breakdown`` is true.
 """
 from __future__ import annotations
 
-import math
 import time
 
 import hydra
@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
-from slamb import comm
 import harness as ex
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
@@ -51,20 +50,15 @@ def forward_backward(model, micro_batches, criterion, amp: MixedPrecision, mixup
             with amp.autocast():
                 logits = model(x)
             loss = criterion(logits.float(), y) / len(micro_batches)
-            amp.backward(loss)
+            if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                amp.backward(loss)
         total = loss.detach() if total is None else total + loss.detach()
     return total
 
 
-def reduce_sums(sums: torch.Tensor) -> list[float]:
-    """Sum a vector of per-rank totals over all ranks (bookkeeping, not training traffic)."""
-    comm.all_reduce_sum_(sums, kind="eval", ledger=None)
-    return sums.tolist()
-
-
 @torch.no_grad()
-def evaluate(model, loader, env, amp: MixedPrecision) -> tuple[float, float, float]:
-    """(mean loss, top-1 %, top-5 %) over the whole validation set, each rank scoring its shard."""
+def evaluate(model, loader, env, amp: MixedPrecision) -> dict:
+    """Mean loss, top-1 % and top-5 % over the whole validation set, each rank scoring its shard."""
     model.eval()
     sums = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss sum, top-1, top-5, count
     for x, y in loader:
@@ -74,8 +68,8 @@ def evaluate(model, loader, env, amp: MixedPrecision) -> tuple[float, float, flo
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
         sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"), top[:, 0].sum(), top.any(1).sum(),
                              torch.tensor(len(y), device=env.device)]).double()
-    loss, top1, top5, count = reduce_sums(sums)
-    return loss / count, 100.0 * top1 / count, 100.0 * top5 / count
+    loss, top1, top5, count = ex.rank_sums(sums)
+    return {"test_loss": loss / count, "test_top1": 100.0 * top1 / count, "test_top5": 100.0 * top5 / count}
 
 
 class PhaseTimer:
@@ -98,9 +92,8 @@ class PhaseTimer:
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
+    ex.check_counts(cfg, "epochs", "accumulation_steps")
     accum = cfg.accumulation_steps
-    if not (isinstance(accum, int) and accum >= 1):
-        raise ValueError(f"invalid accumulation_steps={accum!r}: must be an integer >= 1")
     env = ex.init_distributed(t.device, t.threads_per_worker)
     amp = MixedPrecision(t.precision, env.device)
 
@@ -122,74 +115,35 @@ def train(cfg: dict, run_dir: str) -> dict:
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                  global_batch=global_batch, throughput="images")
 
-    ckpt, progress, restored, log = ex.open_run(run_dir, env, cfg, plain, model=model, optimizer=optimizer,
-                                                scheduler=scheduler, amp=amp, start={"epoch": 0, "step": 0})
-    start_epoch, step, resumed_from = progress["epoch"], progress["step"], progress["resumed_from"]
-    if restored and env.is_main:
-        print(f"resumed from {run_dir}/ckpt at epoch {start_epoch} (step {step})", flush=True)
-
-    bytes_before = ex.comm_totals(optimizer)
-    for epoch in range(start_epoch, cfg.epochs):
+    for epoch in run.epochs():
+        optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         sampler.set_epoch(epoch)
         batches = iter(train_loader)
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
-        skipped_before = amp.skipped_steps
-        tic = time.perf_counter()
         timer = PhaseTimer(env.device, cfg.time_breakdown)
-        for _ in log.progress(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            ex.maybe_inject_fault(step + 1, env)
+        for _ in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             micro = [tuple(v.to(env.device, non_blocking=True) for v in next(batches)) for _ in range(accum)]
             timer.mark("data")
+            optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             optimizer.zero_grad(set_to_none=True)
             loss_sum += forward_backward(model, micro, criterion, amp, mixup).double()
             timer.mark("forward_backward")
             amp.step(optimizer, params, clip_grad=cfg.clip_grad)
             scheduler.step()
             timer.mark("optimizer")
-            step += 1
-        if env.device.type != "cpu":
-            torch.accelerator.synchronize()
-        train_time = time.perf_counter() - tic
-        (train_loss,) = reduce_sums(loss_sum.reshape(1) / steps_per_epoch)
-        test_loss, test_top1, test_top5 = evaluate(model, val_loader, env, amp)
-        bytes_now = ex.comm_totals(optimizer)
-        images = steps_per_epoch * global_batch
-        log.log({
-            "epoch": epoch + 1, "step": step,
-            "train_loss": train_loss / env.world_size,
-            "test_loss": test_loss, "test_top1": test_top1, "test_top5": test_top5,
-            "lr": optimizer.param_groups[0]["lr"], "loss_scale": amp.scale,
-            "skipped_steps": amp.skipped_steps - skipped_before,
-            **ex.comm_metrics(bytes_now, bytes_before),
-            "step_time_s": train_time / steps_per_epoch,
-            **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()},
-            "images_per_s": images / train_time, "images_per_s_per_worker": images / train_time / env.world_size,
-            "epoch_time_s": time.perf_counter() - tic,
-        })
-        bytes_before = bytes_now
-        if t.checkpoint.enabled and ((epoch + 1) % t.checkpoint.every == 0 or epoch + 1 == cfg.epochs):
-            ex.save_training(ckpt, {"epoch": epoch + 1, "step": step, "resumed_from": resumed_from},
-                             model=model, optimizer=optimizer, scheduler=scheduler, extra={"amp": amp.state_dict()})
+        (loss_sum,) = ex.rank_sums(loss_sum)
+        metrics = run.evaluate(lambda: evaluate(model, val_loader, env, amp))
+        run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics,
+                              **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()}},
+                      steps=steps_per_epoch)
 
-    history = log.history() if env.is_main else []
-    summary = {
-        "name": cfg.name, "optimizer": cfg.optimizer.name, "world_size": env.world_size,
-        "global_batch": global_batch, "accumulation_steps": accum, "precision": t.precision,
-        "peak_lr": scheduler.base_lrs[0], "epochs": cfg.epochs, "steps": step,
-        "params": sum(p.numel() for p in params),
-        "compressed_share": ex.compressed_share(optimizer, ex.unwrap(model)),
-        "final_test_top1": history[-1]["test_top1"] if history else math.nan,
-        "final_test_top5": history[-1]["test_top5"] if history else math.nan,
-        "best_test_top1": max((h["test_top1"] for h in history), default=math.nan),
-        "images_per_s": history[-1]["images_per_s"] if history else math.nan,
-        "bytes_total": ex.comm_totals(optimizer),
-        "wall_time_s": sum(h["epoch_time_s"] for h in history),
-        "resumed_from": resumed_from, "run_dir": str(run_dir), "paper": plain.get("paper"),
-    }
-    log.finish(summary)
-    return summary
+    return run.finish(accumulation_steps=accum, precision=t.precision, peak_lr=scheduler.base_lrs[0],
+                      final_test_top1=run.last("test_top1"), final_test_top5=run.last("test_top5"),
+                      best_test_top1=run.best("test_top1"))
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")

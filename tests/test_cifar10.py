@@ -22,7 +22,7 @@ from tests import distributed
 from tests.test_configs import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("step_time_s", "images_per_s", "epoch_time_s")
+TIMING = ("step_time_s", "images_per_s", "images_per_s_per_worker", "epoch_time_s")
 # a tiny, fast job: ResNet-8 of width 4, 2 workers x 16 images, 5 steps per epoch, 2 epochs
 TINY = ["model=resnet8", "model.width=4", "data.micro_batch=16", "data.eval_batch=64",
         "schedule.milestones=[1,2]", "trainer.nproc_per_node=2", "trainer.progress=false",

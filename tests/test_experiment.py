@@ -249,7 +249,7 @@ def test_rng_state_round_trip_restores_every_stream():
 
 def _cfg(**over):
     cfg = {"name": "r", "seed": 0, "epochs": 2, "data": {"dir": "/data/a"}, "optimizer": {"name": "sgd", "lr": 0.1},
-           "trainer": {"resume": "auto", "progress": True, "checkpoint": {"every_epochs": 1, "keep": 2}}}
+           "trainer": {"resume": "auto", "progress": True, "checkpoint": {"every": 1, "keep": 2}}}
     for key, value in over.items():
         node = cfg
         *path, last = key.split("__")
@@ -260,7 +260,7 @@ def _cfg(**over):
 
 
 def test_empty_schedules_are_refused():
-    for key, value in (("epochs", 0), ("epochs", -1), ("steps", 0), ("trainer__checkpoint__every_epochs", 0)):
+    for key, value in (("epochs", 0), ("epochs", -1), ("steps", 0), ("trainer__checkpoint__every", 0)):
         with pytest.raises(ValueError, match=f"invalid {key.replace('__', '.')}={value}: must be an integer >= 1"):
             ex.checkpoint.prepare_run(_cfg(**{key: value}), "/nonexistent")
 

@@ -1,0 +1,197 @@
+"""The mechanics every pipeline's loop shares, so that each ``train.py`` keeps only what is its own.
+
+A pipeline's ``train`` reads top to bottom like nanoGPT's loop: data, model,
+optimizer, then the epochs (or steps), each a forward, backward and step per
+batch. :class:`Loop` does the rest, the same way in all four:
+
+* the opening: checkpointer, auto-resume with its one "resumed from" line, run logger;
+* the steps: progress bar, the fault-injection test hook, the step count;
+* evaluation of the run's model, the ranks' average (:func:`slamb.averaged_model`,
+  BatchNorm statistics included; training continues from the local models
+  unchanged), with the local models' metrics beside it (``<metric>_local``)
+  where the optimizer's ranks hold different parameters between syncs;
+* the logged period (an epoch, or BERT's ``log_every`` steps): learning rate,
+  where the optimizer's per-epoch schedules stand (DGC's ``density``, SLAMB's
+  ``compress_ratio``), loss scale, the ledger's byte columns, step time and
+  throughput; the checkpoint cadence; :data:`PERIOD_HOOKS` around each period's training;
+* the run summary's common fields.
+
+:func:`check_counts` rejects counts below 1 (epochs, steps, ...) and
+:func:`rank_sums` sums a vector of per-rank totals over the ranks.
+"""
+from __future__ import annotations
+
+import math
+import time
+from typing import Callable
+
+import torch
+
+from slamb import averaged_model, comm
+from .checkpoint import open_run, save_training, unwrap
+from .distributed import maybe_inject_fault
+from .run import comm_metrics, comm_totals, compressed_share
+
+# Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
+# warm-up): logged each period to show the schedule the run followed. Reporting only; nothing branches on them.
+SCHEDULED = ("density", "compress_ratio")
+
+# Called on every rank as ``hook(loop, event)`` where the training part of a period begins (``"begin"``)
+# and ends (``"end"``, before evaluation): bench.netbench reads the ledger and the network counters there,
+# so that evaluation's traffic (the averaged model) stays out of its per-step figures.
+PERIOD_HOOKS: list[Callable] = []
+
+
+def check_counts(cfg, *keys: str) -> None:
+    """Settings that count something (``epochs``, ``steps``, ``trainer.checkpoint.every``) must be >= 1."""
+    for key in keys:
+        value = cfg
+        for part in key.split("."):
+            value = value[part]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1")
+
+
+def rank_sums(values: torch.Tensor) -> list[float]:
+    """The sum over all ranks of this rank's vector of totals (bookkeeping, not training traffic)."""
+    totals = values.detach().double().reshape(-1).clone()
+    comm.all_reduce_sum_(totals, kind="eval", ledger=None)
+    return totals.tolist()
+
+
+class Loop:
+    """One training run's shared mechanics; ``unit`` is what the run counts, ``"epoch"`` or ``"step"``.
+
+    The run's length and checkpoint cadence come from ``cfg``: ``epochs`` (or
+    ``steps``) and ``trainer.checkpoint.every``, counted in that unit. ``throughput`` names the samples/s
+    column (``images``: ``images_per_s``).
+    """
+
+    def __init__(self, run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler, amp=None,
+                 global_batch: int, throughput: str, unit: str = "epoch"):
+        self.run_dir, self.env, self.cfg, self.plain = str(run_dir), env, cfg, plain
+        self.model, self.optimizer, self.scheduler, self.amp = model, optimizer, scheduler, amp
+        self.global_batch, self.throughput, self.unit = global_batch, f"{throughput}_per_s", unit
+        self.length = cfg[f"{unit}s"]
+        self.every = cfg.trainer.checkpoint.every  # in the run's unit
+        start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
+        self.ckpt, progress, restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
+                                                           optimizer=optimizer, scheduler=scheduler, amp=amp,
+                                                           start=start)
+        self.done = progress[unit]  # epochs or steps completed
+        self.step = progress["step"]
+        self.resumed_from = progress["resumed_from"]
+        if restored and env.is_main:
+            at = f"epoch {self.done} (step {self.step})" if unit == "epoch" else f"step {self.step}"
+            print(f"resumed from {run_dir}/ckpt at {at}", flush=True)
+        self.bytes_before = comm_totals(optimizer)
+        self.begin_period()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def epochs(self):
+        """The epochs still to run (0-based); each is one logged period."""
+        for epoch in range(self.done, self.length):
+            self.begin_period()
+            yield epoch
+
+    def steps(self, iterable, total: int, desc: str):
+        """``iterable``'s items with a progress bar; ``self.step`` counts each one the body finishes."""
+        for item in self.log.progress(iterable, total=total, desc=desc):
+            maybe_inject_fault(self.step + 1, self.env)
+            yield item
+            self.step += 1
+
+    def begin_period(self) -> None:
+        self.tic = time.perf_counter()
+        self.train_time: float | None = None
+        self.skipped_before = self.amp.skipped_steps if self.amp is not None else 0
+        for hook in PERIOD_HOOKS:
+            hook(self, "begin")
+
+    def _stop_clock(self) -> None:
+        """The period's training time ends here (after the device's queued work), before any evaluation."""
+        if self.train_time is None:
+            if self.env.device.type != "cpu":
+                torch.accelerator.synchronize()
+            self.train_time = time.perf_counter() - self.tic
+            for hook in PERIOD_HOOKS:
+                hook(self, "end")
+
+    def evaluate(self, evaluate: Callable[[], dict]) -> dict:
+        """``evaluate()``'s metrics of the run's model, the ranks' average, and of the local models
+        (keys ``<metric>_local``) when the ranks' parameters differ. Collective: every rank calls it."""
+        self._stop_clock()
+        metrics = {}
+        if self.optimizer.params_differ:
+            metrics = {f"{k}_local": v for k, v in evaluate().items()}
+        # the average is evaluated last, so that what an evaluation writes (SQuAD's predictions) is its
+        with averaged_model(self.model):
+            return {**evaluate(), **metrics}
+
+    def log_period(self, done: int, metrics: dict, *, steps: int) -> None:
+        """Log a period of ``steps`` optimizer steps that ends with ``done`` epochs (or steps) completed."""
+        self._stop_clock()
+        bytes_now = comm_totals(self.optimizer)
+        opt = self.optimizer
+        # a step-based run's lines carry no epoch: they are periods of steps, keyed by step
+        row = {"epoch": done, "step": self.step} if self.unit == "epoch" else {"step": done}
+        row = {**row, **metrics,
+               "lr": opt.param_groups[0]["lr"], **{k: getattr(opt, k) for k in SCHEDULED if hasattr(opt, k)}}
+        if self.amp is not None:
+            row.update(loss_scale=self.amp.scale, skipped_steps=self.amp.skipped_steps - self.skipped_before)
+        per_s = steps * self.global_batch / self.train_time
+        row.update({**comm_metrics(bytes_now, self.bytes_before), "period_steps": steps,
+                    "step_time_s": self.train_time / steps, self.throughput: per_s,
+                    f"{self.throughput}_per_worker": per_s / self.env.world_size,
+                    "epoch_time_s": time.perf_counter() - self.tic})
+        self.log.log(row)
+        self.bytes_before = bytes_now
+        self.begin_period()
+
+    def save_if_due(self, done: int) -> None:
+        """Checkpoint every ``every`` epochs (or steps) and at the end of the run."""
+        self.done = done
+        if not self.cfg.trainer.checkpoint.enabled or (done % self.every and done != self.length):
+            return
+        progress = {"epoch": done, "step": self.step} if self.unit == "epoch" else {"step": done}
+        save_training(self.ckpt, {**progress, "resumed_from": self.resumed_from}, model=self.model,
+                      optimizer=self.optimizer, scheduler=self.scheduler,
+                      extra={"amp": self.amp.state_dict()} if self.amp is not None else None)
+
+    def end_epoch(self, epoch: int, metrics: dict, *, steps: int) -> None:
+        self.log_period(epoch + 1, metrics, steps=steps)
+        self.save_if_due(epoch + 1)
+
+    # -- the summary ------------------------------------------------------------------------
+
+    def history(self) -> list[dict]:
+        return self.log.history() if self.env.is_main else []
+
+    def last(self, key: str) -> float:
+        """``key`` of the last logged period (NaN on ranks other than 0, which keep no history)."""
+        history = self.history()
+        return history[-1].get(key, math.nan) if history else math.nan
+
+    def best(self, key: str) -> float:
+        return max((h[key] for h in self.history()), default=math.nan)
+
+    def finish(self, **fields) -> dict:
+        """Write and return the run summary: the common fields, then the pipeline's ``fields``."""
+        history = self.history()
+        seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
+        model = unwrap(self.model)
+        summary = {
+            "name": self.cfg.name, "optimizer": self.cfg.optimizer.name, "world_size": self.env.world_size,
+            "global_batch": self.global_batch, f"{self.unit}s": self.length, "steps": self.step,
+            "params": sum(p.numel() for p in model.parameters()),
+            "compressed_share": compressed_share(self.optimizer, model), **fields,
+            # over every logged period of the run, resumed attempts included
+            self.throughput: sum(h["period_steps"] for h in history) * self.global_batch / seconds
+            if seconds > 0 else math.nan,
+            "bytes_total": comm_totals(self.optimizer),
+            "wall_time_s": sum(h["epoch_time_s"] for h in history),
+            "resumed_from": self.resumed_from, "run_dir": self.run_dir, "paper": self.plain.get("paper"),
+        }
+        self.log.finish(summary)
+        return summary
