@@ -325,6 +325,24 @@ def test_reference_path_equals_flat_path_in_both_stages():
     assert v0.abs().max() > 0
 
 
+def test_zero_initialised_bias_takes_the_full_warmup_step():
+    """DeepSpeed's OnebitLamb: a zero norm leaves the coefficient at 1, outside the [0.01, 0.3] clamp, and
+    that 1 does not enter the coefficient EMA; the weight's coefficient is clamped and enters it."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    w0 = weight.detach().clone()
+    opt = OnebitLamb([weight, bias], lr=0.5, eps=1e-6, max_coeff=0.3, freeze_step=10)
+    for p in (weight, bias):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+    opt.step()
+    u_weight, u_bias = (0.1 * p.grad / ((0.001 * p.grad**2).sqrt() + 1e-6) for p in (weight, bias))
+    assert float(w0.norm() / u_weight.norm()) > 0.3  # the clamp binds on the weight
+    torch.testing.assert_close(weight.detach(), w0 - 0.5 * 0.3 * u_weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bias.detach(), -0.5 * u_bias, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(opt.lamb_coeffs(), torch.tensor([0.1 * 0.3, 0.0], dtype=torch.float64))
+
+
 def test_freeze_fixes_scaling_and_fresh_v():
     model = _model()
     opt = OnebitLamb(model.parameters(), lr=0.01, freeze_step=3)
