@@ -1,7 +1,9 @@
 """Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
 from __future__ import annotations
 
+import re
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -55,11 +57,39 @@ def build_optimizer(model: torch.nn.Module, ocfg):
                                      no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
 
 
+def check_optimizer(ocfg) -> None:
+    """Every setting of an optimizer config, checked by building the optimizer on a CPU stand-in (a
+    matrix and a bias: both weight-decay groups). Construction needs no process group, so this runs in
+    the launching process, before any worker starts."""
+    build_optimizer(torch.nn.Linear(2, 2), ocfg)
+
+
+def user_error(error: ValueError, ocfg: dict) -> str:
+    """One line for a rejected setting: the check's message (the setting, its allowed values) and the fix."""
+    message = " ".join(str(error).split())
+    name = ocfg.get("name")
+    key = re.match(r"invalid ([\w.]+?)(?:\[\d+\])?=", message)
+    key = key[1].removeprefix("optimizer.") if key else None
+    if message.startswith("unknown optimizer"):
+        fix = "pick optimizer=<one of those> (configs/optimizer/)"
+    elif message.startswith("unknown setting"):
+        fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
+    elif key and key.startswith("trainer."):
+        fix = f"set {key} to an allowed value (command line or configs/trainer/default.yaml)"
+    elif key in (*registry.optimizer_settings(name), *HARNESS_KEYS):
+        fix = f"set optimizer.{key} to an allowed value (command line or configs/optimizer/{name}.yaml)"
+    else:
+        fix = "correct the override or the experiment's config"
+    return f"error: {message}; fix: {fix}"
+
+
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     The job's run directory is Hydra's output directory. With
-    ``trainer.resume=never`` an existing checkpoint there is discarded first.
+    ``trainer.resume=never`` an existing checkpoint there is discarded first. A
+    setting the checks reject ends the command here, before any worker starts:
+    one line on stderr and exit status 2 (a usage error, as argparse).
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -67,7 +97,12 @@ def run_from_hydra(worker, cfg):
     from .distributed import under_torchrun
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    check_trainer(container["trainer"])
+    try:
+        check_trainer(container["trainer"])
+        check_optimizer(container["optimizer"])
+    except ValueError as e:
+        print(user_error(e, container["optimizer"]), file=sys.stderr, flush=True)
+        sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     ckpt = Path(run_dir) / "ckpt"
     if container["trainer"]["resume"] == "never" and ckpt.exists() and not under_torchrun():
