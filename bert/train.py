@@ -135,6 +135,10 @@ def train(cfg: dict, run_dir: str) -> dict:
     resumed_from = progress["resumed_from"]
     if restored and env.is_main:
         print(f"resumed from {run_dir}/ckpt at step {start}", flush=True)
+    if cfg.get("init_optimizer_from") and not restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)
+        at = ex.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
+        if env.is_main:
+            print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
 
     micro_batches = stream.micro_batches(start=start * accum)
     bytes_before = ex.comm_totals(optimizer)

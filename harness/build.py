@@ -1,6 +1,7 @@
 """Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
 from __future__ import annotations
 
+import inspect
 import re
 import shutil
 import sys
@@ -11,6 +12,7 @@ import torch
 from slamb import registry
 from slamb.optim._common import check_choice
 from .amp import PRECISIONS
+from .checkpoint import Checkpointer
 from .distributed import launch
 
 RESUME = ("auto", "never")
@@ -55,6 +57,42 @@ def build_optimizer(model: torch.nn.Module, ocfg):
     """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``)."""
     return registry.create_optimizer(ocfg["name"], model, weight_decay=ocfg.get("weight_decay", 0.0),
                                      no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
+
+
+# Per-parameter state that DeepSpeed's OnebitLamb.load_state_dict drops, to re-derive it in the new stage
+# (the LAMB coefficients' EMA, the last factor, the momentum scaling); its compression errors are zeroed too.
+REDERIVED_ON_CONTINUE = {"onebit": ("lamb_coeff_freeze", "last_factor", "scaling_coeff")}
+
+
+def continue_optimizer(optimizer, run_dir, env) -> int:
+    """Continue the optimizer of another run (phase 1's, for phase 2) from its last checkpoint, as DeepSpeed's
+    ``--load_training_checkpoint``: moments and step counter carry on; this run's settings stay (each group's
+    hyperparameters, optimizer-level ones such as ``freeze_step``) and so does its ledger, which counts this
+    run's bytes only. Returns the step the optimizer continues from."""
+    ckpt = Checkpointer(run_dir, env)
+    latest = ckpt.latest()
+    if latest is None:
+        raise FileNotFoundError(f"init_optimizer_from={run_dir}: no checkpoint in {ckpt.dir}; point it at the run "
+                                "directory of the earlier phase, or set init_optimizer_from=null (a fresh optimizer)")
+    if latest["world_size"] != env.world_size:
+        raise ValueError(f"init_optimizer_from={run_dir}: its checkpoint was written by {latest['world_size']} "
+                         f"workers and this run has {env.world_size}; per-rank optimizer state cannot be "
+                         f"redistributed: run with {latest['world_size']} workers, or init_optimizer_from=null")
+    state = ckpt.load()[2]["optimizer"]
+    fresh = optimizer.state_dict()
+    for group, ours in zip(state["param_groups"], fresh["param_groups"]):
+        group.update({k: v for k, v in ours.items() if k != "params"})
+    key = getattr(optimizer, "state_key", None)
+    if key:
+        settings = inspect.signature(type(optimizer).__init__).parameters
+        state[key].update({k: v for k, v in fresh[key].items() if k in settings or k == "ledger"})
+        if "error_feedback" in state[key]:
+            state[key]["error_feedback"] = None
+        for per_param in state["state"].values():
+            for name in REDERIVED_ON_CONTINUE.get(key, ()):
+                per_param.pop(name, None)
+    optimizer.load_state_dict(state)
+    return int(state[key]["step"]) if key else int(latest["step"])
 
 
 def check_optimizer(ocfg) -> None:

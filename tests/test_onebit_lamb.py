@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 import slamb
 from slamb.compression.onebit import (ErrorFeedback, chunk_size, compress, compressed_allreduce, decompress,
@@ -412,3 +414,47 @@ def test_registry_builds_it_with_weight_decay_groups():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
     with pytest.raises(ValueError, match="unknown setting"):
         slamb.create_optimizer("onebit_lamb", _model(), compress_ratio=0.1)
+
+
+# -- BERT phase 2 continues phase 1's optimizer (DeepSpeed's --load_training_checkpoint) ----------------------
+
+from tests.test_bert_pretrain import SEQ2, tiny_cfg, tiny_data  # noqa: E402,F401  (tiny_data: a fixture)
+
+
+def _phases(rank, world, jobs):
+    from bert.train import train
+
+    return [train(cfg, run_dir) for cfg, run_dir in jobs]
+
+
+def test_bert_phase2_row_continues_phase1_and_compresses_after_its_rewarmup(tiny_data, tmp_path):
+    """Phase 1: 6 steps, freeze_step 3. Phase 2 (the row's config, seq 64): freeze_step 8 = phase 1's 6 + a 2-step
+    re-warm-up; its 4 steps send full gradients twice, then 1-bit momentum. A fresh optimizer would stay in
+    its warm-up (8 > 4): the row would be LAMB with LAMB's bytes."""
+    p1, p2 = tmp_path / "phase1", tmp_path / "phase2"
+    phase1 = tiny_cfg(tiny_data, p1, "experiment=bert_phase1_onebit_lamb", "optimizer.lr=0.05",
+                      "optimizer.freeze_step=3", "trainer.precision=fp32")
+    phase2 = tiny_cfg(tiny_data, p2, "experiment=bert_phase2_onebit_lamb", "optimizer.lr=0.04",
+                      "optimizer.freeze_step=8", "trainer.precision=fp32", "steps=4", "log_every=1",
+                      f"init_from={p1 / 'model'}", f"init_optimizer_from={p1}", f"data.dir={tiny_data[SEQ2]}",
+                      f"data.seq_len={SEQ2}", "data.phase=phase2")
+    run(_phases, 2, [(phase1, str(p1)), (phase2, str(p2))])
+
+    rows = [json.loads(line) for line in (p2 / "metrics.jsonl").read_text().splitlines()]
+    params = json.loads((p2 / "metrics.json").read_text())["params"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r.get("bytes/grads", 0) for r in rows] == [4 * params, 4 * params, 0, 0]  # the re-warm-up
+    assert [r.get("bytes/momentum_1bit", 0) > 0 for r in rows] == [False, False, True, True]
+    assert rows[-1]["bytes_cum/grads"] == 2 * 4 * params  # phase 1's 3 warm-up steps are not counted
+    latest = json.loads((p2 / "ckpt" / "latest.json").read_text())
+    state = torch.load(p2 / "ckpt" / latest["dir"] / "rank0.pt", weights_only=False)["optimizer"]
+    assert state["onebit"]["step"] == 6 + 4 and state["onebit"]["freeze_step"] == 8
+    assert [g["initial_lr"] for g in state["param_groups"]] == [0.04, 0.04]  # phase 2's settings, not phase 1's
+
+    from harness import DistEnv, continue_optimizer
+    from bert.train import initial_model
+
+    model = initial_model(OmegaConf.create(phase2))
+    opt = slamb.create_optimizer("onebit_lamb", model, weight_decay=0.01, freeze_step=8)
+    with pytest.raises(ValueError, match=r"written by 2 workers and this run has 1; .*run with 2 workers"):
+        continue_optimizer(opt, p1, DistEnv(0, 1, 0, 1, torch.device("cpu")))
