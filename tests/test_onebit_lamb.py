@@ -12,10 +12,13 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import slamb
+from bert.train import initial_model, train
+from harness import DistEnv, continue_optimizer
 from slamb.compression.onebit import (ErrorFeedback, chunk_size, compress, compressed_allreduce, decompress,
                                       pack_bits, unpack_bits)
 from slamb.optim.onebit_lamb import OnebitLamb
 from tests.distributed import run
+from tests.test_bert_pretrain import SEQ2, tiny_cfg, tiny_data  # noqa: F401  (tiny_data: a fixture)
 
 FREEZE, STEPS, SAVE_AT = 8, 32, 20
 
@@ -418,12 +421,8 @@ def test_registry_builds_it_with_weight_decay_groups():
 
 # -- BERT phase 2 continues phase 1's optimizer (DeepSpeed's --load_training_checkpoint) ----------------------
 
-from tests.test_bert_pretrain import SEQ2, tiny_cfg, tiny_data  # noqa: E402,F401  (tiny_data: a fixture)
-
 
 def _phases(rank, world, jobs):
-    from bert.train import train
-
     return [train(cfg, run_dir) for cfg, run_dir in jobs]
 
 
@@ -450,9 +449,6 @@ def test_bert_phase2_row_continues_phase1_and_compresses_after_its_rewarmup(tiny
     state = torch.load(p2 / "ckpt" / latest["dir"] / "rank0.pt", weights_only=False)["optimizer"]
     assert state["onebit"]["step"] == 6 + 4 and state["onebit"]["freeze_step"] == 8
     assert [g["initial_lr"] for g in state["param_groups"]] == [0.04, 0.04]  # phase 2's settings, not phase 1's
-
-    from harness import DistEnv, continue_optimizer
-    from bert.train import initial_model
 
     model = initial_model(OmegaConf.create(phase2))
     opt = slamb.create_optimizer("onebit_lamb", model, weight_decay=0.01, freeze_step=8)
