@@ -18,7 +18,6 @@ import os
 import platform
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import torch
@@ -97,6 +96,8 @@ class RunLogger:
         path.write_text("".join(line + "\n" for line in keep))
 
     def _init_wandb(self, cfg: dict, project: str):
+        import uuid
+
         import wandb
 
         # the id lives in the run directory, so a resumed job continues the same wandb run; made here
