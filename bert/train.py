@@ -116,6 +116,10 @@ def train(cfg: dict, run_dir: str) -> dict:
                   global_batch=d.global_batch, throughput="seqs", unit="step")
 
     start = period_start = run.step
+    if cfg.get("init_optimizer_from") and not run.restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)
+        at = ex.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
+        if env.is_main:
+            print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
     micro_batches = stream.micro_batches(start=start * accum)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
     model.train()

@@ -15,7 +15,7 @@
 * :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
 * :mod:`.tables`: results tables and plots from run directories.
 """
-from .build import build_optimizer, check_trainer, optimizer_kwargs, run_from_hydra
+from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import Checkpointer, open_run, restore_training, save_training, unwrap
 from .data import ShardedBatches, eval_shard
 from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums
@@ -25,7 +25,7 @@ from .seeding import seed_everything
 
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
-    "restore_training",
+    "continue_optimizer", "restore_training",
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",

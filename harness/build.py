@@ -1,11 +1,16 @@
 """Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
 from __future__ import annotations
 
+import inspect
+import re
+import sys
+
 import torch
 
 from slamb import registry
 from slamb.optim._common import check_choice
 from .amp import PRECISIONS
+from .checkpoint import Checkpointer
 from .distributed import launch
 
 RESUME = ("auto", "never")
@@ -59,6 +64,68 @@ def build_optimizer(model: torch.nn.Module, ocfg):
                                      no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
 
 
+# Per-parameter state that DeepSpeed's OnebitLamb.load_state_dict drops, to re-derive it in the new stage
+# (the LAMB coefficients' EMA, the last factor, the momentum scaling); its compression errors are zeroed too.
+REDERIVED_ON_CONTINUE = {"onebit": ("lamb_coeff_freeze", "last_factor", "scaling_coeff")}
+
+
+def continue_optimizer(optimizer, run_dir, env) -> int:
+    """Continue the optimizer of another run (phase 1's, for phase 2) from its last checkpoint, as DeepSpeed's
+    ``--load_training_checkpoint``: moments and step counter carry on; this run's settings stay (each group's
+    hyperparameters, optimizer-level ones such as ``freeze_step``) and so does its ledger, which counts this
+    run's bytes only. Returns the step the optimizer continues from."""
+    ckpt = Checkpointer(run_dir, env)
+    latest = ckpt.latest()
+    if latest is None:
+        raise FileNotFoundError(f"init_optimizer_from={run_dir}: no checkpoint in {ckpt.dir}; point it at the run "
+                                "directory of the earlier phase, or set init_optimizer_from=null (a fresh optimizer)")
+    if latest["world_size"] != env.world_size:
+        raise ValueError(f"init_optimizer_from={run_dir}: its checkpoint was written by {latest['world_size']} "
+                         f"workers and this run has {env.world_size}; per-rank optimizer state cannot be "
+                         f"redistributed: run with {latest['world_size']} workers, or init_optimizer_from=null")
+    state = ckpt.load()[2]["optimizer"]
+    fresh = optimizer.state_dict()
+    for group, ours in zip(state["param_groups"], fresh["param_groups"]):
+        group.update({k: v for k, v in ours.items() if k != "params"})
+    key = getattr(optimizer, "state_key", None)
+    if key:
+        settings = inspect.signature(type(optimizer).__init__).parameters
+        state[key].update({k: v for k, v in fresh[key].items() if k in settings or k == "ledger"})
+        if "error_feedback" in state[key]:
+            state[key]["error_feedback"] = None
+        for per_param in state["state"].values():
+            for name in REDERIVED_ON_CONTINUE.get(key, ()):
+                per_param.pop(name, None)
+    optimizer.load_state_dict(state)
+    return int(state[key]["step"]) if key else int(latest["step"])
+
+
+def check_optimizer(ocfg) -> None:
+    """Every setting of an optimizer config, checked by building the optimizer on a CPU stand-in (a
+    matrix and a bias: both weight-decay groups). Construction needs no process group, so this runs in
+    the launching process, before any worker starts."""
+    build_optimizer(torch.nn.Linear(2, 2), ocfg)
+
+
+def user_error(error: ValueError, ocfg: dict) -> str:
+    """One line for a rejected setting: the check's message (the setting, its allowed values) and the fix."""
+    message = " ".join(str(error).split())
+    name = ocfg.get("name")
+    key = re.match(r"invalid ([\w.]+?)(?:\[\d+\])?=", message)
+    key = key[1].removeprefix("optimizer.") if key else None
+    if message.startswith("unknown optimizer"):
+        fix = "pick optimizer=<one of those> (configs/optimizer/)"
+    elif message.startswith("unknown setting"):
+        fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
+    elif key and key.startswith("trainer."):
+        fix = f"set {key} to an allowed value (command line or configs/trainer/default.yaml)"
+    elif key in (*registry.optimizer_settings(name), *HARNESS_KEYS):
+        fix = f"set optimizer.{key} to an allowed value (command line or configs/optimizer/{name}.yaml)"
+    else:
+        fix = "correct the override or the experiment's config"
+    return f"error: {message}; fix: {fix}"
+
+
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
@@ -67,7 +134,9 @@ def run_from_hydra(worker, cfg):
 
     The job's run directory is Hydra's output directory, locked while the job writes it. With
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
-    finished with this configuration returns its summary without training.
+    finished with this configuration returns its summary without training. A setting the checks
+    reject ends the command here, before any worker starts: one line on stderr and exit status 2
+    (a usage error, as argparse).
     """
     import os
 
@@ -79,7 +148,12 @@ def run_from_hydra(worker, cfg):
     from .run import RunLock
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
-    check_trainer(container["trainer"])
+    try:
+        check_trainer(container["trainer"])
+        check_optimizer(container["optimizer"])
+    except ValueError as e:
+        print(user_error(e, container["optimizer"]), file=sys.stderr, flush=True)
+        sys.exit(2)
     run_dir = HydraConfig.get().runtime.output_dir
     local = not started_externally()
     with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):

@@ -75,13 +75,13 @@ class Loop:
         self.length = cfg[f"{unit}s"]
         self.every = cfg.trainer.checkpoint.every  # in the run's unit
         start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
-        self.ckpt, progress, restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
+        self.ckpt, progress, self.restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
                                                            optimizer=optimizer, scheduler=scheduler, amp=amp,
                                                            start=start)
         self.done = progress[unit]  # epochs or steps completed
         self.step = progress["step"]
         self.resumed_from = progress["resumed_from"]
-        if restored and env.is_main:
+        if self.restored and env.is_main:
             at = f"epoch {self.done} (step {self.step})" if unit == "epoch" else f"step {self.step}"
             print(f"resumed from {run_dir}/ckpt at {at}", flush=True)
         self.bytes_before = comm_totals(optimizer)

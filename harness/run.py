@@ -218,10 +218,14 @@ class RunLogger:
         path.write_text("".join(line + "\n" for line in keep))
 
     def _init_wandb(self, cfg: dict, project: str):
+        import uuid
+
         import wandb
 
+        # the id lives in the run directory, so a resumed job continues the same wandb run; made here
+        # because wandb's own id helper has moved between releases
         id_file = self.dir / "wandb_id"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         return wandb.init(project=project, name=cfg.get("name"), id=run_id, resume="allow", config=cfg,
                           dir=str(self.dir), mode=os.environ.get("WANDB_MODE", "offline"))

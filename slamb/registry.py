@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from .contract import adopt
+from .optim._common import check_lr
 
 # name -> "module:attribute", resolved on first use; extra keyword defaults
 OPTIMIZERS: dict[str, tuple[str, dict]] = {
@@ -40,6 +41,20 @@ def optimizer_settings(name: str) -> list[str]:
     return sorted(k for k in params if k not in ("self", "params") and k not in OPTIMIZERS[name][1])
 
 
+def check_settings(name: str, settings: dict) -> None:
+    """The checks every optimizer gets before it is built: a known name, known settings, a finite lr.
+
+    torch's own optimizers accept ``lr=inf``; a step size beyond :data:`~slamb.optim._common.MAX_LR`
+    only turns the parameters into inf or NaN a step later, far from its cause.
+    """
+    valid = optimizer_settings(name)
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {unknown} for optimizer {name!r}; valid: {valid}")
+    if "lr" in settings:
+        check_lr(settings["lr"])
+
+
 def param_groups_weight_decay(model: torch.nn.Module, weight_decay: float, no_decay: tuple[str, ...] = ()):
     """Two groups: decayed weights, and biases / norms / 1-D tensors / names in ``no_decay`` at 0."""
     decay, rest = [], []
@@ -61,16 +76,13 @@ def create_optimizer(name: str, params_or_model, *, weight_decay: float = 0.0,
     model with :func:`slamb.wrap_model` to get its DDP communication.
     """
     cls = optimizer_class(name)
-    valid = optimizer_settings(name)
-    unknown = sorted(set(settings) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown setting(s) {unknown} for optimizer {name!r}; valid: {valid}")
+    check_settings(name, settings)
     if isinstance(params_or_model, torch.nn.Module):
         params = param_groups_weight_decay(params_or_model, weight_decay, tuple(no_decay))
     else:
         params = params_or_model
     kwargs = {**OPTIMIZERS[name][1], **settings}
-    if "weight_decay" in valid or "weight_decay" in inspect.signature(cls.__init__).parameters:
+    if "weight_decay" in inspect.signature(cls.__init__).parameters:
         kwargs["weight_decay"] = weight_decay
     optimizer = cls(params, **kwargs)
     return adopt(optimizer)

@@ -36,20 +36,8 @@ class Example:
 def load_squad(path) -> list[Example]:
     """Every question of a SQuAD v1.1 JSON file, with clear errors for a missing, empty or malformed file."""
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"SQuAD file {path} not found: set data.train_file / data.dev_file to the "
-                                "train-v1.1.json / dev-v1.1.json files (never downloaded at run time)")
-    text = path.read_text(encoding="utf-8")
-    if not text.strip():
-        raise ValueError(f"SQuAD file {path} is empty: expected a SQuAD v1.1 JSON object {{'version', 'data'}}")
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"SQuAD file {path} is not valid JSON ({e})") from None
-    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
-        raise ValueError(f"SQuAD file {path} must be a JSON object with a 'data' list of articles "
-                         f"(SQuAD v1.1 layout), got {type(raw).__name__}"
-                         + (f" with keys {sorted(raw)}" if isinstance(raw, dict) else ""))
+    raw = read_squad_json(path, fix="set data.train_file / data.dev_file to the train-v1.1.json / dev-v1.1.json "
+                                    "files (never downloaded at run time)")
     examples, misplaced = [], []
     for a, article in enumerate(raw["data"]):
         for p, para in enumerate(_field(article, "paragraphs", list, path, f"data[{a}]")):
@@ -76,6 +64,25 @@ def load_squad(path) -> list[Example]:
         warnings.warn(f"{path}: {len(misplaced)} answer(s) not at their answer_start (no span label for those), e.g. "
                       f"{misplaced[0]}", stacklevel=2)
     return examples
+
+
+def read_squad_json(path: Path, fix: str) -> dict:
+    """The JSON object of a SQuAD file, with clear errors for a missing, empty or non-JSON file or one
+    without a ``data`` list; ``fix`` ends the missing-file message."""
+    if not path.is_file():
+        raise FileNotFoundError(f"SQuAD file {path} not found: {fix}")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"SQuAD file {path} is empty: expected a SQuAD v1.1 JSON object {{'version', 'data'}}")
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"SQuAD file {path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or not isinstance(raw.get("data"), list):
+        raise ValueError(f"SQuAD file {path} must be a JSON object with a 'data' list of articles "
+                         f"(SQuAD v1.1 layout), got {type(raw).__name__}"
+                         + (f" with keys {sorted(raw)}" if isinstance(raw, dict) else ""))
+    return raw
 
 
 def _field(obj, key: str, kind, path: Path, where: str):

@@ -16,6 +16,9 @@ import json
 import re
 import string
 import sys
+from pathlib import Path
+
+from .data import _field, read_squad_json
 
 EXPECTED_VERSION = "1.1"
 _PUNCT = set(string.punctuation)
@@ -70,23 +73,47 @@ def evaluate_examples(examples, predictions: dict) -> dict[str, float]:
     return evaluate(dataset, predictions)
 
 
+def read_dataset(path) -> dict:
+    """A SQuAD v1.1 dataset file, checked only for what scoring reads: question ids and answer texts.
+
+    As the official script, nothing else is needed: no ``answer_start`` (nor
+    one that points elsewhere in the context), no ``question``, no ``context``.
+    """
+    path = Path(path)
+    raw = read_squad_json(path, fix="pass the SQuAD v1.1 dev file (dev-v1.1.json) as the first argument")
+    questions = 0
+    for a, article in enumerate(raw["data"]):
+        for p, para in enumerate(_field(article, "paragraphs", list, path, f"data[{a}]")):
+            for q, qa in enumerate(_field(para, "qas", list, path, f"data[{a}].paragraphs[{p}]")):
+                at = f"data[{a}].paragraphs[{p}].qas[{q}]"
+                _field(qa, "id", (str, int), path, at)
+                answers = _field(qa, "answers", list, path, at)
+                if not answers:
+                    raise ValueError(f"{path}: {at}.answers is empty: every question needs a ground truth to score")
+                for i, answer in enumerate(answers):
+                    _field(answer, "text", str, path, f"{at}.answers[{i}]")
+                questions += 1
+    if not questions:
+        raise ValueError(f"SQuAD file {path} holds no question: nothing to evaluate")
+    return raw
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=f"Evaluation for SQuAD {EXPECTED_VERSION}")
     parser.add_argument("dataset_file", help="Dataset file")
     parser.add_argument("prediction_file", help="Prediction File")
     args = parser.parse_args(argv)
-    from .data import load_squad
-
-    load_squad(args.dataset_file)  # clear errors for a missing, empty or malformed file
-    with open(args.dataset_file, encoding="utf-8") as f:
-        dataset_json = json.load(f)
+    try:
+        dataset_json = read_dataset(args.dataset_file)
+        with open(args.prediction_file, encoding="utf-8") as f:
+            predictions = json.load(f)
+    except (OSError, ValueError) as e:  # json.JSONDecodeError is a ValueError
+        parser.error(str(e))
+    if not isinstance(predictions, dict):
+        parser.error(f"{args.prediction_file} must be a JSON object {{question id: answer text}}")
     if dataset_json.get("version") != EXPECTED_VERSION:
         print(f"Evaluation expects v-{EXPECTED_VERSION}, but got dataset with v-{dataset_json.get('version')}",
               file=sys.stderr)
-    with open(args.prediction_file, encoding="utf-8") as f:
-        predictions = json.load(f)
-    if not isinstance(predictions, dict):
-        raise ValueError(f"{args.prediction_file} must be a JSON object {{question id: answer text}}")
     print(json.dumps(evaluate(dataset_json["data"], predictions)))
     return 0
 

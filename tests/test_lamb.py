@@ -73,6 +73,24 @@ def test_zero_norm_trust_ratio_is_one():
     torch.testing.assert_close(p.detach(), torch.full((4, 4), -0.1, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("foreach", [True, False])
+def test_zero_initialised_bias_takes_the_full_step_under_the_clamp(foreach):
+    """DeepSpeed's BERT clamp [0.01, 0.3] binds only where both norms are positive: at step 1 a zero
+    bias moves by lr * u (trust 1, as DeepSpeed and apex), while the weight's ratio is clamped to 0.3."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    weight.grad = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    bias.grad = torch.randn(6, generator=gen, dtype=torch.float64)
+    w0 = weight.detach().clone()
+    slamb.LAMB([weight, bias], lr=0.5, bias_correction=False, trust_clamp=(0.01, 0.3), foreach=foreach).step()
+    u_bias = 0.1 * bias.grad / ((0.001 * bias.grad**2).sqrt() + 1e-6)
+    torch.testing.assert_close(bias.detach(), -0.5 * u_bias, rtol=1e-12, atol=1e-12)
+    u_weight = 0.1 * weight.grad / ((0.001 * weight.grad**2).sqrt() + 1e-6)
+    assert float(w0.norm() / u_weight.norm()) > 0.3  # the clamp binds on the weight
+    torch.testing.assert_close(weight.detach(), w0 - 0.5 * 0.3 * u_weight, rtol=1e-12, atol=1e-12)
+
+
 def test_per_group_learning_rates_and_no_decay_groups():
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
     opt = slamb.create_optimizer("lamb", model, lr=0.01, weight_decay=0.05)

@@ -2,18 +2,23 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from omegaconf import OmegaConf
 
 import slamb
+from bert.train import initial_model, train
+from harness import DistEnv, continue_optimizer
 from slamb.compression.onebit import (ErrorFeedback, chunk_size, compress, compressed_allreduce, decompress,
                                       pack_bits, unpack_bits)
 from slamb.optim.onebit_lamb import OnebitLamb
 from tests.distributed import run
+from tests.test_bert_pretrain import SEQ2, tiny_cfg, tiny_data  # noqa: F401  (tiny_data: a fixture)
 
 FREEZE, STEPS, SAVE_AT = 8, 32, 20
 
@@ -325,6 +330,24 @@ def test_reference_path_equals_flat_path_in_both_stages():
     assert v0.abs().max() > 0
 
 
+def test_zero_initialised_bias_takes_the_full_warmup_step():
+    """DeepSpeed's OnebitLamb: a zero norm leaves the coefficient at 1, outside the [0.01, 0.3] clamp, and
+    that 1 does not enter the coefficient EMA; the weight's coefficient is clamped and enters it."""
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen, dtype=torch.float64))
+    bias = torch.nn.Parameter(torch.zeros(6, dtype=torch.float64))
+    w0 = weight.detach().clone()
+    opt = OnebitLamb([weight, bias], lr=0.5, eps=1e-6, max_coeff=0.3, freeze_step=10)
+    for p in (weight, bias):
+        p.grad = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+    opt.step()
+    u_weight, u_bias = (0.1 * p.grad / ((0.001 * p.grad**2).sqrt() + 1e-6) for p in (weight, bias))
+    assert float(w0.norm() / u_weight.norm()) > 0.3  # the clamp binds on the weight
+    torch.testing.assert_close(weight.detach(), w0 - 0.5 * 0.3 * u_weight, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(bias.detach(), -0.5 * u_bias, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(opt.lamb_coeffs(), torch.tensor([0.1 * 0.3, 0.0], dtype=torch.float64))
+
+
 def test_freeze_fixes_scaling_and_fresh_v():
     model = _model()
     opt = OnebitLamb(model.parameters(), lr=0.01, freeze_step=3)
@@ -394,3 +417,40 @@ def test_registry_builds_it_with_weight_decay_groups():
     assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
     with pytest.raises(ValueError, match="unknown setting"):
         slamb.create_optimizer("onebit_lamb", _model(), compress_ratio=0.1)
+
+
+# -- BERT phase 2 continues phase 1's optimizer (DeepSpeed's --load_training_checkpoint) ----------------------
+
+
+def _phases(rank, world, jobs):
+    return [train(cfg, run_dir) for cfg, run_dir in jobs]
+
+
+def test_bert_phase2_row_continues_phase1_and_compresses_after_its_rewarmup(tiny_data, tmp_path):
+    """Phase 1: 6 steps, freeze_step 3. Phase 2 (the row's config, seq 64): freeze_step 8 = phase 1's 6 + a 2-step
+    re-warm-up; its 4 steps send full gradients twice, then 1-bit momentum. A fresh optimizer would stay in
+    its warm-up (8 > 4): the row would be LAMB with LAMB's bytes."""
+    p1, p2 = tmp_path / "phase1", tmp_path / "phase2"
+    phase1 = tiny_cfg(tiny_data, p1, "experiment=bert_phase1_onebit_lamb", "optimizer.lr=0.05",
+                      "optimizer.freeze_step=3", "trainer.precision=fp32")
+    phase2 = tiny_cfg(tiny_data, p2, "experiment=bert_phase2_onebit_lamb", "optimizer.lr=0.04",
+                      "optimizer.freeze_step=8", "trainer.precision=fp32", "steps=4", "log_every=1",
+                      f"init_from={p1 / 'model'}", f"init_optimizer_from={p1}", f"data.dir={tiny_data[SEQ2]}",
+                      f"data.seq_len={SEQ2}", "data.phase=phase2")
+    run(_phases, 2, [(phase1, str(p1)), (phase2, str(p2))])
+
+    rows = [json.loads(line) for line in (p2 / "metrics.jsonl").read_text().splitlines()]
+    params = json.loads((p2 / "metrics.json").read_text())["params"]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r.get("bytes/grads", 0) for r in rows] == [4 * params, 4 * params, 0, 0]  # the re-warm-up
+    assert [r.get("bytes/momentum_1bit", 0) > 0 for r in rows] == [False, False, True, True]
+    assert rows[-1]["bytes_cum/grads"] == 2 * 4 * params  # phase 1's 3 warm-up steps are not counted
+    latest = json.loads((p2 / "ckpt" / "latest.json").read_text())
+    state = torch.load(p2 / "ckpt" / latest["dir"] / "rank0.pt", weights_only=False)["optimizer"]
+    assert state["onebit"]["step"] == 6 + 4 and state["onebit"]["freeze_step"] == 8
+    assert [g["initial_lr"] for g in state["param_groups"]] == [0.04, 0.04]  # phase 2's settings, not phase 1's
+
+    model = initial_model(OmegaConf.create(phase2))
+    opt = slamb.create_optimizer("onebit_lamb", model, weight_decay=0.01, freeze_step=8)
+    with pytest.raises(ValueError, match=r"written by 2 workers and this run has 1; .*run with 2 workers"):
+        continue_optimizer(opt, p1, DistEnv(0, 1, 0, 1, torch.device("cpu")))

@@ -280,6 +280,37 @@ def test_evaluate_cli_prints_exact_match_and_f1(tmp_path):
     assert bad.returncode != 0 and "is empty" in bad.stderr
 
 
+def test_evaluate_cli_scores_what_the_official_script_scores(tmp_path):
+    """evaluate-v1.1.py reads only ids and answer texts: a dev file without answer_start, question or
+    context, or with every answer_start wrong, is scored, and the line printed is the official JSON."""
+    squad = squad_json()
+    for p, para in enumerate(squad["data"][0]["paragraphs"]):
+        if p == 0:
+            del para["context"]
+        for qa in para["qas"]:
+            for answer in qa["answers"]:
+                if p == 0:
+                    del answer["answer_start"]
+                else:
+                    answer["answer_start"] += 3  # every offset misaligned: the training loader refuses this
+            del qa["question"]
+        para["qas"][0]["answers"].append({"text": "Paris"})  # a second ground truth, no offset either
+    dataset = write_json(tmp_path / "dev.json", squad)
+    with pytest.raises(ValueError):
+        sdata.load_squad(dataset)  # training stays strict
+    preds = write_json(tmp_path / "pred.json", {"q0": "Warsaw", "q1": "Sorbonne", "q4": "Paris", "q6": "1887 to 1889"})
+    out = subprocess.run([sys.executable, "-m", "squad_finetune.evaluate", str(dataset), str(preds)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True)
+    f1 = 1 + 1 + 1 + 2 * 1 * 0.75 / 1.75  # q4 matches its second ground truth; q2, q3, q5 unanswered
+    assert out.stdout == json.dumps({"exact_match": 100.0 * 3 / 7, "f1": 100.0 * f1 / 7}) + "\n"
+    assert out.stderr.count("will receive score 0") == 3
+    del squad["data"][0]["paragraphs"][1]["qas"][2]["answers"][0]["text"]
+    bad = subprocess.run([sys.executable, "-m", "squad_finetune.evaluate", str(write_json(dataset, squad)),
+                          str(preds)], cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "qas[2].answers[0] has no 'text' field" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
 # ------------------------------------------------------------------------------ end to end, 2 workers
 
 

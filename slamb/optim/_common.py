@@ -20,11 +20,19 @@ def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=Fa
     if ok and hi is not None:
         ok = value < hi if hi_open else value <= hi
     if not ok:
-        left = "(" if lo_open else "["
-        right = ")" if hi_open else "]"
+        left = "(" if lo_open or lo is None else "["  # infinities are refused: open ends
+        right = ")" if hi_open or hi is None else "]"
         lo_s = "-inf" if lo is None else repr(lo)
         hi_s = "inf" if hi is None else repr(hi)
         raise ValueError(f"invalid {name}={value!r}: must be a number in {left}{lo_s}, {hi_s}{right}")
+
+
+MAX_LR = 100.0  # far above any recipe (LARS at batch 32k peaks near 30); a larger step overflows the update
+
+
+def check_lr(lr) -> None:
+    # 0 is a common first value of a warm-up schedule; the finite bound catches lr=1e300 before an update overflows
+    check_range("lr", lr, 0.0, MAX_LR)
 
 
 def check_betas(betas) -> None:
@@ -36,7 +44,7 @@ def check_betas(betas) -> None:
 
 def check_adam_group(group: dict) -> None:
     """The settings every Adam-type parameter group has."""
-    check_range("lr", group["lr"], 0.0)  # 0 is a common first value of a warm-up schedule
+    check_lr(group["lr"])
     check_betas(group["betas"])
     check_range("eps", group["eps"], 0.0, lo_open=True)
     check_range("weight_decay", group["weight_decay"], 0.0)

@@ -66,7 +66,7 @@ import torch
 from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
-from ._common import check_range
+from ._common import check_lr, check_range
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 
@@ -204,7 +204,7 @@ class DGC(LocalStateOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_range("lr", g["lr"], 0.0)
+        check_lr(g["lr"])
         check_range("momentum", g["momentum"], 0.0, 1.0, hi_open=True)
         check_range("weight_decay", g["weight_decay"], 0.0)
         if not isinstance(g["nesterov"], bool):

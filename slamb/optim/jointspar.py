@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import NO_DDP, ContractDefaults
-from ._common import NONFINITE_POLICIES, check_choice, check_range, nonfinite_skip, safe_ratio
+from ._common import NONFINITE_POLICIES, check_choice, check_lr, check_range, nonfinite_skip, safe_ratio
 from .flat import FlatLayout, check_layouts_agree, param_labels
 from .masks import step_seed
 
@@ -277,7 +277,7 @@ class JointSpar(ContractDefaults, Optimizer):
             raise RuntimeError("JointSpar samples a fixed set of layers: add parameter groups before construction ends")
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_range("lr", g["lr"], 0.0, lo_open=True)
+        check_lr(g["lr"])
         check_range("momentum", g["momentum"], 0.0, 1.0, hi_open=True)
         check_range("weight_decay", g["weight_decay"], 0.0)
 

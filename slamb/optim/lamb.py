@@ -1,7 +1,9 @@
 """LAMB (You et al., ICLR 2020) on gradients the caller has averaged (DDP).
 
-u = m_hat / (sqrt(v_hat) + eps) + wd * p, trust = ||p|| / ||u|| (1 when a norm
-is 0, optionally clamped), p -= lr * trust * u. DeepSpeed's BERT baseline is
+u = m_hat / (sqrt(v_hat) + eps) + wd * p, trust = ||p|| / ||u|| optionally
+clamped, p -= lr * trust * u. When a norm is 0 (a zero-initialised bias at
+step 1) trust is 1 and the clamp does not apply, as in DeepSpeed's LAMB
+kernels and 1-bit LAMB and apex's FusedLAMB. DeepSpeed's BERT baseline is
 ``bias_correction=False, trust_clamp=(0.01, 0.3)``; NVIDIA's recipe puts
 biases and LayerNorm in a group with ``weight_decay=0``.
 """
@@ -16,15 +18,21 @@ from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_ada
                       nonfinite_skip, safe_ratio)
 
 
+def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:
+    """``||p|| / ||u||`` clamped to ``trust_clamp`` where both norms are positive, an unclamped 1 elsewhere."""
+    trust = safe_ratio(p_norm, u_norm, 1.0)
+    if trust_clamp is None:
+        return trust
+    return torch.where((p_norm > 0) & (u_norm > 0), trust.clamp(*trust_clamp), trust)
+
+
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
     """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
     adam_moments_([m], [v], [g], b1, b2, foreach=False)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
     p_norm, u_norm = p.norm(), u.norm()
-    trust = safe_ratio(p_norm, u_norm, 1.0)
-    if trust_clamp is not None:
-        trust = trust.clamp(*trust_clamp)
+    trust = trust_ratio(p_norm, u_norm, trust_clamp)
     p.sub_(lr * trust * u)
     return trust, (p_norm > 0) & (u_norm > 0)
 
@@ -40,9 +48,7 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     if wd != 0:
         torch._foreach_add_(u, params, alpha=wd / c)
     p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)) * c
-    trust = safe_ratio(p_norm, u_norm, 1.0)
-    if trust_clamp is not None:
-        trust = trust.clamp(*trust_clamp)
+    trust = trust_ratio(p_norm, u_norm, trust_clamp)
     torch._foreach_mul_(u, list((trust * (-lr * c)).unbind()))
     torch._foreach_add_(params, u)
     return trust, (p_norm > 0) & (u_norm > 0)

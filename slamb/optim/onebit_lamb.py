@@ -5,7 +5,8 @@ Two stages, numbered by the step t = 1, 2, ... (skipped steps do not count):
 * warm-up, t <= ``freeze_step``: LAMB on gradients averaged by DDP (the hook
   of :meth:`OnebitLamb.ddp_comm_hook` all-reduces them, kind ``"grads"``),
   with the trust ratio (the "LAMB coefficient") clamped to
-  ``[min_coeff, max_coeff]``, and an EMA of that clamped coefficient per
+  ``[min_coeff, max_coeff]`` (1, unclamped, when a weight or update norm is
+  0, as in DeepSpeed), and an EMA of that clamped coefficient per
   tensor: ``c_freeze = coeff_beta * c_freeze + (1 - coeff_beta) * coeff``,
   starting at 0 as in DeepSpeed (not bias-corrected: after 50 steps the bias
   is 0.9**50 < 1%).
