@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, override, line):
     run_dir = tmp_path / "run"
     # two workers and no data: a worker that started would fail on the missing CIFAR-10 files instead
-    args = ["experiment=cifar10_resnet110_slamb", override, "trainer.nproc_per_node=2",
+    args = ["experiment=cifar10/slamb", override, "trainer.nproc_per_node=2",
             f"data.dir={tmp_path / 'absent'}", f"hydra.run.dir={run_dir}"]
     tic = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "cifar10.train", *args], cwd=ROOT, capture_output=True, text=True,

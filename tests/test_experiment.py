@@ -303,7 +303,7 @@ def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
 
     data = write_tiny_cifar(tmp_path / "a" / "cifar-10-batches-py", n_train=64, n_test=16)
     common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1", "epochs=1",
-              "experiment=cifar10_resnet110_lamb", f"hydra.run.dir={tmp_path / 'run'}"]
+              "experiment=cifar10/lamb", f"hydra.run.dir={tmp_path / 'run'}"]
     first = cli([*common, f"data.dir={data}"])
     assert first.returncode == 0, first.stderr[-3000:]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text()

@@ -431,9 +431,9 @@ def test_bert_phase2_row_continues_phase1_and_compresses_after_its_rewarmup(tiny
     re-warm-up; its 4 steps send full gradients twice, then 1-bit momentum. A fresh optimizer would stay in
     its warm-up (8 > 4): the row would be LAMB with LAMB's bytes."""
     p1, p2 = tmp_path / "phase1", tmp_path / "phase2"
-    phase1 = tiny_cfg(tiny_data, p1, "experiment=bert_phase1_onebit_lamb", "optimizer.lr=0.05",
+    phase1 = tiny_cfg(tiny_data, p1, "experiment=bert/phase1_onebit_lamb", "optimizer.lr=0.05",
                       "optimizer.freeze_step=3", "trainer.precision=fp32")
-    phase2 = tiny_cfg(tiny_data, p2, "experiment=bert_phase2_onebit_lamb", "optimizer.lr=0.04",
+    phase2 = tiny_cfg(tiny_data, p2, "experiment=bert/phase2_onebit_lamb", "optimizer.lr=0.04",
                       "optimizer.freeze_step=8", "trainer.precision=fp32", "steps=4", "log_every=1",
                       f"init_from={p1 / 'model'}", f"init_optimizer_from={p1}", f"data.dir={tiny_data[SEQ2]}",
                       f"data.seq_len={SEQ2}", "data.phase=phase2")
