@@ -213,6 +213,10 @@ def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, sched
     shared = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra}
     per_rank = {"optimizer": optimizer.state_dict(), "ledger": optimizer.ledger.state_dict(), "rng": rng_state()}
     (per_rank if per_rank_model else shared)["model"] = model_sd
+    if not per_rank_model:
+        # floating buffers (BatchNorm statistics) are each rank's own under every optimizer: the pipelines
+        # do not broadcast them per forward, and the evaluated model averages them
+        per_rank["buffers"] = {k: v for k, v in unwrap(model).named_buffers() if v.is_floating_point()}
     return ckpt.save(progress, shared, per_rank)
 
 
@@ -223,6 +227,8 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) ->
         return None
     progress, shared, mine = loaded
     unwrap(model).load_state_dict(mine["model"] if "model" in mine else shared["model"])
+    if mine.get("buffers"):
+        unwrap(model).load_state_dict(mine["buffers"], strict=False)
     optimizer.load_state_dict(mine["optimizer"])
     # torch.optim optimizers keep the ledger outside their state_dict: cumulative bytes survive resume here
     optimizer.ledger.load_state_dict(mine["ledger"])

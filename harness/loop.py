@@ -186,8 +186,9 @@ class Loop:
             "global_batch": self.global_batch, f"{self.unit}s": self.length, "steps": self.step,
             "params": sum(p.numel() for p in model.parameters()),
             "compressed_share": compressed_share(self.optimizer, model), **fields,
-            # over every logged period of the run, resumed attempts included
-            self.throughput: sum(h["period_steps"] for h in history) * self.global_batch / seconds
+            # over every logged period of the run, resumed attempts included; a name of its own, as wandb's
+            # run summary keeps the last logged value of a history column over an update of the same key
+            f"mean_{self.throughput}": sum(h["period_steps"] for h in history) * self.global_batch / seconds
             if seconds > 0 else math.nan,
             "bytes_total": comm_totals(self.optimizer),
             "wall_time_s": sum(h["epoch_time_s"] for h in history),

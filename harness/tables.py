@@ -337,7 +337,7 @@ def pretrain_rows(runs: list[dict]) -> list[dict]:
                      "loss_stat": stat(x["final_loss"] for x in s),
                      "mlm_acc_stat": stat(x["final_mlm_acc"] for x in s),
                      "nsp_acc_stat": stat(x["final_nsp_acc"] for x in s),
-                     "seqs_per_s": stat(x["seqs_per_s"] for x in s)[0],
+                     "seqs_per_s": stat(x["mean_seqs_per_s"] for x in s)[0],
                      "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0], "runs": len(s),
                      "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
                      "global_batch": s[0]["global_batch"], "params": s[0]["params"], "settings": g["settings"]})

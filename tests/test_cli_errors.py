@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("override, line", [
-    ("optimizer.lr=inf", "invalid lr=inf: must be a number in (0.0, 100.0]; fix: set optimizer.lr"),
-    ("optimizer.lr=1e300", "invalid lr=1e+300: must be a number in (0.0, 100.0]; fix: set optimizer.lr"),
+    ("optimizer.lr=inf", "invalid lr=inf: must be a number in [0.0, 100.0]; fix: set optimizer.lr"),
+    ("optimizer.lr=1e300", "invalid lr=1e+300: must be a number in [0.0, 100.0]; fix: set optimizer.lr"),
     ("optimizer.compression_warmup=[2.0]",
      "invalid compression_warmup[0]=2.0: must be a number in (0.0, 1.0]; fix: set optimizer.compression_warmup"),
     ("optimizer.compress_ratio=1.5", "invalid compress_ratio=1.5: must be a number in (0.0, 1.0]; fix: set "
@@ -43,7 +43,7 @@ def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, ove
 
 
 @pytest.mark.parametrize("name, settings, match", [
-    ("sgd", dict(lr=float("inf")), r"invalid lr=inf: must be a number in \(0.0, 100.0\]"),  # torch takes inf
+    ("sgd", dict(lr=float("inf")), r"invalid lr=inf: must be a number in \[0.0, 100.0\]"),  # torch takes inf
     ("adamw", dict(lr=1e300), r"invalid lr=1e\+300"),
     ("dgc", dict(lr=-0.1), r"invalid lr=-0.1"),
     ("lamb", dict(lr=float("nan")), r"invalid lr=nan"),

@@ -413,7 +413,7 @@ def test_nonfinite_gradients():
 @pytest.mark.parametrize("setting, value, match", [
     ("kappa", 0.0, "kappa"), ("kappa", 1.5, "kappa"), ("p_min", 0.0, "p_min"), ("p_min", 0.6, "p_min"),
     ("dist_lr", -0.1, "dist_lr"), ("trust_coeff", 0.0, "trust_coeff"), ("momentum", 1.0, "momentum"),
-    ("lr", 0.0, "lr"), ("weight_decay", -1e-4, "weight_decay"), ("lars", "yes", "lars"),
+    ("lr", -0.1, "lr"), ("weight_decay", -1e-4, "weight_decay"), ("lars", "yes", "lars"),
     ("nonfinite", "zero", "nonfinite"), ("seed", 1.5, "seed"),
 ])
 def test_invalid_settings_raise(setting, value, match):
