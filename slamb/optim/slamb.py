@@ -24,6 +24,7 @@ math on flat buffers. Both share the mask, the exchange and the sync.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -108,6 +109,25 @@ class SLAMB(LocalStateOptimizer):
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
     bucket, and finish it in ``step()``; the numbers are those of the plain path.
+    Gradients that change between backward and ``step()`` are handled so:
+
+    * a loss scale unscaled before ``step()``: set ``opt.grad_scale`` to it
+      before backward (the scale backward's gradients carry and ``step()``'s do
+      not); the buckets' gradients are unscaled in the hook as they would be
+      after backward, so the exchange is the plain path's to the bit;
+    * anything else (per-rank gradient clipping, an unscaling ``grad_scale``
+      does not describe): ``step()`` compares each bucket's gradient norms with
+      those the hook saw, and when they differ on any rank (by more than 1e-5
+      relative), every rank drops the overlapped exchanges and runs the plain
+      one, warning once. The numbers stay the plain path's; the bytes of such a
+      step are sent twice. Clipping cannot be applied in the hook: its factor
+      depends on gradients that backward has not produced yet.
+
+    Host reads in ``step()`` (each a decision only the host can take): the
+    non-finite check (unless ``nonfinite="ignore"``), the selection's per-tensor
+    counts (to cut the packed exchange), the per-tensor trust-ratio scalars of
+    each parameter group (the multi-tensor update takes them as numbers), and,
+    with ``overlap``, the rank-agreed check above. The mask is drawn without one.
     """
 
     params_differ = True
@@ -164,10 +184,13 @@ class SLAMB(LocalStateOptimizer):
         self.seed = seed
         self.foreach = True if foreach is None else foreach
         self.overlap = overlap
+        self.grad_scale = 1.0
+        self._warned_fallback = False
         self._layout: FlatLayout | None = None
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
-        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork]] = {}
+        # bucket exchanges started in backward: parameter ids -> (selection, exchange, gradient norms seen)
+        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork, torch.Tensor]] = {}
 
     # -- settings -----------------------------------------------------------------
 
@@ -184,6 +207,8 @@ class SLAMB(LocalStateOptimizer):
         """The compression warm-up: k for ``epoch`` (0-based) from ``compression_warmup``."""
         if self.compression_warmup is not None:
             self.compress_ratio = compression_ratio(epoch, self.target_compress_ratio, self.compression_warmup)
+            if self.overlap and self._layout is not None:
+                self._selection(self._step + 1)  # the new k's draw, before backward
 
     @torch.no_grad()
     def average_parameters(self) -> None:
@@ -216,16 +241,20 @@ class SLAMB(LocalStateOptimizer):
 
         Redrawn on demand (a mask is a function of seed, step and k), so no step keeps one alive.
         """
-        return None if self._last_draw is None else self._selection(*self._last_draw).bool_mask()
+        return None if self._last_draw is None else self._draw(*self._last_draw).bool_mask()
 
-    def _selection(self, step: int, compress_ratio: float | None = None) -> Selection:
+    def _draw(self, step: int, k: float) -> Selection:
         """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
-        k = self.compress_ratio if compress_ratio is None else compress_ratio
+        layout = self._layout
+        drawn = (self._mask_fn(step, k) if self._mask_fn is not None
+                 else torch.empty(0, dtype=torch.long, device=layout.device))
+        return Selection(layout, self._dense, drawn, self._bounds)
+
+    def _selection(self, step: int) -> Selection:
+        """M_t at the current compression ratio, drawn once per (step, k)."""
+        k = self.compress_ratio
         if self._drawn is None or self._drawn[:2] != (step, k):
-            layout = self._layout
-            drawn = (self._mask_fn(step, k) if self._mask_fn is not None
-                     else torch.empty(0, dtype=torch.long, device=layout.device))
-            self._drawn = (step, k, Selection(layout, self._dense, drawn))
+            self._drawn = (step, k, self._draw(step, k))
         return self._drawn[2]
 
     # -- communication ----------------------------------------------------------------
@@ -247,30 +276,31 @@ class SLAMB(LocalStateOptimizer):
                 # a second backward before step() (accumulation outside no_sync) supersedes the first
                 if key in self._pending:
                     self._discard({key: self._pending.pop(key)})
-                sel = self._selection(self._step + 1)
-                self._pending[key] = (sel, self._launch(sel, ids, grads))
+                sel = self._selection(self._step + 1)  # drawn at the end of the last step: no draw here
+                gs = sel.take(grads, ids)
+                if self.grad_scale != 1.0:
+                    gs = torch._foreach_mul(gs, 1.0 / self.grad_scale)  # as unscaling will before step()
+                norms = torch.stack(torch._foreach_norm(gs))
+                self._pending[key] = (sel, self._launch(sel, ids, gs), norms)
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
 
-    def _launch(self, sel: Selection, ids: list[int], grads: list[torch.Tensor]) -> comm.MeanWork:
+    def _launch(self, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
         """Step 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
 
-        It reads only the old momentum and the gradients, so it can run during backward; the dense
-        momentum update of step() then recomputes these entries and the average overwrites them.
+        ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum
+        and the gradients, so it can run during backward; the dense momentum update of step() then
+        recomputes these entries and the average overwrites them.
         """
         ms = sel.take([self._m_views[i] for i in ids], ids)
-        gs = sel.take(grads, ids)
         weights = [1 - self.param_groups[self._layout.group_of[i]]["betas"][0] for i in ids]
         if len(set(weights)) == 1:
             new = torch._foreach_lerp(ms, gs, weights[0])
         else:
             new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
-        packed = torch.cat(new)
-        if self.comm_dtype is not None:
-            packed = packed.to(self.comm_dtype)
-        return comm.all_reduce_mean_(packed, kind="momentum", ledger=self.ledger, group=self.process_group,
-                                     async_op=True)
+        return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=self.ledger, group=self.process_group,
+                                     async_op=True, comm_dtype=self.comm_dtype)
 
     def _drain(self) -> dict:
         pending, self._pending = self._pending, {}
@@ -279,8 +309,16 @@ class SLAMB(LocalStateOptimizer):
     @staticmethod
     def _discard(pending: dict) -> None:
         """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
-        for _, work in pending.values():
+        for _, work, _ in pending.values():
             work.wait()
+
+    def _grads_changed(self, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
+        """Whether, on any rank, the gradients of the overlapped exchanges differ from those backward gave
+        them (clipping, an unscaling other than ``grad_scale``): a rank-agreed decision, one host read."""
+        seen = torch.cat([norms for _, _, norms in pending.values()])
+        now = torch.cat([torch.stack(torch._foreach_norm(sel.take([grads[i] for i in ids], ids))) for ids in pending])
+        changed = ((seen - now).abs() > 1e-5 * now).any()
+        return comm.agree_any(changed, ledger=self.ledger, group=self.process_group)
 
     # -- state ----------------------------------------------------------------------
 
@@ -309,6 +347,7 @@ class SLAMB(LocalStateOptimizer):
         self._one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
         compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
         self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
+        self._bounds = Selection.bounds(layout, self._dense)
         self._index = {id(p): i for i, p in enumerate(layout.params)}
         # per group: its compressed tensors, and their places in the group (for _split_norms)
         self._compressed_of = {}
@@ -319,6 +358,23 @@ class SLAMB(LocalStateOptimizer):
         self._names = param_labels(self, ids)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
+        self._check_counts_agree()
+
+    def _check_counts_agree(self) -> None:
+        """Every rank must pack as many entries as the others (collectives need equal counts; masks of
+        other seeds or ratios would hang or mix unrelated entries): checked once, on the next step's draw."""
+        n = comm.world_size(self.process_group)
+        if n == 1:
+            return
+        t = self._step + 1
+        mine = torch.tensor([self._selection(t).numel], dtype=torch.long, device=self._layout.device)
+        everyone = torch.empty(n, dtype=torch.long, device=mine.device)
+        comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=self.ledger, group=self.process_group)
+        if not bool((everyone == mine).all()):
+            raise RuntimeError(
+                f"SLAMB: the ranks' masks select different numbers of momentum entries at step {t} (per rank: "
+                f"{everyone.tolist()}); every rank must use the same seed, compress_ratio, mask and model"
+            )
 
     def _extra_state(self) -> dict:
         return {"compress_ratio": self.compress_ratio, "variant": self.variant, "mask": self.mask_policy,
@@ -356,13 +412,23 @@ class SLAMB(LocalStateOptimizer):
         m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
         sel = self._selection(t)  # step 3
         self._discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
-        pending = {key: work for key, (used, work) in pending.items() if used is sel}
+        pending = {key: e for key, e in pending.items() if e[0] is sel}
+        if pending and self._grads_changed(pending, grads, sel):
+            self._discard(pending)
+            pending = {}
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn("SLAMB(overlap=True): gradients changed between backward and step() (clipping, or "
+                              "a loss scale not given as opt.grad_scale); this step and any such later one run "
+                              "the plain exchange instead (same numbers, their momentum bytes sent twice)",
+                              stacklevel=2)
+        pending = {key: work for key, (_, work, _) in pending.items()}
 
         if n > 1:  # step 4 starts: the rest of the selected momentum goes out now, before step 2 runs
             covered = {i for key in pending for i in key}
             rest = [i for i in range(len(layout.params)) if i not in covered]
             if rest:
-                pending[tuple(rest)] = self._launch(sel, rest, [grads[i] for i in rest])
+                pending[tuple(rest)] = self._launch(sel, rest, sel.take([grads[i] for i in rest], rest))
 
         for gi, lo, hi in layout.groups:  # step 2
             b1, b2 = self.param_groups[gi]["betas"]
@@ -406,7 +472,11 @@ class SLAMB(LocalStateOptimizer):
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
         self._last_draw = (t, self.compress_ratio)
-        self._drawn = None  # the next step draws its own; last_sync_mask() redraws this one
+        # the next step's draw, now rather than in the DDP hook on the autograd thread mid-backward; without
+        # overlap the next step draws its own (last_sync_mask() redraws this one)
+        self._drawn = None
+        if self.overlap:
+            self._selection(t + 1)
         self.ledger.end_step()
         return loss
 
