@@ -3,11 +3,13 @@
 exchange at large n, host synchronisations in a step, 1-bit LAMB under fp16."""
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slamb
 from slamb.optim import masks
@@ -164,6 +166,9 @@ def overlap_worker(rank, world, mode, steps=5):
                 x = torch.randn(8, 100, generator=gen)
                 opt.zero_grad()
                 loss = ddp(x).square().mean()
+                if t == 2 and overlap:  # count the draws backward makes (the hook must not draw)
+                    draw, draws = opt._mask_fn, []
+                    opt._mask_fn = lambda *a: draws.append(a) or draw(*a)
                 if mode in ("told", "untold"):
                     (loss * scale).backward()
                     for p in model.parameters():
@@ -171,6 +176,9 @@ def overlap_worker(rank, world, mode, steps=5):
                 else:
                     loss.backward()
                     torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # each rank its own factor
+                if t == 2 and overlap:
+                    out["draws_in_backward"] = len(draws)
+                    opt._mask_fn = draw
                 opt.step()
         out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
                         "warnings": [str(w.message) for w in caught]}
@@ -187,3 +195,66 @@ def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode):
         assert r[False]["warnings"] == []
         fell_back = [w for w in r[True]["warnings"] if "gradients changed between backward and step()" in w]
         assert len(fell_back) == (0 if mode == "told" else 1)  # warned once, not every step
+        assert r["draws_in_backward"] == 0  # the step before drew this step's mask
+
+
+# ----------------------------------------------------------------------------- host synchronisations
+
+
+class HostReads(TorchDispatchMode):
+    """What stalls a GPU step, counted on the CPU: a scalar read to the host (``item``, ``bool``, ``int``,
+    ``float``), a tensor made from host data (``torch.tensor``: a host-to-device copy), and ``tolist``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.counts["scalar"] += 1
+        elif func is torch.ops.aten.lift_fresh.default:
+            self.counts["from_host"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn, monkeypatch) -> dict:
+    mode = HostReads()
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        mode.counts["tolist"] += 1
+        return tolist(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", counted)
+        with mode:
+            fn()
+    return dict(mode.counts)
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("nonfinite", ["raise", "ignore"])
+def test_host_reads_in_a_slamb_step(variant, nonfinite, monkeypatch):
+    """Per step: the non-finite decision (two scalar reads, none with "ignore"), the selection's
+    per-tensor counts (one tolist) and one tolist of trust-ratio scalars per parameter group; the mask
+    draw reads nothing and nothing is copied from the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 120), torch.nn.Linear(120, 40), torch.nn.Linear(40, 300))
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() == 1]}]
+    opt = slamb.SLAMB(groups, variant=variant, min_compress_numel=1000, nonfinite=nonfinite)
+    for t in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        counts = host_reads(opt.step, monkeypatch)
+    assert counts == {"tolist": 1 + len(groups), **({"scalar": 2} if nonfinite == "raise" else {})}
+    if variant == "v2":
+        assert host_reads(lambda: opt._mask_fn(7, 0.1), monkeypatch) == {}
+
+
+def test_onebit_packing_makes_no_tensor_from_host_data(monkeypatch):
+    from slamb.compression.onebit import pack_bits, unpack_bits
+
+    bits = torch.rand(1000) > 0.5
+    pack_bits(bits)
+    assert host_reads(lambda: unpack_bits(pack_bits(bits), 1000), monkeypatch) == {}

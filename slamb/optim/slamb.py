@@ -531,7 +531,7 @@ class SLAMB(LocalStateOptimizer):
             work.addcmul_(work, r, value=e1 / e0)
         # p -= c e0 (A + B r) u
         scale = -c * e0
-        a, b, clamps = a.tolist(), b.tolist(), clamps.tolist()
+        a, b, clamps = torch.stack([a, b, clamps.to(a.dtype)]).tolist()  # one host read for the three
         rs = self._work_views[1][lo:hi]
         keep = [i for i, x in enumerate(clamps) if not x]
         if keep:
