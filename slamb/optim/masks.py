@@ -36,7 +36,7 @@ def num_chunks(numel: int, compress_ratio: float) -> tuple[int, int]:
 
 _M32 = 2**32 - 1
 _M64 = 2**64 - 1
-_CHUNK = 1 << 20  # gaps computed per pass: bounds the scratch, whatever the model's size
+_CHUNK = 1 << 22  # gaps computed per pass: bounds the scratch (80 MB) whatever the model's size
 
 
 def _splitmix64(x: int) -> int:
