@@ -64,7 +64,7 @@ def geometric_thresholds(compress_ratio: float) -> list[int]:
     For x uniform on [0, 2^32), #{j : T_j > x} is a gap of a Bernoulli(k) process:
     P(gap > j) = P(x < T_j) = (1-k)^j. Computed on Python ints (2^-64 fixed point, one
     floor per power): the same table on every host; log(2^32) / -log(1-k) + 1 entries."""
-    q = ((1 - Fraction(compress_ratio)) * 2**64).__floor__()
+    q = math.floor((1 - Fraction(compress_ratio)) * 2**64)
     table, power = [], 2**64
     while power >> 32:
         table.append(power >> 32)
