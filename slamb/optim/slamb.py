@@ -126,8 +126,9 @@ class SLAMB(LocalStateOptimizer):
     Host reads in ``step()`` (each a decision only the host can take): the
     non-finite check (unless ``nonfinite="ignore"``), the selection's per-tensor
     counts (to cut the packed exchange), the per-tensor trust-ratio scalars of
-    each parameter group (the multi-tensor update takes them as numbers), and,
-    with ``overlap``, the rank-agreed check above. The mask is drawn without one.
+    all parameter groups at once (the multi-tensor update takes them as
+    numbers), and, with ``overlap``, the rank-agreed check above. The mask is
+    drawn without one.
     """
 
     params_differ = True
@@ -448,6 +449,7 @@ class SLAMB(LocalStateOptimizer):
             sel.fill_(age, 1.0)
 
         mask = None if self.foreach else sel.bool_mask()  # the reference path's per-tensor masks
+        deferred = []  # the flat paths' per-tensor scalars of each group, and the update that takes them
         for gi, lo, hi in layout.groups:  # steps 5 and 7
             group, span = self.param_groups[gi], layout.span(lo, hi)
             b1, b2 = group["betas"]
@@ -458,9 +460,11 @@ class SLAMB(LocalStateOptimizer):
             if self.foreach:
                 work = [w[span] for w in self._work]
                 if self.variant == "v1":
-                    self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span], *work, **hyper)
+                    deferred.append(self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span],
+                                                  *work, **hyper))
                 else:  # v2 reads its freshness through the per-parameter views
-                    self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work, **hyper)
+                    deferred.append(self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work,
+                                                  **hyper))
             else:
                 for p, *views in zip(layout.params[lo:hi],
                                      *(layout.views(x[span], lo, hi) for x in (m, v, age, mask))):
@@ -468,6 +472,12 @@ class SLAMB(LocalStateOptimizer):
                         v1_reference(p, *views, **hyper)
                     else:
                         v2_reference(p, *views[:3], **hyper)
+        if deferred:  # every group's scalars in one host read: a group's update changes nothing another reads
+            values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
+            for scalars, update in deferred:
+                rows, values = values[:scalars.numel()], values[scalars.numel():]
+                width = scalars.shape[1]
+                update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
@@ -502,8 +512,9 @@ class SLAMB(LocalStateOptimizer):
         return selected, rest.masked_fill_(self._dense_t[lo:hi], 0.0)
 
     # The flat paths fold each scalar factor (bias corrections, lr, the per-tensor trust ratios) into
-    # per-tensor scalars read to the host once per group, so that the element-wise work is a few fused
-    # multi-tensor ops over the parameters and one reused scratch buffer.
+    # per-tensor scalars, so that the element-wise work is a few fused multi-tensor ops over the parameters
+    # and one reused scratch buffer. Each returns its scalars (rows of a 2-D tensor) and the update that
+    # takes them as numbers: step() reads those of every group to the host at once.
 
     def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
         c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
@@ -531,17 +542,20 @@ class SLAMB(LocalStateOptimizer):
             work.addcmul_(work, r, value=e1 / e0)
         # p -= c e0 (A + B r) u
         scale = -c * e0
-        a, b, clamps = torch.stack([a, b, clamps.to(a.dtype)]).tolist()  # one host read for the three
         rs = self._work_views[1][lo:hi]
-        keep = [i for i, x in enumerate(clamps) if not x]
-        if keep:
-            def sub(xs):
-                return [xs[i] for i in keep]
-            torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
-            _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
-        for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
-            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
-            params[i].addcmul_(u[i], trust, value=scale)
+
+        def update(a, b, clamps):
+            keep = [i for i, x in enumerate(clamps) if not x]
+            if keep:
+                def sub(xs):
+                    return [xs[i] for i in keep]
+                torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
+                _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
+            for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
+                trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
+                params[i].addcmul_(u[i], trust, value=scale)
+
+        return torch.stack([a, b, clamps.to(a.dtype)]), update
 
     def _v2_flat(self, lo, hi, sel, params, m, v, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
@@ -555,6 +569,10 @@ class SLAMB(LocalStateOptimizer):
             torch._foreach_add_(a, params, alpha=wd / c)  # u / c
         # p -= u (lr phi_s r + lr/sqrt(n) phi_l (1 - r)) = u (slope r + base)
         base = phi_l * (lr / math.sqrt(n))
-        slope, base = (torch.stack([phi_s * lr - base, base]) * -c).tolist()
-        torch._foreach_addcmul_(params, a, self._views["freshness"][lo:hi], slope)
-        _add_scaled_(params, a, base)
+        fresh = self._views["freshness"][lo:hi]
+
+        def update(slope, base):
+            torch._foreach_addcmul_(params, a, fresh, slope)
+            _add_scaled_(params, a, base)
+
+        return torch.stack([phi_s * lr - base, base]) * -c, update
