@@ -18,6 +18,7 @@ Nothing is recorded when the world has one rank: no collective runs then.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 
 import torch
@@ -157,29 +158,68 @@ def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None,
 class MeanWork:
     """An all-reduce mean in flight: :meth:`wait` returns the averaged tensor."""
 
-    def __init__(self, tensor: torch.Tensor, work=None, divide_by: int | None = None):
+    def __init__(self, tensor: torch.Tensor, work=None, divide_by: int | None = None,
+                 wire: torch.Tensor | None = None, unscale: torch.Tensor | None = None):
         self.tensor, self.work, self.divide_by = tensor, work, divide_by
+        self.wire, self.unscale = wire, unscale  # the tensor sent in another dtype, and its scale's inverse
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
             self.work.wait()
             self.work = None
+            if self.wire is not None:
+                self.tensor.copy_(self.wire)
+                self.wire = None
+            if self.unscale is not None:
+                self.tensor.mul_(self.unscale)
             if self.divide_by is not None:
                 self.tensor.div_(self.divide_by)
         return self.tensor
 
 
+# fp16's largest finite value: a sum of n terms each at most this / n cannot overflow
+_FP16_MAX = 65504.0
+
+
+def fp16_scale(peak: torch.Tensor, n: int) -> torch.Tensor:
+    """The power of two that brings ``peak``, the largest |entry| of any rank, to at most 65504 / n:
+    n fp16 terms then sum without overflow, and every term sits as high in fp16's range as that
+    allows, so small entries do not fall into its subnormals or to zero. On the device: no host read."""
+    # 2^-100 keeps an all-zero tensor finite; the exponent stays well inside float32's range
+    e = torch.floor(math.log2(_FP16_MAX / n) - torch.log2(peak.to(torch.float32).clamp_min(2.0**-100)))
+    return torch.exp2(e)
+
+
 def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
-                     async_op: bool = False):
+                     async_op: bool = False, comm_dtype: torch.dtype | None = None):
     """In-place mean over ranks; with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
 
     Full-precision tensors are summed then divided (the sum is exact to the
     last bit on every rank, so the mean is too). Half-precision tensors are
     divided first, so the sum of n workers cannot overflow fp16's range.
+
+    ``comm_dtype``: send ``tensor`` (full precision) in that dtype and write the mean back into
+    it. float16 is scaled first by a power of two agreed by the ranks (:func:`_fp16_scale`), so
+    that its error stays at fp16's rounding at any n where dividing by n first would flush small
+    values to zero; bfloat16 has float32's range and is summed as it is.
     """
     n = world_size(group)
     if n == 1:
         return MeanWork(tensor) if async_op else tensor
+    if comm_dtype is not None and comm_dtype != tensor.dtype:
+        unscale = None
+        if comm_dtype == torch.float16 and tensor.numel():
+            peak = tensor.abs().amax().to(torch.float32).reshape(1)
+            if ledger is not None:
+                ledger.record("control", "all_reduce", _nbytes(peak), n)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # the ranks agree on one scale
+            scale = fp16_scale(peak, n)
+            wire, unscale = (tensor * scale).to(comm_dtype), scale.reciprocal_()
+        else:
+            wire = tensor.to(comm_dtype)
+        work = all_reduce_sum_(wire, kind=kind, ledger=ledger, group=group, async_op=True)
+        mean = MeanWork(tensor, work, n, wire, unscale)
+        return mean if async_op else mean.wait()
     low_precision = tensor.dtype in (torch.float16, torch.bfloat16)
     if low_precision:
         tensor.div_(n)

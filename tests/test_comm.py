@@ -1,4 +1,6 @@
 """The ledger records exactly what each collective is handed, and the collectives compute the right thing."""
+import math
+
 import pytest
 import torch
 
@@ -72,3 +74,55 @@ def test_collectives_and_their_bytes_on_three_ranks():
         assert s["d"] == {"payload": 6, "wire": 4.0, "calls": 1}
         assert s["e"]["payload"] == 20
         assert s["control"] == {"payload": 8, "wire": 8 * 4 / 3, "calls": 2}
+
+
+def ring_sum_fp16(terms):
+    """What a ring all-reduce does to one entry in fp16: n - 1 additions, each rounded to fp16."""
+    acc = terms[0].clone()
+    for t in terms[1:]:
+        acc = (acc.float() + t.float()).half()
+    return acc
+
+
+def test_fp16_exchange_stays_at_fp16_rounding_at_1024_ranks():
+    """Momentum of RMS 1e-5 over n = 1,024 ranks: divided by n before the fp16 sum it falls into
+    fp16's subnormals (most of the mean is lost); scaled by the agreed power of two its error is
+    that of summing n fp16 numbers, the least any fp16 collective can have."""
+    n, d = 1024, 2048
+    gen = torch.Generator().manual_seed(0)
+    xs = (torch.randn(d, generator=gen, dtype=torch.float64)
+          + torch.randn(n, d, generator=gen, dtype=torch.float64)) * 1e-5
+    exact = xs.mean(0)
+    peak = xs.abs().max()
+
+    def rel(a):
+        return float((a.double() - exact).norm() / exact.norm())
+
+    divided = ring_sum_fp16([(x / n).half() for x in xs])
+    scale = comm.fp16_scale(peak, n).double()
+    assert scale.item() == 2.0 ** math.floor(math.log2(65504 / n / peak.item()))
+    scaled = ring_sum_fp16([(x * scale).half() for x in xs]).double() / scale / n
+    floor = ring_sum_fp16([(x / peak).half() for x in xs]).double() * peak / n  # fp16's own rounding
+    assert rel(divided) > 0.5
+    assert rel(scaled) < 1e-2 and rel(scaled) < 1.1 * rel(floor)
+    # no overflow: the largest possible sum of n scaled terms is finite in fp16
+    assert torch.isfinite(torch.tensor(n * peak.item() * scale.item()).half())
+
+
+def fp16_worker(rank, world):
+    ledger = comm.CommLedger()
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(1000, generator=gen) * 1e-6  # fp16's subnormals start at 6e-5
+    mean = comm.all_reduce_mean_(x.clone(), kind="m", ledger=ledger, comm_dtype=torch.float16)
+    pending = comm.all_reduce_mean_(x.clone(), kind="m", ledger=ledger, comm_dtype=torch.float16, async_op=True)
+    exact = comm.all_reduce_mean_(x.double(), kind="x", ledger=None)
+    ledger.end_step()
+    return mean, pending.wait(), exact, ledger.summary()["last_step"]
+
+
+def test_fp16_exchange_on_two_ranks_keeps_small_values():
+    for mean, later, exact, stats in distributed.run(fp16_worker, 2):
+        assert mean.dtype == torch.float32 and torch.equal(mean, later)
+        assert float((mean.double() - exact).norm() / exact.norm()) < 2e-3
+        assert stats["m"]["payload"] == 2 * 1000 * 2  # fp16 on the wire
+        assert stats["control"] == {"payload": 8, "wire": 8.0, "calls": 2}  # the agreed scale, once per call

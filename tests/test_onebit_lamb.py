@@ -364,6 +364,21 @@ def test_freeze_fixes_scaling_and_fresh_v():
     assert torch.allclose(scaling * rms, rms.mean().expand_as(rms))  # computed once
 
 
+def test_freeze_under_fp16_parameters_counts_large_tensors():
+    """Sizes above fp16's largest value (65,504) must not become inf: the scaling is that of fp32."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(300, 300, generator=gen).half()),
+              torch.nn.Parameter(torch.randn(10, generator=gen).half())]
+    opt = OnebitLamb(params, lr=1e-3, freeze_step=2)
+    for _ in range(2):
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=gen) * 0.01).half()
+        opt.step()
+    rms = torch.stack([opt.state[p]["exp_avg"].double().norm() / math.sqrt(p.numel()) for p in params])
+    expected = rms.mean() / rms
+    torch.testing.assert_close(opt._scalar["scaling_coeff"].double(), expected, rtol=2e-3, atol=0)
+
+
 def test_last_factor_respects_clamps_and_threshold():
     model = _model()
     opt = OnebitLamb(model.parameters(), lr=0.02, freeze_step=2, factor_threshold=0.1, factor_max=1.15)

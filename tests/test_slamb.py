@@ -241,8 +241,10 @@ def test_ledger_bytes_follow_the_formula(runs):
                 step = run[w][t - 1]
                 assert step["bytes"]["momentum"] == int(step["mask"].sum()) * size
                 assert step["bytes"].get("params", 0) == (total * 8 if (t - 1) % SYNC == 0 else 0)
-                # the non-finite agreement: one float per step (+ the layout check at step 1)
-                assert step["bytes"]["control"] == 4 + (3 * 8 if t == 1 else 0)
+                # the non-finite agreement: one float per step (+ the layout and mask-count checks at step 1),
+                # and with fp16 the agreed scale of the exchange: one float
+                fp16 = 4 if cfg.get("comm_dtype") == torch.float16 else 0
+                assert step["bytes"]["control"] == 4 + fp16 + (3 * 8 + 8 if t == 1 else 0)
 
 
 def test_fp16_exchange_is_the_spec_up_to_fp16_rounding(runs):

@@ -59,8 +59,15 @@ __all__ = ["pack_bits", "unpack_bits", "compress", "decompress", "chunk_size", "
            "compressed_allreduce"]
 
 
+_BIT_WEIGHTS: dict[torch.device, torch.Tensor] = {}
+
+
 def _bit_weights(device) -> torch.Tensor:
-    return torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+    """The 8 bit values of a byte, MSB first: made once per device (a host-to-device copy each call otherwise)."""
+    device = torch.device(device)
+    if device not in _BIT_WEIGHTS:
+        _BIT_WEIGHTS[device] = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.uint8, device=device)
+    return _BIT_WEIGHTS[device]
 
 
 def pack_bits(bits: torch.Tensor) -> torch.Tensor:

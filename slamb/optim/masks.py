@@ -12,8 +12,8 @@ with the selection (pack, scatter, the selected norms) costs O(k N) that way.
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
-import numpy as np
 import torch
 
 MASK_POLICIES = ("cyclic", "bernoulli")
@@ -32,6 +32,44 @@ def num_chunks(numel: int, compress_ratio: float) -> tuple[int, int]:
     c = max(1, int(1.0 / compress_ratio))
     size = math.ceil(numel / c)
     return size, math.ceil(numel / size)
+
+
+_M32 = 2**32 - 1
+_M64 = 2**64 - 1
+_CHUNK = 1 << 22  # gaps computed per pass: bounds the scratch (80 MB) whatever the model's size
+
+
+def _splitmix64(x: int) -> int:
+    """Steele et al.'s SplitMix64 finaliser, on Python ints (exact on every host)."""
+    x = (x + _MIX) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def mix32_(x: torch.Tensor, tmp: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32 family: xorshift-multiply, a bijection of [0, 2^32)),
+    in place on an int64 tensor of values in [0, 2^32). Both multipliers are below 2^31, so every
+    product is below 2^63: exact int64 arithmetic, the same bits on every device."""
+    for shift, mul in ((16, 0x21F0AAAD), (15, 0x735A2D97), (15, None)):
+        x.bitwise_xor_(torch.bitwise_right_shift(x, shift, out=tmp))
+        if mul is not None:
+            x.mul_(mul).bitwise_and_(_M32)
+    return x
+
+
+def geometric_thresholds(compress_ratio: float) -> list[int]:
+    """T_j = floor(2^32 (1-k)^j) for j = 0, 1, ... while it is >= 1 (descending, T_0 = 2^32).
+
+    For x uniform on [0, 2^32), #{j : T_j > x} is a gap of a Bernoulli(k) process:
+    P(gap > j) = P(x < T_j) = (1-k)^j. Computed on Python ints (2^-64 fixed point, one
+    floor per power): the same table on every host; log(2^32) / -log(1-k) + 1 entries."""
+    q = math.floor((1 - Fraction(compress_ratio)) * 2**64)
+    table, power = [], 2**64
+    while power >> 32:
+        table.append(power >> 32)
+        power = power * q >> 64
+    return table
 
 
 class _Policy:
@@ -87,50 +125,81 @@ class CyclicMask(_Policy):
         return self._scratch(gaps.numel()).copy_(gaps).cumsum_(0).add_(self.starts[j]).to(torch.int64)
 
 
-class BernoulliMask(_Policy):
-    """v2: each coordinate independently with probability k, from a generator
-    re-seeded with (seed, step). Drawn as the gaps of a Bernoulli process
-    (geometric, by inversion of 53-bit uniforms): k N random numbers instead of N.
+class BernoulliMask:
+    """v2: each coordinate independently with probability k, a pure function of
+    (seed, step, k, position): the same positions on every device type and model.
 
-    On the CPU the uniforms come from numpy's PCG64 (a third of the time of
-    torch's Mersenne Twister), on other devices from torch's generator of that
-    device (Philox on CUDA), into the kept buffer where every transform runs.
-    Masks agree across the ranks of a job; a CPU and a CUDA run draw different
-    (equally valid) masks."""
+    Drawn as the gaps of a Bernoulli process, k N of them rather than N coin
+    flips: gap i is the geometric variate of a 32-bit hash x of (seed, step, i),
+    #{j : T_j > x} with the integer thresholds of :func:`geometric_thresholds`.
+    It is estimated by inversion in floating point, off by at most one (the
+    float error is below 1e-2 of a gap), then made exact by two comparisons
+    with the thresholds. The hash and the comparisons are integer arithmetic
+    (int64, no overflow), so neither float rounding nor a device generator
+    decides anything: a CPU, an A100 and an H100 draw the same positions, and
+    the draw reads nothing back to the host. The hash of the counter i alone
+    is kept between draws; a step keys it and hashes once more.
+
+    A draw takes mean + 12 standard deviations + 64 gaps: they reach past the
+    layout's end but with probability below 1e-30 (were they not to, the last
+    coordinates would not be selected at that step). The positions come back
+    sorted, the last ones possibly past the end: :class:`Selection` cuts them.
+    """
 
     def __init__(self, numel: int, seed: int, device: torch.device):
-        super().__init__(numel, seed, device)
-        self.gen = None if device.type == "cpu" else torch.Generator(device=device)
+        self.numel, self.seed, self.device = numel, seed, device
+        self._k: float | None = None
+        self._counters = torch.empty(0, dtype=torch.int64, device=device)  # the hash of i, for i < 2^32
+        self._scratch: list[torch.Tensor] = []
 
-    def _uniforms(self, rng, n: int) -> torch.Tensor:
-        """n uniforms on the grid {1, ..., 2^53} / 2^53 (so in (0, 1]: their log is finite)."""
-        u = self._scratch(n)
-        if rng is None:
-            torch.rand(n, generator=self.gen, dtype=torch.float64, device=self.device, out=u)
-        else:
-            rng.random(n, out=u.numpy())
-        return u.add_(2.0**-53)  # [0, 1 - 2^-53] on that grid, shifted up by one step: exact
+    def _prepare(self, compress_ratio: float) -> int:
+        """The thresholds and hashed counters for k; returns the number of gaps a draw takes."""
+        mean = self.numel * compress_ratio
+        batch = min(int(mean + 12 * math.sqrt(mean) + 64), self.numel)  # gaps are >= 1: numel always reach
+        if self._k != compress_ratio:
+            t = geometric_thresholds(compress_ratio)
+            # T[g] and T[g - 1] as lookups by g in 0..len(t) + 1, the estimate's range: T is 2^33 (> any x)
+            # before its start and 0 past its end
+            self._below = torch.tensor(t + [0, 0], dtype=torch.int64, device=self.device)
+            self._above = torch.tensor([2**33] + t + [0], dtype=torch.int64, device=self.device)
+            self._inv_log_q = 1.0 / math.log1p(-compress_ratio)
+            # the estimate's error is about 1e-6 / k gaps in float32: float64 below k = 1e-3
+            self._dtype = torch.float32 if compress_ratio >= 1e-3 else torch.float64
+            self._k = compress_ratio
+        have, need = self._counters.numel(), min(batch, 2**32)
+        if have < need:
+            new = torch.arange(have, need, dtype=torch.int64, device=self.device)
+            self._counters = torch.cat([self._counters, mix32_(new, torch.empty_like(new))])
+        n = min(batch, _CHUNK)
+        if not self._scratch or self._scratch[0].numel() < n or self._scratch[2].dtype != self._dtype:
+            self._scratch = [torch.empty(n, dtype=d, device=self.device) for d in (torch.int64, torch.int64, self._dtype)]
+        return batch
+
+    def _gaps_(self, x: torch.Tensor) -> torch.Tensor:
+        """x, hashes uniform on [0, 2^32), replaced by their gaps #{j : T_j > x}."""
+        g, t, f = (s[:x.numel()] for s in self._scratch)
+        # g = floor(log((x + 1) / 2^32) / log(1 - k)) + 1 >= 1, give or take one
+        shift = 1.0 - 32 * math.log(2) * self._inv_log_q
+        torch.log1p(f.copy_(x), out=f).mul_(self._inv_log_q).add_(shift)
+        g.copy_(f)  # truncation toward zero: the floor, as f > -1
+        g.add_(torch.index_select(self._below, 0, g, out=t) > x)  # one too small: T[g] > x
+        g.add_(torch.index_select(self._above, 0, g, out=t) <= x, alpha=-1)  # one too large: T[g - 1] <= x
+        return x.copy_(g)
 
     def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
         if compress_ratio >= 1.0:
             return torch.arange(self.numel, device=self.device)
+        batch = self._prepare(compress_ratio)
+        out = torch.empty(batch, dtype=torch.int64, device=self.device)
         seed = step_seed(self.seed, step)
-        if self.gen is None:
-            rng = np.random.Generator(np.random.PCG64(seed))
-        else:
-            rng = None
-            self.gen.manual_seed(seed)
-        inv_log_q = 1.0 / math.log1p(-compress_ratio)
-        mean = self.numel * compress_ratio
-        batch = int(mean + 8 * math.sqrt(mean) + 64)  # one batch covers the layout but once in ~1e15
-        parts, end = [], -1.0
-        while end < self.numel - 1:
-            # P(gap = g) = (1-k)^(g-1) k for g >= 1: gap = floor(log(u) / log(1-k)) + 1
-            pos = self._uniforms(rng, batch).log_().mul_(inv_log_q).floor_().add_(1.0).cumsum_(0).add_(end)
-            count = int(torch.searchsorted(pos, float(self.numel)))
-            parts.append(pos[:count].to(torch.int64))  # before the next batch reuses the buffer
-            end = float(pos[-1])
-        return torch.cat(parts) if len(parts) > 1 else parts[0]
+        for lo in range(0, batch, _CHUNK):  # chunks never straddle a multiple of 2^32
+            hi = min(lo + _CHUNK, batch)
+            # counters past 2^32 reuse the hashes of i mod 2^32 under a key of their own
+            key = _splitmix64(seed ^ (lo >> 32)) >> 32
+            c, x = lo & _M32, out[lo:hi]
+            mix32_(torch.bitwise_xor(self._counters[c:c + hi - lo], key, out=x), self._scratch[0][:hi - lo])
+            self._gaps_(x)
+        return out.cumsum_(0).sub_(1)
 
 
 def make_mask(policy: str, numel: int, seed: int, device: torch.device):
@@ -145,18 +214,27 @@ class Selection:
     positions (in the flattened tensor) of its selected coordinates.
     """
 
-    def __init__(self, layout, dense: list[bool], drawn: torch.Tensor):
+    def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
         self.layout, self.dense = layout, dense
         sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
         starts = [0]
         for s in sizes:
             starts.append(starts[-1] + s)
-        # drawn positions are in the concatenation of the compressible tensors
-        cut = torch.searchsorted(drawn, torch.tensor(starts, device=drawn.device)).tolist()
+        if bounds is None:  # ``Selection.bounds(layout, dense)``, made once by a caller that draws every step
+            bounds = Selection.bounds(layout, dense)
+        # drawn positions are in the concatenation of the compressible tensors (those past its end are
+        # dropped); the one read to the host of a draw: the per-tensor counts
+        cut = torch.searchsorted(drawn, bounds).tolist()
         self.local = [None if d else drawn[cut[i]:cut[i + 1]] - starts[i] for i, d in enumerate(dense)]
         self.counts = [n if d else cut[i + 1] - cut[i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
+
+    @staticmethod
+    def bounds(layout, dense: list[bool]) -> torch.Tensor:
+        """Where each compressible tensor starts in the concatenation of them, and its end."""
+        sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
+        return torch.tensor([0] + sizes, device=layout.device).cumsum(0)
 
     def dense_runs(self) -> list[tuple[int, int]]:
         """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""

@@ -293,8 +293,11 @@ class OnebitLamb(LocalStateOptimizer):
     def _freeze(self) -> None:
         layout = self._layout
         self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
-        sizes = torch.tensor(layout.numels, dtype=layout.dtype, device=layout.device)
-        rms = layout.segment_norms(self._flat["exp_avg"], 0, len(layout.params)) / sizes.sqrt()
+        # sizes and norms in fp32 at least: under fp16 parameters a size above 65,504 would be inf
+        acc = torch.promote_types(layout.dtype, torch.float32)
+        sizes = torch.tensor(layout.numels, dtype=acc, device=layout.device)
+        norms = torch._foreach_norm(list(torch.split(self._flat["exp_avg"], layout.numels)), dtype=acc)
+        rms = torch.stack(norms) / sizes.sqrt()
         self._scalar["scaling_coeff"].copy_(safe_ratio(rms.mean().expand_as(rms), rms, 1.0))
 
     def _compression_step(self, g: torch.Tensor) -> None:

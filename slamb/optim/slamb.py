@@ -116,6 +116,26 @@ class SLAMB(LocalStateOptimizer):
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
     bucket, and finish it in ``step()``; the numbers are those of the plain path.
+    Gradients that change between backward and ``step()`` are handled so:
+
+    * a loss scale unscaled before ``step()``: set ``opt.grad_scale`` to it
+      before backward (the scale backward's gradients carry and ``step()``'s do
+      not); the buckets' gradients are unscaled in the hook as they would be
+      after backward, so the exchange is the plain path's to the bit;
+    * anything else (per-rank gradient clipping, an unscaling ``grad_scale``
+      does not describe): ``step()`` compares each bucket's gradient norms with
+      those the hook saw, and when they differ on any rank (by more than 1e-5
+      relative), every rank drops the overlapped exchanges and runs the plain
+      one, warning once. The numbers stay the plain path's; the bytes of such a
+      step are sent twice. Clipping cannot be applied in the hook: its factor
+      depends on gradients that backward has not produced yet.
+
+    Host reads in ``step()`` (each a decision only the host can take): the
+    non-finite check (unless ``nonfinite="ignore"``), the selection's per-tensor
+    counts (to cut the packed exchange), the per-tensor trust-ratio scalars of
+    all parameter groups at once (the multi-tensor update takes them as
+    numbers), and, with ``overlap``, the rank-agreed check above. The mask is
+    drawn without one.
     """
 
     params_differ = True
@@ -172,10 +192,13 @@ class SLAMB(LocalStateOptimizer):
         self.seed = seed
         self.foreach = True if foreach is None else foreach
         self.overlap = overlap
+        self.grad_scale = 1.0
+        self._warned_fallback = False
         self._layout: FlatLayout | None = None
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
-        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork]] = {}
+        # bucket exchanges started in backward: parameter ids -> (selection, exchange, gradient norms seen)
+        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork, torch.Tensor]] = {}
         self._alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
 
     # -- settings -----------------------------------------------------------------
@@ -193,6 +216,8 @@ class SLAMB(LocalStateOptimizer):
         """The compression warm-up: k for ``epoch`` (0-based) from ``compression_warmup``."""
         if self.compression_warmup is not None:
             self.compress_ratio = compression_ratio(epoch, self.target_compress_ratio, self.compression_warmup)
+            if self.overlap and self._layout is not None:
+                self._selection(self._step + 1)  # the new k's draw, before backward
 
     @torch.no_grad()
     def average_parameters(self) -> None:
@@ -225,16 +250,20 @@ class SLAMB(LocalStateOptimizer):
 
         Redrawn on demand (a mask is a function of seed, step and k), so no step keeps one alive.
         """
-        return None if self._last_draw is None else self._selection(*self._last_draw).bool_mask()
+        return None if self._last_draw is None else self._draw(*self._last_draw).bool_mask()
 
-    def _selection(self, step: int, compress_ratio: float | None = None) -> Selection:
+    def _draw(self, step: int, k: float) -> Selection:
         """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
-        k = self.compress_ratio if compress_ratio is None else compress_ratio
+        layout = self._layout
+        drawn = (self._mask_fn(step, k) if self._mask_fn is not None
+                 else torch.empty(0, dtype=torch.long, device=layout.device))
+        return Selection(layout, self._dense, drawn, self._bounds)
+
+    def _selection(self, step: int) -> Selection:
+        """M_t at the current compression ratio, drawn once per (step, k)."""
+        k = self.compress_ratio
         if self._drawn is None or self._drawn[:2] != (step, k):
-            layout = self._layout
-            drawn = (self._mask_fn(step, k) if self._mask_fn is not None
-                     else torch.empty(0, dtype=torch.long, device=layout.device))
-            self._drawn = (step, k, Selection(layout, self._dense, drawn))
+            self._drawn = (step, k, self._draw(step, k))
         return self._drawn[2]
 
     # -- communication ----------------------------------------------------------------
@@ -256,30 +285,31 @@ class SLAMB(LocalStateOptimizer):
                 # a second backward before step() (accumulation outside no_sync) supersedes the first
                 if key in self._pending:
                     self._discard({key: self._pending.pop(key)})
-                sel = self._selection(self._step + 1)
-                self._pending[key] = (sel, self._launch(sel, ids, grads))
+                sel = self._selection(self._step + 1)  # drawn at the end of the last step: no draw here
+                gs = sel.take(grads, ids)
+                if self.grad_scale != 1.0:
+                    gs = torch._foreach_mul(gs, 1.0 / self.grad_scale)  # as unscaling will before step()
+                norms = torch.stack(torch._foreach_norm(gs))
+                self._pending[key] = (sel, self._launch(sel, ids, gs), norms)
         fut = torch.futures.Future()
         fut.set_result(bucket.buffer())
         return fut
 
-    def _launch(self, sel: Selection, ids: list[int], grads: list[torch.Tensor]) -> comm.MeanWork:
+    def _launch(self, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
         """Step 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
 
-        It reads only the old momentum and the gradients, so it can run during backward; the dense
-        momentum update of step() then recomputes these entries and the average overwrites them.
+        ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum
+        and the gradients, so it can run during backward; the dense momentum update of step() then
+        recomputes these entries and the average overwrites them.
         """
         ms = sel.take([self._m_views[i] for i in ids], ids)
-        gs = sel.take(grads, ids)
         weights = [1 - self.param_groups[self._layout.group_of[i]]["betas"][0] for i in ids]
         if len(set(weights)) == 1:
             new = torch._foreach_lerp(ms, gs, weights[0])
         else:
             new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
-        packed = torch.cat(new)
-        if self.comm_dtype is not None:
-            packed = packed.to(self.comm_dtype)
-        return comm.all_reduce_mean_(packed, kind="momentum", ledger=self.ledger, group=self.process_group,
-                                     async_op=True)
+        return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=self.ledger, group=self.process_group,
+                                     async_op=True, comm_dtype=self.comm_dtype)
 
     def _drain(self) -> dict:
         pending, self._pending = self._pending, {}
@@ -288,8 +318,16 @@ class SLAMB(LocalStateOptimizer):
     @staticmethod
     def _discard(pending: dict) -> None:
         """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
-        for _, work in pending.values():
+        for _, work, _ in pending.values():
             work.wait()
+
+    def _grads_changed(self, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
+        """Whether, on any rank, the gradients of the overlapped exchanges differ from those backward gave
+        them (clipping, an unscaling other than ``grad_scale``): a rank-agreed decision, one host read."""
+        seen = torch.cat([norms for _, _, norms in pending.values()])
+        now = torch.cat([torch.stack(torch._foreach_norm(sel.take([grads[i] for i in ids], ids))) for ids in pending])
+        changed = ((seen - now).abs() > 1e-5 * now).any()
+        return comm.agree_any(changed, ledger=self.ledger, group=self.process_group)
 
     # -- state ----------------------------------------------------------------------
 
@@ -318,6 +356,7 @@ class SLAMB(LocalStateOptimizer):
         self._one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
         compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
         self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
+        self._bounds = Selection.bounds(layout, self._dense)
         self._index = {id(p): i for i, p in enumerate(layout.params)}
         # per group: its compressed tensors, and their places in the group (for _split_norms)
         self._compressed_of = {}
@@ -328,6 +367,23 @@ class SLAMB(LocalStateOptimizer):
         self._names = param_labels(self, ids)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
+        self._check_counts_agree()
+
+    def _check_counts_agree(self) -> None:
+        """Every rank must pack as many entries as the others (collectives need equal counts; masks of
+        other seeds or ratios would hang or mix unrelated entries): checked once, on the next step's draw."""
+        n = comm.world_size(self.process_group)
+        if n == 1:
+            return
+        t = self._step + 1
+        mine = torch.tensor([self._selection(t).numel], dtype=torch.long, device=self._layout.device)
+        everyone = torch.empty(n, dtype=torch.long, device=mine.device)
+        comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=self.ledger, group=self.process_group)
+        if not bool((everyone == mine).all()):
+            raise RuntimeError(
+                f"SLAMB: the ranks' masks select different numbers of momentum entries at step {t} (per rank: "
+                f"{everyone.tolist()}); every rank must use the same seed, compress_ratio, mask and model"
+            )
 
     def _extra_state(self) -> dict:
         return {"compress_ratio": self.compress_ratio, "variant": self.variant, "mask": self.mask_policy,
@@ -367,13 +423,23 @@ class SLAMB(LocalStateOptimizer):
         m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
         sel = self._selection(t)  # step 3
         self._discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
-        pending = {key: work for key, (used, work) in pending.items() if used is sel}
+        pending = {key: e for key, e in pending.items() if e[0] is sel}
+        if pending and self._grads_changed(pending, grads, sel):
+            self._discard(pending)
+            pending = {}
+            if not self._warned_fallback:
+                self._warned_fallback = True
+                warnings.warn("SLAMB(overlap=True): gradients changed between backward and step() (clipping, or "
+                              "a loss scale not given as opt.grad_scale); this step and any such later one run "
+                              "the plain exchange instead (same numbers, their momentum bytes sent twice)",
+                              stacklevel=2)
+        pending = {key: work for key, (_, work, _) in pending.items()}
 
         if n > 1:  # step 4 starts: the rest of the selected momentum goes out now, before step 2 runs
             covered = {i for key in pending for i in key}
             rest = [i for i in range(len(layout.params)) if i not in covered]
             if rest:
-                pending[tuple(rest)] = self._launch(sel, rest, [grads[i] for i in rest])
+                pending[tuple(rest)] = self._launch(sel, rest, sel.take([grads[i] for i in rest], rest))
 
         for gi, lo, hi in layout.groups:  # step 2
             b1, b2 = self.param_groups[gi]["betas"]
@@ -398,6 +464,7 @@ class SLAMB(LocalStateOptimizer):
             sel.fill_(age, 1.0)
 
         mask = None if self.foreach else sel.bool_mask()  # the reference path's per-tensor masks
+        deferred = []  # the flat paths' per-tensor scalars of each group, and the update that takes them
         for gi, lo, hi in layout.groups:  # steps 5 and 7
             group, span = self.param_groups[gi], layout.span(lo, hi)
             b1, b2 = group["betas"]
@@ -408,9 +475,11 @@ class SLAMB(LocalStateOptimizer):
             if self.foreach:
                 work = [w[span] for w in self._work]
                 if self.variant == "v1":
-                    self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span], *work, **hyper)
+                    deferred.append(self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span],
+                                                  *work, **hyper))
                 else:  # v2 reads its freshness through the per-parameter views
-                    self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work, **hyper)
+                    deferred.append(self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work,
+                                                  **hyper))
             else:
                 for p, *views in zip(layout.params[lo:hi],
                                      *(layout.views(x[span], lo, hi) for x in (m, v, age, mask))):
@@ -418,11 +487,21 @@ class SLAMB(LocalStateOptimizer):
                         v1_reference(p, *views, **hyper)
                     else:
                         v2_reference(p, *views[:3], **hyper)
+        if deferred:  # every group's scalars in one host read: a group's update changes nothing another reads
+            values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
+            for scalars, update in deferred:
+                rows, values = values[:scalars.numel()], values[scalars.numel():]
+                width = scalars.shape[1]
+                update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
         self._last_draw = (t, self.compress_ratio)
-        self._drawn = None  # the next step draws its own; last_sync_mask() redraws this one
+        # the next step's draw, now rather than in the DDP hook on the autograd thread mid-backward; without
+        # overlap the next step draws its own (last_sync_mask() redraws this one)
+        self._drawn = None
+        if self.overlap:
+            self._selection(t + 1)
         self.ledger.end_step()
         return loss
 
@@ -472,8 +551,9 @@ class SLAMB(LocalStateOptimizer):
         return selected, rest.masked_fill_(self._dense_t[lo:hi], 0.0)
 
     # The flat paths fold each scalar factor (bias corrections, lr, the per-tensor trust ratios) into
-    # per-tensor scalars read to the host once per group, so that the element-wise work is a few fused
-    # multi-tensor ops over the parameters and one reused scratch buffer.
+    # per-tensor scalars, so that the element-wise work is a few fused multi-tensor ops over the parameters
+    # and one reused scratch buffer. Each returns its scalars (rows of a 2-D tensor) and the update that
+    # takes them as numbers: step() reads those of every group to the host at once.
 
     def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
         c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
@@ -501,17 +581,20 @@ class SLAMB(LocalStateOptimizer):
             work.addcmul_(work, r, value=e1 / e0)
         # p -= c e0 (A + B r) u
         scale = -c * e0
-        a, b, clamps = a.tolist(), b.tolist(), clamps.tolist()
         rs = self._work_views[1][lo:hi]
-        keep = [i for i, x in enumerate(clamps) if not x]
-        if keep:
-            def sub(xs):
-                return [xs[i] for i in keep]
-            torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
-            _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
-        for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
-            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
-            params[i].addcmul_(u[i], trust, value=scale)
+
+        def update(a, b, clamps):
+            keep = [i for i, x in enumerate(clamps) if not x]
+            if keep:
+                def sub(xs):
+                    return [xs[i] for i in keep]
+                torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
+                _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
+            for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
+                trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
+                params[i].addcmul_(u[i], trust, value=scale)
+
+        return torch.stack([a, b, clamps.to(a.dtype)]), update
 
     def _v2_flat(self, lo, hi, sel, params, m, v, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
         c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
@@ -525,6 +608,10 @@ class SLAMB(LocalStateOptimizer):
             torch._foreach_add_(a, params, alpha=wd / c)  # u / c
         # p -= u (lr phi_s r + lr/sqrt(n) phi_l (1 - r)) = u (slope r + base)
         base = phi_l * (lr / math.sqrt(n))
-        slope, base = (torch.stack([phi_s * lr - base, base]) * -c).tolist()
-        torch._foreach_addcmul_(params, a, self._views["freshness"][lo:hi], slope)
-        _add_scaled_(params, a, base)
+        fresh = self._views["freshness"][lo:hi]
+
+        def update(slope, base):
+            torch._foreach_addcmul_(params, a, fresh, slope)
+            _add_scaled_(params, a, base)
+
+        return torch.stack([phi_s * lr - base, base]) * -c, update

@@ -1,0 +1,260 @@
+"""What a GPU run depends on, tested on the CPU: masks that are a pure function of
+(seed, step, k, position), overlap under loss scaling and clipping, the fp16
+exchange at large n, host synchronisations in a step, 1-bit LAMB under fp16."""
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import slamb
+from slamb.optim import masks
+from tests import distributed
+
+# ----------------------------------------------------------------------------- masks
+
+
+def reference_bernoulli(numel, seed, step, k):
+    """The v2 mask written out independently: numpy uint32 arithmetic (wrapping multiplies), the
+    exact geometric gap by binary search over the thresholds."""
+    n = min(int(numel * k + 12 * math.sqrt(numel * k) + 64), numel)
+
+    def lowbias32(x):
+        x = x.astype(np.uint32)
+        x ^= x >> np.uint32(16)
+        x *= np.uint32(0x21F0AAAD)
+        x ^= x >> np.uint32(15)
+        x *= np.uint32(0x735A2D97)
+        x ^= x >> np.uint32(15)
+        return x
+
+    key = masks._splitmix64(masks.step_seed(seed, step)) >> 32
+    with np.errstate(over="ignore"):
+        x = lowbias32(lowbias32(np.arange(n, dtype=np.uint64)) ^ np.uint32(key)).astype(np.int64)
+    t = np.array(masks.geometric_thresholds(k), dtype=np.int64)
+    gaps = len(t) - np.searchsorted(t[::-1], x, side="right")  # #{j : T_j > x}
+    pos = np.cumsum(gaps) - 1
+    return pos[pos < numel]
+
+
+@pytest.mark.parametrize("k", [0.3, 0.1, 0.01, 2e-4])
+def test_bernoulli_mask_is_the_integer_function_of_seed_step_and_k(k):
+    numel = 400_000
+    mask = masks.BernoulliMask(numel, 7, torch.device("cpu"))
+    for step in (1, 2, 1000):
+        got = mask(step, k)
+        got = got[got < numel].numpy()
+        np.testing.assert_array_equal(got, reference_bernoulli(numel, 7, step, k))
+
+
+def test_gap_estimate_is_exact_at_every_threshold():
+    """The float estimate is corrected by integer comparisons: at x = T_j and T_j - 1 (where rounding
+    could put it either side) the gap is the exact count #{j : T_j > x}."""
+    for k in (0.5, 0.1, 0.003, 2e-4):
+        mask = masks.BernoulliMask(10_000, 0, torch.device("cpu"))
+        mask._prepare(k)
+        t = torch.tensor(masks.geometric_thresholds(k))
+        x = torch.cat([t[1:], t[1:] - 1, torch.tensor([0, 1, 2**32 - 1])])
+        x = x[(x >= 0) & (x < 2**32)]
+        exact = len(t) - torch.searchsorted(t.flip(0), x, right=True)  # #{j : T_j > x}
+        got = torch.cat([mask._gaps_(part.clone()) for part in x.split(mask._scratch[0].numel())])
+        assert torch.equal(got, exact)
+
+
+def test_bernoulli_statistics():
+    """Each position with probability k, independently of its neighbours and of other steps."""
+    numel, k = 2_000_000, 0.1
+    mask = masks.BernoulliMask(numel, 3, torch.device("cpu"))
+    a = torch.zeros(numel, dtype=torch.bool)
+    b = torch.zeros(numel, dtype=torch.bool)
+    pa, pb = mask(5, k), mask(6, k)
+    a[pa[pa < numel]] = True
+    b[pb[pb < numel]] = True
+    sigma = math.sqrt(k * (1 - k) / numel)
+    assert abs(a.double().mean().item() - k) < 5 * sigma
+    assert abs((a & b).double().mean().item() - k * k) < 5 * math.sqrt(k * k / numel)  # steps independent
+    assert abs((a[1:] & a[:-1]).double().mean().item() - k * k) < 5 * math.sqrt(k * k / numel)  # neighbours
+    gaps = torch.diff(pa[pa < numel]).double()
+    # geometric: mean 1/k, variance (1-k)/k^2
+    assert abs(gaps.mean().item() - 1 / k) < 5 * math.sqrt((1 - k) / k**2 / gaps.numel())
+    assert abs(gaps.var().item() / ((1 - k) / k**2) - 1) < 0.02
+
+
+def test_mask_does_not_depend_on_generator_state_or_chunking(monkeypatch):
+    numel, k = 300_000, 0.2
+    first = masks.BernoulliMask(numel, 11, torch.device("cpu"))(4, k)
+    torch.manual_seed(123)
+    torch.rand(1000)
+    monkeypatch.setattr(masks, "_CHUNK", 1 << 12)  # another chunking of the same counters
+    again = masks.BernoulliMask(numel, 11, torch.device("cpu"))
+    again(9, 0.5)  # another k and step first: cached state must not leak into the next draw
+    assert torch.equal(again(4, k), first)
+    assert not torch.equal(masks.BernoulliMask(numel, 12, torch.device("cpu"))(4, k)[:100], first[:100])
+
+
+def test_mask_is_the_same_on_the_meta_device_shapes():
+    """The meta device imitates a non-CPU device: the draw runs without touching a generator and
+    takes the same number of gaps, so every device type packs the same count."""
+    cpu = masks.BernoulliMask(100_000, 0, torch.device("cpu"))(3, 0.1)
+    meta = masks.BernoulliMask(100_000, 0, torch.device("meta"))(3, 0.1)
+    assert meta.shape == cpu.shape and meta.dtype == cpu.dtype
+
+
+def test_cyclic_mask_is_unchanged():
+    """v1's permutation comes from torch's CPU generator seeded with the seed, as before."""
+    numel, k = 50_000, 0.25
+    perm = torch.randperm(numel, generator=torch.Generator().manual_seed(5))
+    chunks = [c.sort().values for c in perm.chunk(4)]
+    mask = masks.CyclicMask(numel, 5, torch.device("cpu"))
+    for step in range(6):
+        assert torch.equal(mask(step, k), chunks[step % 4])
+
+
+def count_worker(rank, world):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(200, 100)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt = slamb.SLAMB(model.parameters(), compress_ratio=0.1, min_compress_numel=1000, seed=rank)
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_with_other_masks_are_refused_at_the_first_step():
+    errors = distributed.run(count_worker, 2)
+    assert all(e is not None and "select different numbers of momentum entries" in e for e in errors)
+
+
+# ----------------------------------------------------------------------------- overlap
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(100, 120)  # compressed
+        self.b = torch.nn.Linear(120, 40)  # always averaged
+        self.c = torch.nn.Linear(40, 300)  # compressed
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def overlap_worker(rank, world, mode, steps=5):
+    import warnings
+
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
+                          overlap=overlap)
+        ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
+        scale = 1024.0
+        if mode == "told":
+            opt.grad_scale = scale
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, steps + 1):
+                gen = torch.Generator().manual_seed(1000 * rank + t)
+                x = torch.randn(8, 100, generator=gen)
+                opt.zero_grad()
+                loss = ddp(x).square().mean()
+                if t == 2 and overlap:  # count the draws backward makes (the hook must not draw)
+                    draw, draws = opt._mask_fn, []
+                    opt._mask_fn = lambda *a: draws.append(a) or draw(*a)
+                if mode in ("told", "untold"):
+                    (loss * scale).backward()
+                    for p in model.parameters():
+                        p.grad.mul_(1.0 / scale)  # unscaled by hand, as a loss scaler does
+                else:
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # each rank its own factor
+                if t == 2 and overlap:
+                    out["draws_in_backward"] = len(draws)
+                    opt._mask_fn = draw
+                opt.step()
+        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
+                        "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+@pytest.mark.parametrize("mode", ["told", "untold", "clip"])
+def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode):
+    """A loss scale given as grad_scale is divided out in the hook (the same bits as the plain path);
+    one not given, or clipping, is detected at step() and the step falls back to the plain exchange."""
+    for r in distributed.run(overlap_worker, 2, mode):
+        for a, b in zip(r[False]["params"], r[True]["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+        assert r[False]["warnings"] == []
+        fell_back = [w for w in r[True]["warnings"] if "gradients changed between backward and step()" in w]
+        assert len(fell_back) == (0 if mode == "told" else 1)  # warned once, not every step
+        assert r["draws_in_backward"] == 0  # the step before drew this step's mask
+
+
+# ----------------------------------------------------------------------------- host synchronisations
+
+
+class HostReads(TorchDispatchMode):
+    """What stalls a GPU step, counted on the CPU: a scalar read to the host (``item``, ``bool``, ``int``,
+    ``float``), a tensor made from host data (``torch.tensor``: a host-to-device copy), and ``tolist``."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.counts["scalar"] += 1
+        elif func is torch.ops.aten.lift_fresh.default:
+            self.counts["from_host"] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def host_reads(fn, monkeypatch) -> dict:
+    mode = HostReads()
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        mode.counts["tolist"] += 1
+        return tolist(self)
+
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "tolist", counted)
+        with mode:
+            fn()
+    return dict(mode.counts)
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("nonfinite", ["raise", "ignore"])
+def test_host_reads_in_a_slamb_step(variant, nonfinite, monkeypatch):
+    """Per step: the non-finite decision (two scalar reads, none with "ignore"), the selection's
+    per-tensor counts (one tolist) and the trust-ratio scalars of all parameter groups (one tolist);
+    the mask draw reads nothing and nothing is copied from the host."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 120), torch.nn.Linear(120, 40), torch.nn.Linear(40, 300))
+    groups = [{"params": [p for p in model.parameters() if p.dim() > 1], "weight_decay": 0.01},
+              {"params": [p for p in model.parameters() if p.dim() == 1]}]
+    opt = slamb.SLAMB(groups, variant=variant, min_compress_numel=1000, nonfinite=nonfinite)
+    for t in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        counts = host_reads(opt.step, monkeypatch)
+    assert counts == {"tolist": 2, **({"scalar": 2} if nonfinite == "raise" else {})}
+    if variant == "v2":
+        assert host_reads(lambda: opt._mask_fn(7, 0.1), monkeypatch) == {}
+
+
+def test_onebit_packing_makes_no_tensor_from_host_data(monkeypatch):
+    from slamb.compression.onebit import pack_bits, unpack_bits
+
+    bits = torch.rand(1000) > 0.5
+    pack_bits(bits)
+    assert host_reads(lambda: unpack_bits(pack_bits(bits), 1000), monkeypatch) == {}
