@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from slamb import create_optimizer, wrap_model
+from slamb import LAMB, create_optimizer, wrap_model
 
 from .distributed import run
 
@@ -71,9 +71,9 @@ def outer_worker(rank, world, inner):
     ref = make_model()
     anchor = [p.detach().clone().requires_grad_() for p in ref.parameters()]
     outer = torch.optim.SGD(anchor, lr=OUTER["outer_lr"], momentum=OUTER["outer_momentum"], nesterov=True)
-    inner_opt = (torch.optim.AdamW if inner == "adamw" else __import__("slamb").LAMB)(
+    inner_opt = (torch.optim.AdamW if inner == "adamw" else LAMB)(
         [{"params": [ref[0].weight, ref[2].weight], "weight_decay": 0.01},
-         {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], lr=0.01)
+         {"params": [ref[0].bias, ref[2].bias], "weight_decay": 0.0}], lr=0.01, eps=1e-8)
     expected = []
     for t in range(2 * H + 1):
         loss_fn(ref, rank, t).backward()
