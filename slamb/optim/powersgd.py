@@ -31,11 +31,16 @@ Choices, each named:
   group that records each all-reduce in this optimizer's ledger before
   handing it to the real group, and tells P from Q from the uncompressed
   gradients by the tensor it is handed (PowerSGD state's P and Q buffers).
+* Buckets are exchanged one after the other (each waits for the previous
+  one's result): torch's hook issues P's and Q's all-reduces from callbacks,
+  which gloo runs on its own threads, and two buckets in flight can then
+  reach the collectives in a different order on each rank and hang. Within a
+  bucket torch's hook already waits for each all-reduce in turn.
 * Checkpoints: ``state_dict()`` carries the PowerSGD state of this rank (its
-  error-feedback buffers, the P and Q matrices of the warm start, the
-  iteration and the random generator of Q's initialisation), per parameter:
-  torch keeps them per DDP bucket, and a resumed run's DDP cuts its buckets
-  anew (any ``bucket_cap_mb`` resumes bit for bit).
+  error-feedback buffers and the warm-start Q of each compressed tensor, the
+  iteration and the random generator of Q's initialisation) per parameter:
+  torch keeps it per DDP bucket, and a resumed run's DDP cuts its buckets
+  anew (a resumed run continues bit for bit, whatever its ``bucket_cap_mb``).
 """
 from __future__ import annotations
 
