@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from slamb import LAMB, create_optimizer, wrap_model
+from slamb import LAMB, DistributedOptimizer, create_optimizer, wrap_model
 
 from .distributed import run
 
@@ -157,6 +157,7 @@ def test_invalid_settings_fail_in_one_line(setting, message):
 
 def test_contract_and_scheduler_act_on_the_inner_rate():
     opt = create_optimizer("diloco", make_model(), lr=0.01, weight_decay=0.1)
+    assert isinstance(opt, DistributedOptimizer)
     assert (opt.communication, opt.params_differ, opt.per_rank_state) == ("optimizer_hook", True, True)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     opt.step()

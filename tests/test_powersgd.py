@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from slamb import create_optimizer, wrap_model
+from slamb import DistributedOptimizer, create_optimizer, wrap_model
 
 from .distributed import run
 
@@ -145,4 +145,5 @@ def test_plain_allreduce_settings_need_no_warm_up():
     opt = create_optimizer("powersgd", make_model(), start_powerSGD_iter=0, use_error_feedback=False,
                            warm_start=False)
     assert opt.powersgd.start_powerSGD_iter == 0
+    assert isinstance(opt, DistributedOptimizer)
     assert (opt.communication, opt.per_rank_state, opt.params_differ) == ("optimizer_hook", True, False)
