@@ -43,6 +43,8 @@ OPTIMIZERS = {
                                             "comm_dtype": torch.float16}),
     "DGC (density 0.001)": ("dgc", {"density": 0.001, "warmup_densities": ()}),
     "JointSpar-LARS": ("jointspar_lars", {}),
+    "PowerSGD (r=2)": ("powersgd", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}),
+    "DiLoCo (H=100)": ("diloco", {"sync_interval": 100}),
 }
 
 
@@ -61,6 +63,8 @@ def measure_worker(rank, world, shapes, names):
     out = {}
     for label in names:
         name, settings = OPTIMIZERS[label]
+        if name == "diloco":  # the measured steps end with one outer step; amortised over H below
+            settings = {**settings, "sync_interval": MEASURE_STEPS}
         model = StandIn(shapes)
         opt = slamb.create_optimizer(name, model, **settings)
         wrapped = slamb.wrap_model(model, opt)
@@ -101,6 +105,17 @@ def per_step_figures(label: str, steps: list[dict]) -> dict:
         row["warmup_payload"] = total(steps[0], 0, skip=("control",))
         row["phase1_payload"] = ONEBIT_WARMUP * total(steps[0], 0) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_payload"]
         row["phase1_wire"] = ONEBIT_WARMUP * total(steps[0], 1) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_wire"]
+    elif name == "powersgd":  # the first start_powerSGD_iter steps all-reduce the whole gradient
+        warmup = OPTIMIZERS[label][1]["start_powerSGD_iter"]
+        row["phase1_payload"] = warmup * total(steps[0], 0) + (PHASE1_STEPS - warmup) * row["step_payload"]
+        row["phase1_wire"] = warmup * total(steps[0], 1) + (PHASE1_STEPS - warmup) * row["step_wire"]
+    elif name == "diloco":  # nothing between outer steps; the parameters all-reduced every H steps
+        h = OPTIMIZERS[label][1]["sync_interval"]
+        row = {"step_payload": total(steps[0], 0), "step_wire": total(steps[0], 1)}
+        sync_payload, sync_wire = last["params"]
+        row["phase1_payload"] = PHASE1_STEPS * row["step_payload"] + PHASE1_STEPS // h * sync_payload
+        row["phase1_wire"] = PHASE1_STEPS * row["step_wire"] + PHASE1_STEPS // h * sync_wire
+        row["step_payload_amortised"] = row["step_payload"] + sync_payload / h
     elif name.startswith("jointspar"):  # a random set of layers each round: average the rounds
         row["step_payload"] = sum(total(s, 0, skip=("params",)) for s in steps) / len(steps)
         row["step_wire"] = sum(total(s, 1, skip=("params",)) for s in steps) / len(steps)
@@ -121,8 +136,9 @@ def extrapolate(by_depth: dict[int, dict], depth: int) -> dict:
     for label in by_depth[1]:
         one, two, three = (by_depth[d][label] for d in (1, 2, 3))
         row = {key: one[key] + (depth - 1) * (two[key] - one[key]) for key in one}
-        predicted = one["step_payload"] + 2 * (two["step_payload"] - one["step_payload"])
-        row["fit_error"] = abs(predicted - three["step_payload"]) / three["step_payload"]
+        key = "step_payload" if three["step_payload"] else "step_payload_amortised"  # DiLoCo: 0 between syncs
+        predicted = one[key] + 2 * (two[key] - one[key])
+        row["fit_error"] = abs(predicted - three[key]) / three[key]
         rows[label] = row
     return rows
 

@@ -7,6 +7,7 @@ from .checkpoint import load_optimizer, save_optimizer
 from .contract import DistributedOptimizer, adopt
 from .ddp import wrap_model
 from .optim import DGC, LAMB, SLAMB, JointSpar, OnebitLamb
+from .optim import DiLoCo, PowerSGD
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
 
 __version__ = "0.1.0"

@@ -25,6 +25,8 @@ OPTIMIZERS: dict[str, tuple[str, dict]] = {
     "dgc": ("slamb.optim.dgc:DGC", {}),
     "jointspar": ("slamb.optim.jointspar:JointSpar", {"lars": False}),
     "jointspar_lars": ("slamb.optim.jointspar:JointSpar", {"lars": True}),
+    "powersgd": ("slamb.optim.powersgd:PowerSGD", {}),
+    "diloco": ("slamb.optim.diloco:DiLoCo", {}),
 }
 
 

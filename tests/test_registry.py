@@ -15,6 +15,8 @@ SETTINGS = {  # enough for a small MLP to learn in a few dozen steps
     "dgc": dict(lr=0.1, momentum=0.9, density=0.1, warmup_densities=()),
     "jointspar": dict(lr=0.1, momentum=0.9),
     "jointspar_lars": dict(lr=1.0, momentum=0.9),  # LARS scales the step by 0.001 ||w|| / ||g||
+    "powersgd": dict(lr=0.1, momentum=0.9, matrix_approximation_rank=2, start_powerSGD_iter=5),
+    "diloco": dict(lr=1e-2, sync_interval=5),  # 40 steps end on an outer step: the ranks agree
 }
 
 
