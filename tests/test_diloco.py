@@ -145,7 +145,7 @@ def test_checkpoint_round_trip_resumes_bit_exactly_and_average_parameters():
 @pytest.mark.parametrize("setting, message", [
     (dict(inner="adam"), r"invalid inner='adam': must be one of \['adamw', 'lamb', 'sgd'\]"),
     (dict(sync_interval=0), r"invalid sync_interval=0: must be an integer >= 1"),
-    (dict(outer_lr=0.0), r"invalid outer_lr=0.0: must be a number in \(0.0, inf\]"),
+    (dict(outer_lr=0.0), r"invalid outer_lr=0.0: must be a number in \(0.0, inf\)"),
     (dict(outer_momentum=1.0), r"invalid outer_momentum=1.0: must be a number in \[0.0, 1.0\)"),
     (dict(betas=(0.9,)), r"invalid betas=\(0.9,\): must be a pair"),
 ])

@@ -131,7 +131,7 @@ def test_checkpoint_round_trip_resumes_bit_exactly():
 @pytest.mark.parametrize("setting, message", [
     (dict(matrix_approximation_rank=0), r"invalid matrix_approximation_rank=0: must be an integer >= 1"),
     (dict(start_powerSGD_iter=1), r"invalid start_powerSGD_iter=1: must be an integer >= 2 with use_error_feedback"),
-    (dict(min_compression_rate=-1.0), r"invalid min_compression_rate=-1.0: must be a number in \[0.0, inf\]"),
+    (dict(min_compression_rate=-1.0), r"invalid min_compression_rate=-1.0: must be a number in \[0.0, inf\)"),
     (dict(warm_start="yes"), r"invalid warm_start='yes': must be one of \[True, False\]"),
     (dict(momentum=1.0), r"invalid momentum=1.0: must be a number in \[0.0, 1.0\)"),
 ])

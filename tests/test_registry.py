@@ -78,6 +78,7 @@ CONTRACT = {  # communication, params_differ, per_rank_state
     "lamb": (GRADIENT_ALLREDUCE, False, False), "slamb": (OPTIMIZER_HOOK, True, True),
     "onebit_lamb": (OPTIMIZER_HOOK, False, True), "dgc": (OPTIMIZER_HOOK, False, True),
     "jointspar": (NO_DDP, False, False), "jointspar_lars": (NO_DDP, False, False),
+    "powersgd": (OPTIMIZER_HOOK, False, True), "diloco": (OPTIMIZER_HOOK, True, True),
 }
 
 

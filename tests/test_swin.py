@@ -252,7 +252,7 @@ REPEATED = (("adamw", "bf16", 2e-3), ("lamb", "fp32", 2e-2), ("slamb", "bf16", 2
 
 
 def repeated_batch_case(rank, world, name, precision, lr, tiny_dir):
-    """10 steps on one fixed batch (no mixup): the loss must fall, on every rank."""
+    """15 steps on one fixed batch (no mixup): the loss must fall, on every rank."""
     import slamb
 
     cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.micro_batch=8",
@@ -270,7 +270,7 @@ def repeated_batch_case(rank, world, name, precision, lr, tiny_dir):
     model.eval()  # no stochastic depth: the same function at every step
     amp = MixedPrecision(precision, torch.device("cpu"))
     losses = []
-    for _ in range(10):
+    for _ in range(15):
         opt.zero_grad(set_to_none=True)
         losses.append(float(forward_backward(model, [(x, y), (x, y)], torch.nn.CrossEntropyLoss(), amp)))
         amp.step(opt, params, clip_grad=1.0)

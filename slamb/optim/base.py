@@ -84,12 +84,15 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         bad = None
         if self.nonfinite != "ignore" and have:
             bad = nonfinite_tensors([everything[i].grad for i in have])
-        mine = (NONFINITE if bad is not None and bool(bad.any()) else
-                NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT)
-        decision = mine
-        if agree:  # from the parameters' device: the one a backend such as NCCL communicates from
-            decision = int(comm.agree_max(torch.tensor(float(mine), device=everything[0].device),
-                                          ledger=self.ledger, group=self.process_group).item())
+        plain = NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT
+        # made on the parameters' device (the one a backend such as NCCL communicates from) without a host
+        # copy; the agreed decision is the step's one host read beyond the non-finite screen's
+        mine = torch.full((), float(plain), device=everything[0].device)
+        if bad is not None:
+            mine = torch.where(bad.any(), float(NONFINITE), mine)
+        if agree:
+            mine = comm.agree_max(mine, ledger=self.ledger, group=self.process_group)
+        decision = int(mine.item())
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
             raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))
