@@ -1,7 +1,9 @@
 """SLAMB and its baselines over torch.distributed, with an exact byte ledger."""
 from . import comm
 from .comm import CommLedger
+from .amp import RankAgreedGradScaler
 from .averaging import average_model, averaged_model
+from .checkpoint import load_optimizer, save_optimizer
 from .contract import DistributedOptimizer, adopt
 from .ddp import wrap_model
 from .optim import DGC, LAMB, SLAMB, JointSpar, OnebitLamb
@@ -10,6 +12,6 @@ from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
 __version__ = "0.1.0"
 __all__ = [
     "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "CommLedger", "comm", "wrap_model", "adopt", "DistributedOptimizer",
-    "average_model", "averaged_model",
+    "average_model", "averaged_model", "save_optimizer", "load_optimizer", "RankAgreedGradScaler",
     "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay",
 ]

@@ -35,6 +35,7 @@ __all__ = [
     "all_to_all_single",
     "broadcast_",
     "agree_any",
+    "agree_max",
 ]
 
 
@@ -225,16 +226,21 @@ def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: str, ledger, group=N
     return tensor
 
 
-def agree_any(flag: torch.Tensor, *, ledger, group=None) -> bool:
-    """True on every rank when ``flag`` (a 0-d bool/number tensor) is set on any rank.
+def agree_max(values: torch.Tensor, *, ledger, group=None) -> torch.Tensor:
+    """The element-wise maximum over the ranks of ``values`` (a float32 copy, the same on every rank).
 
-    The one place where a rank-local condition becomes a collective decision,
+    The one place where rank-local conditions become a collective decision,
     so that no rank ever skips a collective alone.
     """
-    x = flag.detach().reshape(1).to(torch.float32)
+    x = values.detach().reshape(-1).to(torch.float32, copy=True)
     n = world_size(group)
     if n > 1:
         if ledger is not None:
             ledger.record("control", "all_reduce", _nbytes(x), n)
         dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
-    return bool(x.item() > 0)
+    return x
+
+
+def agree_any(flag: torch.Tensor, *, ledger, group=None) -> bool:
+    """True on every rank when ``flag`` (a 0-d bool/number tensor) is set on any rank."""
+    return bool(agree_max(flag.reshape(1), ledger=ledger, group=group).item() > 0)

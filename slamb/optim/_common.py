@@ -36,7 +36,7 @@ def check_betas(betas) -> None:
 
 def check_adam_group(group: dict) -> None:
     """The settings every Adam-type parameter group has."""
-    check_range("lr", group["lr"], 0.0, lo_open=True)
+    check_range("lr", group["lr"], 0.0)  # 0 is a common first value of a warm-up schedule
     check_betas(group["betas"])
     check_range("eps", group["eps"], 0.0, lo_open=True)
     check_range("weight_decay", group["weight_decay"], 0.0)
@@ -77,6 +77,30 @@ def bias_folding(t: int, b1: float, b2: float, eps: float) -> tuple[float, float
     return math.sqrt(1 - b2**t) / (1 - b1**t), eps * math.sqrt(1 - b2**t)
 
 
+def nonfinite_tensors(grads) -> torch.Tensor:
+    """A bool per tensor of ``grads``: True where it holds NaN or inf (one host sync)."""
+    # A finite 2-norm proves a tensor finite (NaN and inf propagate through the sum of squares) and
+    # costs a tenth of the max-norm on the CPU; a non-finite one may be an overflow of finite values
+    # (fp32 accumulation makes that rare even for fp16 gradients), so those get the exact check.
+    acc = functools.reduce(torch.promote_types, {g.dtype for g in grads}, torch.float32)
+    norms = torch.stack(torch._foreach_norm(grads, dtype=acc))
+    bad = ~torch.isfinite(norms)
+    if bool(bad.any()):
+        bad = torch.tensor([not bool(torch.isfinite(g).all()) if b else False
+                            for g, b in zip(grads, bad.tolist())], device=norms.device)
+    return bad
+
+
+def nonfinite_error(where: str, bad_names: list[str]) -> FloatingPointError:
+    here = (f"this rank's non-finite gradients: {', '.join(bad_names[:8])}"
+            + (" ..." if len(bad_names) > 8 else "")) if bad_names else "another rank has non-finite gradients"
+    return FloatingPointError(
+        f"{where}non-finite (NaN/inf) gradients at this step ({here}); optimizer state and parameters "
+        "are untouched. Fixes: lower the learning rate or clip gradients; with fp16 use a loss scaler "
+        "(slamb.RankAgreedGradScaler) and nonfinite='skip' so every rank skips the step together."
+    )
+
+
 def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str = "", agree: bool = True) -> bool:
     """Decide, identically on every rank, what a step does with non-finite gradients.
 
@@ -87,25 +111,10 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     """
     if policy == "ignore" or not grads:
         return False
-    # A finite 2-norm proves a tensor finite (NaN and inf propagate through the sum of squares) and
-    # costs a tenth of the max-norm on the CPU; a non-finite one may be an overflow of finite values
-    # (fp32 accumulation makes that rare even for fp16 gradients), so those get the exact check.
-    acc = functools.reduce(torch.promote_types, {g.dtype for g in grads}, torch.float32)
-    norms = torch.stack(torch._foreach_norm(grads, dtype=acc))
-    local_bad = ~torch.isfinite(norms)
-    if bool(local_bad.any()):
-        local_bad = torch.tensor([not bool(torch.isfinite(g).all()) if bad else False
-                                  for g, bad in zip(grads, local_bad.tolist())], device=norms.device)
+    local_bad = nonfinite_tensors(grads)
     found = comm.agree_any(local_bad.any(), ledger=ledger, group=group) if agree else bool(local_bad.any())
     if not found:
         return False
     if policy == "skip":
         return True
-    bad_names = [names[i] for i in torch.nonzero(local_bad).flatten().tolist()]
-    here = (f"this rank's non-finite gradients: {', '.join(bad_names[:8])}"
-            + (" ..." if len(bad_names) > 8 else "")) if bad_names else "another rank has non-finite gradients"
-    raise FloatingPointError(
-        f"{where}non-finite (NaN/inf) gradients at this step ({here}); optimizer state and parameters "
-        "are untouched. Fixes: lower the learning rate or clip gradients; with fp16 use a loss scaler "
-        "and nonfinite='skip' so every rank skips the step together."
-    )
+    raise nonfinite_error(where, [names[i] for i in torch.nonzero(local_bad).flatten().tolist()])

@@ -5,11 +5,19 @@ It owns what they have in common and nothing of their algorithms:
 
 * the layout is fixed at the first step (the parameters that have a gradient
   then) by the subclass's ``_build(ids)``, which records ``self._layout_ids``;
-* every step starts the same way (closure, layout, gradients with a missing one
-  read as zero, the rank-agreed non-finite decision) and closes its ledger step;
+* every step starts the same way: the closure, then ONE decision taken by all
+  ranks together (a 4-byte all-reduce, kind ``"control"``, when the gradients
+  are local): skip the step (no rank has a gradient, or one has NaN/inf),
+  grow the layout (a rank has a gradient for a parameter outside it: every
+  rank lays out the union, and the state of the others is kept), or step
+  with the layout's gradients, a missing one read as zero. Then the step
+  closes its ledger step, skipped or not;
 * checkpoints carry the step, the layout, the ledger and the world they were
   saved in. State that is the rank's own may only be loaded by the same rank
   of the same world; a layout of other shapes is refused before anything loads.
+  The optimizer-level entry is also kept in the first parameter group, where
+  ``torch.distributed.checkpoint.state_dict`` (which keeps only ``state`` and
+  ``param_groups``) carries it through.
 """
 from __future__ import annotations
 
@@ -18,7 +26,11 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults
-from ._common import NONFINITE_POLICIES, check_choice, nonfinite_skip
+from ._common import NONFINITE_POLICIES, check_choice, nonfinite_error, nonfinite_tensors
+from .flat import param_labels
+
+# what a rank reports before a step; the maximum over the ranks is what every rank does
+NO_GRADIENT, GRADIENTS, NEW_PARAMETERS, NONFINITE = range(4)
 
 
 class LocalStateOptimizer(ContractDefaults, Optimizer):
@@ -45,24 +57,58 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
-    def _open_step(self, closure):
-        """The closure's loss (or None); the layout is fixed before the step touches any state."""
+    def _layout_params(self) -> list[torch.Tensor]:
+        """The layout's parameters, in the order of the step's gradients."""
+        everything = self._all_params()
+        return [everything[i] for i in self._layout_ids]
+
+    def _open_step(self, closure, *, agree: bool = True):
+        """``(loss, gradients)``: the closure's loss (or None) and the gradients of the layout's
+        parameters (zeros for a missing one), or ``(loss, None)`` when every rank skips the step.
+
+        ``agree=False`` decides locally: for gradients that are already averaged, hence the same on
+        every rank. The layout is fixed (or grown) before the step touches any state.
+        """
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        everything = self._all_params()
+        have = [i for i, p in enumerate(everything) if p.grad is not None]
+        known = set(self._layout_ids or have)
+        bad = None
+        if self.nonfinite != "ignore" and have:
+            bad = nonfinite_tensors([everything[i].grad for i in have])
+        mine = (NONFINITE if bad is not None and bool(bad.any()) else
+                NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT)
+        decision = int(comm.agree_max(torch.tensor(float(mine)), ledger=self.ledger, group=self.process_group)
+                       .item()) if agree else mine
+        if decision == NONFINITE and self.nonfinite == "raise":
+            bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
+            raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))
+        if decision in (NONFINITE, NO_GRADIENT):  # every rank skips: nothing is sent, no state changes
+            self.ledger.end_step()
+            return loss, None
         if self._layout_ids is None:
             self._build()
-        return loss
+        elif decision == NEW_PARAMETERS:
+            self._grow(have, agree=agree)
+        return loss, [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._layout_params()]
 
-    def _begin_step(self, params: list[torch.Tensor], *, agree: bool = True):
-        """The step's gradients (zeros for a missing one), or None when every rank skips the step."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        if nonfinite_skip(grads, self._names, self.nonfinite, ledger=self.ledger, group=self.process_group,
-                          where=f"{type(self).__name__}: ", agree=agree):
-            self.ledger.end_step()
-            return None
-        return grads
+    def _grow(self, have: list[int], *, agree: bool) -> None:
+        """Lay out the union over the ranks of the parameters with gradients; the layout's state is kept
+        and the newcomers start as at a first step."""
+        everything = self._all_params()
+        flags = torch.zeros(len(everything))
+        flags[have] = 1.0
+        if agree:
+            flags = comm.agree_max(flags, ledger=self.ledger, group=self.process_group)
+        new = [i for i in torch.nonzero(flags).flatten().tolist() if i not in set(self._layout_ids)]
+        self._check_growth(new)
+        self._build(sorted(set(self._layout_ids) | set(new)))
+
+    def _check_growth(self, new: list[int]) -> None:
+        """Refuse, on every rank, parameters that cannot join the layout now."""
 
     # -- checkpoints ----------------------------------------------------------------------
 
@@ -92,13 +138,23 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             "ledger": self.ledger.state_dict(),
             **self._extra_state(),
         }
+        if sd["param_groups"]:  # the same object: pickled once
+            sd["param_groups"][0][self.state_key] = sd[self.state_key]
         return sd
+
+    def _extra_of(self, state_dict: dict) -> dict:
+        """The optimizer-level entry: top-level, or in a parameter group (after a DCP round trip)."""
+        extra = state_dict.get(self.state_key)
+        for group in state_dict.get("param_groups", ()):
+            extra = group.get(self.state_key, extra) if extra is None else extra
+        if extra is None:
+            raise ValueError(f"not a {type(self).__name__} state dict (no {self.state_key!r} entry): it was saved "
+                             "by another optimizer")
+        return extra
 
     def load_state_dict(self, state_dict: dict) -> None:
         name, key = type(self).__name__, self.state_key
-        extra = state_dict.get(key)
-        if extra is None:
-            raise ValueError(f"not a {name} state dict (no {key!r} entry): it was saved by another optimizer")
+        extra = self._extra_of(state_dict)
         n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
         if self._saved_per_rank(extra) and (extra["world_size"], extra["rank"]) != (n, r):
             raise ValueError(
@@ -113,7 +169,9 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             if max(ids) >= len(everything) or [everything[i].numel() for i in ids] != extra["layout_numels"]:
                 raise ValueError(f"{name} checkpoint was saved for a different parameter layout (shapes differ)")
         self._check_extra_state(extra)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != key})
+        super().load_state_dict({**{k: v for k, v in state_dict.items() if k != key},
+                                 "param_groups": [{k: v for k, v in g.items() if k != key}
+                                                  for g in state_dict["param_groups"]]})
         self._step = int(extra["step"])
         self.ledger.load_state_dict(extra["ledger"])
         self._load_extra_state(extra)

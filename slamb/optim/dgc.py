@@ -106,7 +106,8 @@ class DGC(LocalStateOptimizer):
     parameters and sends no gradients) or call ``backward()`` on an unwrapped
     model: gradients must be local. All parameters must share one device
     and dtype; the set with gradients at the first step is fixed then (a
-    later missing gradient counts as zero). State is per rank (local
+    later missing gradient counts as zero; a parameter whose first gradient
+    comes later joins the layout on every rank). State is per rank (local
     momentum and residuals): save and load one optimizer state per rank.
     """
 
@@ -261,6 +262,9 @@ class DGC(LocalStateOptimizer):
         self._names = param_labels(self, sparse_ids + dense_ids)
         self._layout_ids = ids
 
+    def _layout_params(self) -> list[torch.Tensor]:
+        return [p for lay in (self._sparse, self._dense) if lay is not None for p in lay.params]
+
     per_rank_reason = "each worker keeps its own residuals and momenta"
 
     def _extra_state(self) -> dict:
@@ -276,14 +280,16 @@ class DGC(LocalStateOptimizer):
 
     # -- the step -------------------------------------------------------------------
 
+    # the step decides on the host and communicates between its kernels: under torch.compile it
+    # runs as written (eager), where a traced graph would break at every decision
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._open_step(closure)
-        sparse, dense = self._sparse, self._dense
-        live = [lay for lay in (sparse, dense) if lay is not None]
-        flat_grads = self._begin_step([p for lay in live for p in lay.params])
+        loss, flat_grads = self._open_step(closure)
         if flat_grads is None:
             return loss
+        sparse, dense = self._sparse, self._dense
+        live = [lay for lay in (sparse, dense) if lay is not None]
         grads, at = {}, 0
         for lay in live:
             grads[lay is sparse], at = flat_grads[at:at + len(lay.params)], at + len(lay.params)

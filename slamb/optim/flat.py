@@ -85,18 +85,16 @@ class FlatLayout:
               dtype: torch.dtype | None = None) -> torch.Tensor:
         """One flat buffer for ``state[p][key]`` of every parameter, which then holds views of it.
 
-        Values already in ``state`` (a loaded checkpoint) are carried over, else ``fill``.
+        Values already in ``state`` (a loaded checkpoint, a layout before it grew) are carried over, else ``fill``.
         ``per_tensor``: one scalar per parameter (0-d views) instead of one per element.
         ``dtype``: of the buffer, when not the parameters' (a counter).
         """
-        dtype = dtype or self.dtype
-        if all(key in state[p] for p in self.params):
-            flat = self.flatten([state[p][key].to(self.device, dtype) for p in self.params])
-        else:
-            flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
-                              dtype=dtype, device=self.device)
+        flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
+                          dtype=dtype or self.dtype, device=self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
         for p, view in zip(self.params, views):
+            if key in state[p]:  # per parameter: a grown layout keeps the state of those it had
+                view.copy_(state[p][key])
             state[p][key] = view
         return flat
 

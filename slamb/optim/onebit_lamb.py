@@ -137,7 +137,9 @@ class OnebitLamb(LocalStateOptimizer):
     :func:`slamb.wrap_model`, which installs :meth:`ddp_comm_hook`.
 
     The flat layout is fixed at the first step: the parameters that have a
-    gradient then; a later missing gradient counts as zero.
+    gradient then; a later missing gradient counts as zero. A parameter whose
+    first gradient comes later joins the layout in the warm-up; after
+    ``freeze_step`` it is refused (its variance was never frozen).
     """
 
     state_key = "onebit"
@@ -208,6 +210,14 @@ class OnebitLamb(LocalStateOptimizer):
         self._names = param_labels(self, ids)
         self._layout, self._layout_ids = layout, ids
 
+    def _check_growth(self, new: list[int]) -> None:
+        if self.compressing:
+            raise ValueError(
+                f"OnebitLamb: {', '.join(param_labels(self, new))} got a gradient for the first time after "
+                f"freeze_step={self.freeze_step}, when the variance and the error buffers are frozen for the "
+                "parameters of the warm-up: give it a gradient (zero will do) in the warm-up, or leave it to "
+                "another optimizer")
+
     def _error_feedback(self) -> ErrorFeedback:
         if self._errors is None:
             layout = self._layout
@@ -234,21 +244,23 @@ class OnebitLamb(LocalStateOptimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        errors = state_dict[self.state_key]["error_feedback"]
+        errors = self._extra_of(state_dict)["error_feedback"]
         if errors is not None and not self.reset_error_on_load and self._layout is not None:
             self._error_feedback().load_state_dict(errors)
 
     # -- the step -------------------------------------------------------------------------
 
+    # the step decides on the host and communicates between its kernels: under torch.compile it
+    # runs as written (eager), where a traced graph would break at every decision
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._open_step(closure)
-        layout = self._layout
         compressing = self.compressing
         # warm-up gradients are averaged, hence equal on every rank: a local decision is a shared one
-        grads = self._begin_step(layout.params, agree=compressing)
+        loss, grads = self._open_step(closure, agree=compressing)
         if grads is None:
             return loss
+        layout = self._layout
         self._step += 1
         if compressing:
             self._compression_step(layout.flatten(grads))

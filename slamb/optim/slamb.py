@@ -24,6 +24,7 @@ math on flat buffers. Both share the mask, the exchange and the sync.
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
@@ -41,6 +42,8 @@ VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
 _AGE = {"v1": "staleness", "v2": "freshness"}  # the per-element state of step 6
 # v1 counts steps in int16 (half a word): exact up to this age, where b3^age is 0 in fp32 for b3 <= 0.997
 _MAX_AGE = 2**15 - 1
+# first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
+_ALIKE_STEPS = 3
 
 
 def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
@@ -98,12 +101,17 @@ class SLAMB(LocalStateOptimizer):
 
     The flat layout is fixed at the first step: the parameters that have a
     gradient then. A later step where one of them has no gradient treats it
-    as zero, so every rank still packs the same entries.
+    as zero, so every rank still packs the same entries; a parameter that
+    first gets a gradient later (on any rank) joins the layout on every rank,
+    with fresh moments. A step where no rank has a gradient does nothing.
 
     ``nonfinite``: what a step does when any rank's gradients hold NaN/inf,
     decided identically on every rank before any state changes: ``"raise"``
     (``FloatingPointError``), ``"skip"`` (no update, step not counted) or
-    ``"ignore"`` (no check; saves one 4-byte all-reduce and a host sync).
+    ``"ignore"`` (no check; saves a pass over the gradients). The decision
+    travels in the step's one 4-byte all-reduce (kind ``"control"``).
+
+    ``torch.compile(opt.step)`` runs this step eagerly (the same numbers).
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
@@ -168,6 +176,7 @@ class SLAMB(LocalStateOptimizer):
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
         self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork]] = {}
+        self._alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
 
     # -- settings -----------------------------------------------------------------
 
@@ -338,20 +347,22 @@ class SLAMB(LocalStateOptimizer):
 
     # -- the step -------------------------------------------------------------------
 
+    # the step decides on the host and communicates between its kernels: under torch.compile it
+    # runs as written (eager), where a traced graph would break at every decision
+    @torch.compiler.disable
     @torch.no_grad()
     def step(self, closure=None):
-        loss = self._open_step(closure)
-        layout = self._layout
-        t, n = self._step + 1, comm.world_size(self.process_group)
-        pending = self._drain()  # exchanges of the DDP buckets started during backward (overlap)
         try:
-            grads = self._begin_step(layout.params)  # step 1: local gradients
+            loss, grads = self._open_step(closure)  # step 1: local gradients
         except BaseException:
-            self._discard(pending)
+            self._discard(self._drain())
             raise
+        pending = self._drain()  # exchanges of the DDP buckets started during backward (overlap)
         if grads is None:  # skipped on every rank
             self._discard(pending)
             return loss
+        layout = self._layout
+        t, n = self._step + 1, comm.world_size(self.process_group)
         self._step = t
         m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
         sel = self._selection(t)  # step 3
@@ -369,9 +380,14 @@ class SLAMB(LocalStateOptimizer):
             adam_moments_(self._views["exp_avg"][lo:hi], self._views["exp_avg_sq"][lo:hi], grads[lo:hi], b1, b2,
                           foreach=self.foreach)
 
+        alike = self._alike_steps is not None
         for ids, work in pending.items():  # step 4 ends: m[M_t] = the average
-            mean = work.wait().to(m.dtype).split([sel.counts[i] for i in ids])
-            sel.put_([self._m_views[i] for i in ids], mean, ids)
+            mean = work.wait().to(m.dtype)
+            if alike:
+                alike = self._same_as_local(sel, ids, mean)
+            sel.put_([self._m_views[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
+        if self._alike_steps is not None and n > 1:
+            self._count_alike(alike)
 
         if self.variant == "v1":  # step 6
             age.clamp_max_(_MAX_AGE - 1).add_(1)
@@ -409,6 +425,30 @@ class SLAMB(LocalStateOptimizer):
         self._drawn = None  # the next step draws its own; last_sync_mask() redraws this one
         self.ledger.end_step()
         return loss
+
+    def _same_as_local(self, sel: Selection, ids: list[int], mean: torch.Tensor) -> bool:
+        """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
+        local = torch.cat(sel.take([self._m_views[i] for i in ids], ids))
+        rtol = 8 * torch.finfo(self.comm_dtype or mean.dtype).eps
+        return bool(torch.allclose(local, mean, rtol=rtol, atol=0.0))
+
+    def _count_alike(self, alike: bool) -> None:
+        """Warn once when the first steps' momenta were the same on every rank before averaging.
+
+        Costs nothing on the wire (the averages are those of step 4); stops at the first step that differs.
+        """
+        if not alike:
+            self._alike_steps = None
+            return
+        self._alike_steps += 1
+        if self._alike_steps == _ALIKE_STEPS:
+            self._alike_steps = None
+            warnings.warn(
+                f"SLAMB: every rank held the same momentum before averaging at steps 1-{_ALIKE_STEPS}: its gradients "
+                "were already averaged across ranks (plain DDP, or a framework's trainer), or every rank trains on "
+                "the same data. SLAMB needs each rank's local gradients, else it sends its momentum on top of a "
+                "gradient all-reduce: wrap the model with slamb.wrap_model(model, optimizer) (or use the "
+                "slamb.integrations trainer) instead of DistributedDataParallel.", stacklevel=3)
 
     def _sync_params(self) -> None:
         params = self._layout.params
