@@ -120,10 +120,10 @@ def run(fn, world_size: int, *args) -> list:
 class StepProbe:
     """Per optimizer step: the gradients ``step()`` sees and the bytes sent since the previous step.
 
-    A pre-hook on the (unwrapped) optimizer's ``step``: it runs after backward
-    and before the optimizer's own collectives, so the bytes of step t are
-    those sent from the pre-hook of step t to that of step t+1 (the
-    optimizer's exchange, then backward's DDP traffic).
+    Bytes are read in a pre-hook on the (unwrapped) optimizer's ``step``, so
+    an interval holds one step's traffic whatever the loop's order (backward
+    before ``step()``, or inside it through a closure as in Lightning).
+    Gradients are read in a post-hook: after the closure has run.
     """
 
     def __init__(self, optimizer):
@@ -132,10 +132,13 @@ class StepProbe:
         self.marks: list[int] = []
         self.ledger: list[int] = []
         optimizer.register_step_pre_hook(self._pre)
+        optimizer.register_step_post_hook(self._post)
 
     def _pre(self, opt, args, kwargs):
         self.marks.append(sent_bytes())
         self.ledger.append(opt.ledger.summary()["total"]["all"]["payload"])
+
+    def _post(self, opt, args, kwargs):
         self.grads.append(torch.cat([p.grad.reshape(-1).clone() for g in opt.param_groups for p in g["params"]
                                      if p.grad is not None]))
 

@@ -42,7 +42,7 @@ def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:
 
 
 def local_model_file(directory) -> Path:
-    return Path(directory) / f"model-rank{comm.rank()}-of-{comm.world_size()}.pt"
+    return Path(directory) / f"model.rank{comm.rank()}-of-{comm.world_size()}.pt"
 
 
 def save_local_model(model: torch.nn.Module, directory) -> None:

@@ -67,8 +67,8 @@ def prepare(accelerator, model, optimizer, *others):
             save_optimizer(opt, output_dir)
         if opt.params_differ:
             save_local_model(wrapped, output_dir)
-            for i, m in enumerate(models):
-                if m is wrapped and i < len(weights):
+            for i, m in enumerate(models):  # accelerate keeps the DDP on GPUs, the module itself on CPUs
+                if getattr(m, "module", m) is getattr(wrapped, "module", wrapped) and i < len(weights):
                     # the saved model is the ranks' average; the rank's own copy is in its file
                     weights[i] = {k: v.clone() for k, v in weights[i].items()}
                     average_tensors_([v for v in weights[i].values() if v.is_floating_point()], kind="eval")
