@@ -27,7 +27,8 @@ def _nbytes(tensors) -> int:
 
 
 class RecordingBackend(C10dBackend):
-    """gloo, with the bytes each collective is handed counted per operation (this rank's input)."""
+    """gloo, with the bytes each collective is handed counted per operation (this rank's input, the
+    ledger's ``payload``)."""
 
     def __init__(self, store, rank, size, timeout):
         super().__init__(rank, size)
@@ -46,8 +47,7 @@ class RecordingBackend(C10dBackend):
         return self.inner.allreduce_coalesced(tensors, opts)
 
     def broadcast(self, tensors, opts):
-        if self.rank() == opts.rootRank:
-            self.sent["broadcast"] += _nbytes(tensors)
+        self.sent["broadcast"] += _nbytes(tensors)  # on every rank, as the ledger counts it
         return self.inner.broadcast(tensors, opts)
 
     def allgather(self, outputs, inputs, opts):
