@@ -111,7 +111,8 @@ def test_resume_from_save_state_ends_bit_exactly_and_the_saved_model_is_the_aver
         resumed = _run(ckpt=os.path.join(d, "ckpt"), resume=True)
         from safetensors.torch import load_file
 
-        saved = {k.removeprefix("module."): v for k, v in load_file(os.path.join(d, "ckpt", "model.safetensors")).items()}
+        saved = load_file(os.path.join(d, "ckpt", "model.safetensors"))
+        saved = {k.removeprefix("module."): v for k, v in saved.items()}
     for f, r in zip(full, resumed):
         assert torch.equal(f["params"], r["params"])
     own = [r["at_save"] for r in full]

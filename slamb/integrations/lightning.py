@@ -50,7 +50,8 @@ class SLAMBStrategy(DDPStrategy):
     @property
     def base_optimizer(self):
         if len(self.optimizers) != 1:
-            raise ValueError(f"SLAMBStrategy drives one optimizer, configure_optimizers returned {len(self.optimizers)}")
+            raise ValueError(f"SLAMBStrategy drives one optimizer; configure_optimizers returned "
+                             f"{len(self.optimizers)}: return one")
         return unwrap_optimizer(self.optimizers[0])
 
     def setup(self, trainer) -> None:
