@@ -19,7 +19,7 @@ def _setup(rank, *, name="slamb", seed=0):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     settings = dict(slamb=dict(compress_ratio=0.25, min_compress_numel=16, sync_interval=4, nonfinite="skip"),
-                    onebit_lamb=dict(freeze_step=2), dgc=dict(density=0.25), jointspar=dict(budget=2))[name]
+                    onebit_lamb=dict(freeze_step=2), dgc=dict(density=0.25), jointspar=dict())[name]
     import slamb
 
     opt = slamb.create_optimizer(name, model, lr=0.02 if name != "dgc" else 0.1, **settings)

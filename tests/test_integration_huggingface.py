@@ -39,13 +39,14 @@ class Pairs(torch.utils.data.Dataset):
 
 
 SETTINGS = dict(lr=0.02, compress_ratio=0.25, min_compress_numel=16, sync_interval=4, nonfinite="skip")
+OTHERS = dict(dgc=dict(lr=0.1, density=0.25), onebit_lamb=dict(lr=0.02, freeze_step=2), jointspar=dict(lr=0.1))
 
 
 def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in getattr(model, "module", model).parameters()])
 
 
-def train_worker(rank, n, plain, out_dir, resume, overflow_at):
+def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
     from transformers import Trainer, TrainingArguments
 
     import slamb
@@ -63,7 +64,7 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at):
         opt = slamb.create_optimizer("slamb", model, **SETTINGS)
         trainer = Trainer(model=model, args=args, train_dataset=Pairs(), optimizers=(opt, None))
     elif out_dir is None:
-        opt = slamb.create_optimizer("slamb", model, **SETTINGS)
+        opt = slamb.create_optimizer(name, model, **(SETTINGS if name == "slamb" else OTHERS[name]))
         trainer = SLAMBTrainer(model=model, args=args, train_dataset=Pairs(), optimizers=(opt, None))
     else:  # built from settings, as a config would
         opt = None
@@ -97,8 +98,8 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at):
     return out
 
 
-def _run(plain=False, out_dir=None, resume=False, overflow_at=None):
-    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at)
+def _run(plain=False, out_dir=None, resume=False, overflow_at=None, name="slamb"):
+    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at, name)
 
 
 def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
@@ -114,6 +115,12 @@ def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
     for r in plain:  # the Trainer's own DDP all-reduces every gradient on top of SLAMB's exchange
         assert [s - l for s, l in zip(r["sent"][1:], r["ledger"][1:])] == [grad_bytes + used_map] * (STEPS - 2)
     print(f"\nTrainer bytes/step/rank: plain {plain[0]['sent'][1:]} vs SLAMBTrainer {ours[0]['sent'][1:]}")
+
+
+@pytest.mark.parametrize("name", ["dgc", "jointspar"])
+def test_every_optimizer_that_communicates_itself_sends_only_its_ledger(name):
+    for r in _run(name=name):
+        assert r["sent"][1:] == r["ledger"][1:], (name, r["sent"], r["ledger"])
 
 
 def test_resume_from_checkpoint_ends_bit_exactly_and_save_model_is_the_average():

@@ -15,9 +15,10 @@ from tests import integration_support as support  # noqa: E402
 STEPS_PER_EPOCH, EPOCHS = 3, 2
 STEPS = STEPS_PER_EPOCH * EPOCHS
 SETTINGS = dict(lr=0.02, compress_ratio=0.25, min_compress_numel=16, sync_interval=4, nonfinite="skip")
+OTHERS = dict(dgc=dict(lr=0.1, density=0.25), onebit_lamb=dict(lr=0.02, freeze_step=2), jointspar=dict(lr=0.1))
 
 
-def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at):
+def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins import MixedPrecision
@@ -37,7 +38,7 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at):
             return loss * float("inf") if rank == 1 and self.trainer.global_step == overflow_at else loss
 
         def configure_optimizers(self):
-            opt = slamb.create_optimizer("slamb", self, **SETTINGS)
+            opt = slamb.create_optimizer(name, self, **(SETTINGS if name == "slamb" else OTHERS[name]))
             self.probe = support.StepProbe(opt)
             return opt
 
@@ -70,8 +71,8 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at):
     return out
 
 
-def _run(plain=False, ckpt_dir=None, resume=False, overflow_at=None):
-    return support.run(train_worker, 2, plain, ckpt_dir, resume, overflow_at)
+def _run(plain=False, ckpt_dir=None, resume=False, overflow_at=None, name="slamb"):
+    return support.run(train_worker, 2, plain, ckpt_dir, resume, overflow_at, name)
 
 
 def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
@@ -88,6 +89,13 @@ def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
     for r in plain:  # DDPStrategy's DDP all-reduces every gradient on CPU (its comm hook is CUDA-only)
         assert [s - l for s, l in zip(r["sent"][2:], r["ledger"][2:])] == [grad_bytes + sigterm_flag] * (STEPS - 3)
     print(f"\nLightning bytes/step/rank: DDPStrategy {plain[0]['sent'][2:]} vs SLAMBStrategy {ours[0]['sent'][2:]}")
+
+
+@pytest.mark.parametrize("name", ["dgc", "jointspar"])
+def test_every_optimizer_that_communicates_itself_sends_only_its_ledger_and_the_sigterm_flag(name):
+    for r in _run(name=name):
+        extra = [s - l for s, l in zip(r["sent"][2:], r["ledger"][2:])]
+        assert extra == [8] * (STEPS - 3), (name, r["sent"], r["ledger"])  # 8: Lightning's SIGTERM flag
 
 
 def test_resume_from_checkpoint_ends_bit_exactly_and_the_checkpoint_holds_the_average():
