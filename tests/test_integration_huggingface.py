@@ -83,7 +83,7 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
     probe = support.StepProbe(opt) if opt is not None else None
     trainer.train(resume_from_checkpoint=os.path.join(out_dir, f"checkpoint-{SAVE_AT}") if resume else None)
     base = slamb.integrations.huggingface.unwrap_optimizer(trainer.optimizer)
-    out.update(params=_params(trainer.model), stats=base.comm_stats(), steps=base._step)
+    out.update(params=_params(trainer.model), stats=base.comm_stats(), steps=getattr(base, "_step", None))
     if probe is not None:
         out.update(probe.intervals())
     if overflow_at is not None:

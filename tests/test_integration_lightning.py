@@ -61,7 +61,7 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
     trainer.fit(model, ckpt_path=ckpt)
     base = model.probe.optimizer
     out = dict(params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]), stats=base.comm_stats(),
-               steps=base._step, **model.probe.intervals())
+               steps=getattr(base, "_step", None), **model.probe.intervals())
     if overflow_at is not None:
         out["skipped"] = trainer.strategy.precision_plugin.scaler.skipped_steps
     if ckpt_dir and not resume:
