@@ -23,8 +23,8 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from accelerate.utils import DistributedDataParallelKwargs
+from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
 from .. import averaged_model, comm, create_optimizer, load_optimizer, save_optimizer
@@ -64,7 +64,7 @@ class SLAMBTrainer(Trainer):
         self.optimizer_settings = dict(optimizer_settings or {})
         given = (kwargs.get("optimizers") or (None, None))[0]
         self._communication = adopt(given).communication if given is not None else \
-            optimizer_class(optimizer_name).communication
+            getattr(optimizer_class(optimizer_name), "communication", GRADIENT_ALLREDUCE)
         super().__init__(*args, **kwargs)
         self.add_callback(_Schedules(self))
 
