@@ -125,3 +125,13 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     res = _run(overflow_at=2)
     assert [r["skipped"] for r in res] == [[False, False, True, False, False, False]] * 2
     assert res[0]["stats"]["steps"] == res[1]["stats"]["steps"]
+
+
+def test_the_integrations_package_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, slamb.integrations, slamb.integrations._common; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
