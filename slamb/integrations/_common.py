@@ -1,0 +1,80 @@
+"""What the framework integrations share: the optimizer behind a framework's
+wrappers, the DDP communication it needs, its schedules, per-rank checkpoints."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .. import comm
+from ..contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
+from ..ddp import RecordingState, recording_allreduce_hook
+
+
+def unwrap_optimizer(optimizer):
+    """The registry optimizer inside accelerate's ``AcceleratedOptimizer`` or Lightning's ``LightningOptimizer``."""
+    while True:
+        inner = getattr(optimizer, "_optimizer", None) or getattr(optimizer, "optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
+            return adopt(optimizer)
+        optimizer = inner
+
+
+def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:
+    """Give a framework's DDP the gradient communication ``optimizer`` needs (:mod:`slamb.ddp`).
+
+    The optimizer's own hook (SLAMB: none at all; DGC, 1-bit LAMB: their
+    exchange), or for data-parallel optimizers DDP's averaging all-reduce
+    recorded in the optimizer's ledger. Must run before the first backward.
+    """
+    optimizer = unwrap_optimizer(optimizer)
+    if not isinstance(ddp, DistributedDataParallel):
+        return
+    if optimizer.communication == NO_DDP:
+        raise ValueError(f"{type(optimizer).__name__} has communication='no_ddp': the model must not be wrapped in "
+                         "DDP, pass the plain model (the integration does so when it builds the wrapping)")
+    if optimizer.communication == GRADIENT_ALLREDUCE:
+        state, hook = RecordingState(optimizer.ledger, ddp.process_group), recording_allreduce_hook
+    else:
+        state, hook = optimizer.ddp_comm_hook()
+    ddp.register_comm_hook(state, hook)
+
+
+def local_model_file(directory) -> Path:
+    return Path(directory) / f"model.rank{comm.rank()}-of-{comm.world_size()}.pt"
+
+
+def save_local_model(model: torch.nn.Module, directory) -> None:
+    """This rank's own parameters and buffers, for optimizers whose ranks' parameters differ between syncs.
+
+    The checkpoint's model is the ranks' average (what to evaluate and
+    export); continuing the run bit-exactly needs each rank's own copy.
+    """
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    torch.save(getattr(model, "module", model).state_dict(), local_model_file(directory))
+
+
+def load_local_model(model: torch.nn.Module, directory) -> None:
+    path = local_model_file(directory)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: the ranks' parameters differ between syncs, so resuming needs "
+                                f"each rank's own copy; resume with the world size the checkpoint was saved with "
+                                f"({comm.world_size()} now), or load only the averaged model and start a new run")
+    getattr(model, "module", model).load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+
+
+def rank_agreed_scaler(scaler):
+    """``scaler`` (a ``torch.amp.GradScaler``) as a :class:`slamb.RankAgreedGradScaler` with its settings and state."""
+    if scaler is None:
+        return None
+    from .. import RankAgreedGradScaler
+
+    if isinstance(scaler, RankAgreedGradScaler):
+        return scaler
+    agreed = RankAgreedGradScaler(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
+                                  backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
+                                  enabled=scaler.is_enabled())
+    if scaler.is_enabled():
+        agreed.load_state_dict(scaler.state_dict())
+    return agreed

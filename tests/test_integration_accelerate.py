@@ -1,0 +1,137 @@
+"""slamb.integrations.accelerate.prepare: 2 workers on a recording process group, different data per rank."""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("accelerate")
+
+from tests import integration_support as support  # noqa: E402
+
+STEPS, SAVE_AT = 6, 3
+
+
+def _setup(rank, *, name="slamb", seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    settings = dict(slamb=dict(compress_ratio=0.25, min_compress_numel=16, sync_interval=4, nonfinite="skip"),
+                    onebit_lamb=dict(freeze_step=2), dgc=dict(density=0.25), jointspar=dict())[name]
+    import slamb
+
+    opt = slamb.create_optimizer(name, model, lr=0.02 if name != "dgc" else 0.1, **settings)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2 * STEPS * 4 * 2, 8, generator=g)
+    data = torch.utils.data.TensorDataset(x, torch.tanh(x @ torch.randn(8, 4, generator=g)))
+    # accelerate's sampler gives each rank its own batches
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=False)
+    return model, opt, loader
+
+
+def _params(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).clone() for p in getattr(model, "module", model).parameters()])
+
+
+def train_worker(rank, n, plain, name, ckpt, resume, overflow_at):
+    from accelerate import Accelerator
+
+    import slamb.integrations.accelerate as integration
+    from slamb.integrations._common import unwrap_optimizer
+
+    model, opt, loader = _setup(rank, name=name)
+    accelerator = Accelerator(cpu=True)
+    if overflow_at is not None:
+        # accelerate makes a scaler for fp16 only on accelerators; this is the one it would make
+        accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    if plain:
+        model, opt, loader = accelerator.prepare(model, opt, loader)
+    else:
+        model, opt, loader = integration.prepare(accelerator, model, opt, loader)
+    base = unwrap_optimizer(opt)
+    probe = support.StepProbe(base)
+    start = 0
+    if resume:
+        accelerator.load_state(ckpt)
+        start = SAVE_AT
+        loader = accelerator.skip_first_batches(loader, SAVE_AT)
+    out = {"skipped": []}
+    for step, (x, y) in enumerate(loader, start):
+        if step == STEPS:
+            break
+        base.begin_step()
+        loss = F.mse_loss(model(x), y)
+        if step == overflow_at and rank == 1:
+            loss = loss * float("inf")
+        accelerator.backward(loss)
+        opt.step()
+        out["skipped"].append(bool(opt.step_was_skipped))
+        opt.zero_grad()
+        if ckpt is not None and not resume and step + 1 == SAVE_AT:
+            out["at_save"] = {k: v.clone() for k, v in model.module.state_dict().items()}
+            accelerator.save_state(ckpt)
+    out.update(probe.intervals(), params=_params(model), stats=base.comm_stats())
+    return out
+
+
+def _run(plain=False, name="slamb", ckpt=None, resume=False, overflow_at=None):
+    return support.run(train_worker, 2, plain, name, ckpt, resume, overflow_at)
+
+
+def _no_gradient_traffic(res):
+    for r in res:
+        # the first interval also holds DDP's one-off broadcast of its rebuilt bucket order
+        assert r["sent"][1:] == r["ledger"][1:], (r["sent"], r["ledger"])
+        assert "grads" not in r["stats"]["total"]
+
+
+def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
+    plain, ours = _run(plain=True), _run()
+    for step, (g0, g1) in enumerate(zip(ours[0]["grads"], ours[1]["grads"])):
+        assert not torch.equal(g0, g1), f"step {step}: the ranks' gradients were averaged"
+    _no_gradient_traffic(ours)
+    grad_bytes = sum(p.numel() * 4 for p in _setup(0)[0].parameters())
+    for r in plain:  # accelerate's own DDP all-reduces every gradient on top of SLAMB's exchange
+        assert [s - l for s, l in zip(r["sent"][1:], r["ledger"][1:])] == [grad_bytes] * (STEPS - 2)
+    print(f"\naccelerate bytes/step/rank: plain {plain[0]['sent'][1:]} vs prepare {ours[0]['sent'][1:]}")
+
+
+@pytest.mark.parametrize("name", ["dgc", "onebit_lamb", "jointspar"])
+def test_every_optimizer_that_communicates_itself_sends_only_its_ledger(name):
+    res = _run(name=name)
+    for r in res:
+        assert r["sent"][1:] == r["ledger"][1:], (name, r["sent"], r["ledger"])
+
+
+def test_resume_from_save_state_ends_bit_exactly_and_the_saved_model_is_the_average():
+    with tempfile.TemporaryDirectory() as d:
+        full = _run(ckpt=os.path.join(d, "ckpt"))
+        resumed = _run(ckpt=os.path.join(d, "ckpt"), resume=True)
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(d, "ckpt", "model.safetensors"))
+        saved = {k.removeprefix("module."): v for k, v in saved.items()}
+    for f, r in zip(full, resumed):
+        assert torch.equal(f["params"], r["params"])
+    own = [r["at_save"] for r in full]
+    assert not all(torch.equal(own[0][k], own[1][k]) for k in own[0])  # the ranks had drifted apart
+    for k in own[0]:  # the saved model is the ranks' average, not rank 0's copy
+        assert torch.equal(saved[k], (own[0][k] + own[1][k]) / 2), k
+
+
+def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
+    res = _run(overflow_at=2)
+    assert [r["skipped"] for r in res] == [[False, False, True, False, False, False]] * 2
+    assert res[0]["stats"]["steps"] == res[1]["stats"]["steps"]
+
+
+def test_the_integrations_package_imports_no_framework():
+    import subprocess
+    import sys
+
+    code = ("import sys, slamb.integrations, slamb.integrations._common; "
+            "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
