@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import email
+import re
 import shutil
 import subprocess
 import sys
@@ -43,13 +44,19 @@ def test_wheel_declares_what_the_library_imports(wheel):
     meta = email.message_from_bytes(zf.read(meta_name))
     required = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert {r.split("=")[0].split(">")[0].strip() for r in required} == {"torch", "torchvision", "numpy"}
-    # the library's own modules import nothing beyond those (and the standard library)
-    third_party = set()
+    # the library imports nothing beyond those, except each framework integration its framework, which the
+    # `integrations` extra declares
+    extras = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if 'extra == "integrations"' in r]
+    declared = {re.split(r"[<>=!~ \[]", r)[0] for r in extras}
+    stdlib = set(sys.stdlib_module_names) | {"__future__", "slamb", ""}
     for name in zf.namelist():
-        if name.endswith(".py"):
-            for line in zf.read(name).decode().splitlines():
-                words = line.split()
-                if len(words) >= 2 and words[0] in ("import", "from") and not line.startswith((" ", "\t")):
-                    third_party.add(words[1].split(".")[0])
-    stdlib = set(sys.stdlib_module_names) | {"__future__"}
-    assert third_party - stdlib - {"slamb", ""} <= {"torch", "numpy"}
+        if not name.endswith(".py"):
+            continue
+        imported = set()
+        for line in zf.read(name).decode().splitlines():
+            words = line.strip().split()
+            if (words[:1] == ["import"] and len(words) >= 2) or (words[:1] == ["from"] and words[2:3] == ["import"]):
+                imported.add(words[1].split(".")[0])
+        allowed = {"torch", "numpy"} | (declared if name.startswith("slamb/integrations/") else set())
+        assert imported - stdlib <= allowed, (name, imported - stdlib - allowed)
+    assert {"transformers", "accelerate", "lightning"} <= declared
