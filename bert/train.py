@@ -58,15 +58,18 @@ def initial_model(cfg) -> torch.nn.Module:
 
 
 def batch_sums(out, batch: dict) -> torch.Tensor:
-    """(loss, MLM correct, MLM count, NSP correct, NSP count, 1) of one micro-batch."""
+    """(loss, MLM correct, MLM count, NSP correct, NSP count, 1) of one micro-batch.
+
+    No host synchronisation: the masked positions are counted with a mask instead of boolean indexing
+    (whose output size the host must learn), and the constants are filled on the device."""
     labels = batch["labels"]
     masked = labels != IGNORE_INDEX
-    mlm_hits = (out.prediction_logits[masked].argmax(-1) == labels[masked]).sum()
+    mlm_hits = ((out.prediction_logits.argmax(-1) == labels) & masked).sum()
     nsp = batch["next_sentence_label"]
     nsp_hits = (out.seq_relationship_logits.argmax(-1) == nsp).sum()
+    constant = lambda x: torch.full((), float(x), dtype=torch.float64, device=nsp.device)  # noqa: E731
     return torch.stack([out.loss.detach().double(), mlm_hits.double(), masked.sum().double(), nsp_hits.double(),
-                        torch.tensor(float(nsp.numel()), dtype=torch.float64, device=nsp.device),
-                        torch.ones((), dtype=torch.float64, device=nsp.device)])
+                        constant(nsp.numel()), constant(1)])
 
 
 def period_metrics(sums: torch.Tensor) -> dict:
@@ -107,7 +110,8 @@ def train(cfg: dict, run_dir: str) -> dict:
 
     model = initial_model(cfg).to(env.device)
     optimizer = ex.build_optimizer(model, plain["optimizer"])
-    model = slamb.wrap_model(model, optimizer)
+    # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
+    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, 1, cfg.steps)
     amp = MixedPrecision(t.precision, env.device, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -13,7 +13,7 @@ import torch
 from omegaconf import OmegaConf
 
 from bert import prepare_data as prep
-from bert.data import PretrainingStream, find_shards
+from bert.data import IGNORE_INDEX, PretrainingStream, find_shards
 from bert.model import build_model, parameter_count
 from bert.train import initial_model, train
 from bert.vocab import train_vocab
@@ -391,3 +391,37 @@ def test_every_bert_experiment_composes_and_builds(experiment):
     build_lr_scheduler(opt, cfg["schedule"], 1, cfg["steps"])
     assert cfg["trainer"]["precision"] in PRECISIONS and cfg["paper"]["row"] and cfg["name"] == f"bert_{experiment}"
     assert accumulation_steps(cfg["data"]["global_batch"], cfg["data"]["micro_batch"], 128) >= 1
+
+
+def test_batch_metrics_need_no_host_synchronisation():
+    """The per-micro-batch sums run no op whose output size or value the host must wait for on a GPU
+    (boolean indexing's nonzero, scalar reads, tensors made from host data), and count what indexing did."""
+    from types import SimpleNamespace
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bert.train import batch_sums
+
+    class Syncs(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default,
+                        torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default):
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 30, (4, 16), generator=g)
+    labels[torch.rand(4, 16, generator=g) < 0.8] = IGNORE_INDEX
+    out = SimpleNamespace(prediction_logits=torch.randn(4, 16, 30, generator=g),
+                          seq_relationship_logits=torch.randn(4, 2, generator=g), loss=torch.tensor(2.5))
+    batch = {"labels": labels, "next_sentence_label": torch.randint(0, 2, (4,), generator=g)}
+    mode = Syncs()
+    with mode:
+        sums = batch_sums(out, batch)
+    assert mode.seen == []
+    masked = labels != IGNORE_INDEX
+    hits = (out.prediction_logits[masked].argmax(-1) == labels[masked]).sum()
+    nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
+    assert sums.tolist() == [2.5, float(hits), float(masked.sum()), float(nsp_hits), 4.0, 1.0]
