@@ -152,56 +152,82 @@ def e2e_worker(rank, world, jobs):
     return out
 
 
-def test_every_optimizer_runs_end_to_end_on_two_workers(tiny_dir, tmp_path):
-    names = ("sgd", "lamb", "adamw", "jointspar", "slamb")
-    jobs = []
-    for name in names:
-        extra = SLAMB_TINY if name == "slamb" else [f"optimizer={name}"]
-        jobs.append((compose_cfg(*TINY, *TWO_EPOCHS, *extra, f"data.dir={tiny_dir}", "trainer.checkpoint.keep=2"),
-                     str(tmp_path / name)))
-    # the resume case: a copy of SLAMB's run directory as it was after its first epoch, resumed
-    jobs.append((jobs[-1][0], str(tmp_path / "slamb_resumed")))
-    results = distributed.run(e2e_worker, 2, jobs[:-1])
-    resumed_dir = tmp_path / "slamb_resumed"
-    shutil.copytree(tmp_path / "slamb", resumed_dir)
-    first, last = sorted((resumed_dir / "ckpt").glob("step*"))
+E2E_NAMES = ("sgd", "lamb", "adamw", "jointspar", "slamb")
+RESUMED = ("lamb", "slamb")  # a data-parallel row (its BatchNorm statistics are per rank) and SLAMB
+
+
+def resumed_copy(run_dir: Path, to: Path) -> Path:
+    """``run_dir`` as it was after its first epoch: the epoch-2 checkpoint and the summary removed."""
+    shutil.copytree(run_dir, to)
+    first, last = sorted((to / "ckpt").glob("step*"))
     shutil.rmtree(last)  # the resumed run must write its own
-    (resumed_dir / "ckpt" / "latest.json").write_text(json.dumps({"dir": first.name, "world_size": 2,
-                                                                   "epoch": 1, "step": 5, "resumed_from": []}))
-    (resumed_dir / "metrics.json").unlink()
-    resumed = distributed.run(e2e_worker, 2, jobs[-1:])
+    (to / "ckpt" / "latest.json").write_text(json.dumps({"dir": first.name, "world_size": 2,
+                                                         "epoch": 1, "step": 5, "resumed_from": []}))
+    (to / "metrics.json").unlink()
+    return to
 
-    param_bytes = 4 * sum(p.numel() for p in ResNetCifar(8, 4).parameters())
-    for name, rank0, rank1 in zip(names, *results):
-        run_dir = tmp_path / name
-        for f in ("config.yaml", "meta.json", "metrics.jsonl", "metrics.json", "ckpt/latest.json"):
-            assert (run_dir / f).is_file(), f
-        rows = history(run_dir)
-        assert [r["epoch"] for r in rows] == [1, 2] and [r["step"] for r in rows] == [5, 10]
-        assert all(0 <= r["test_top1"] <= 100 and np.isfinite(r["train_loss"]) for r in rows)
-        base_lr = jobs[names.index(name)][0]["optimizer"]["lr"]  # x0.1 after each epoch (milestones 1, 2)
-        assert [r["lr"] for r in rows] == pytest.approx([0.1 * base_lr, 0.01 * base_lr])
-        assert rank0["ledger_total"] == rank1["ledger_total"]  # every rank sends as much
-        summary = json.loads((run_dir / "metrics.json").read_text())
-        assert summary["bytes_total"] == rank0["ledger_total"] and summary["world_size"] == 2
-        assert rows[-1]["bytes_cum/all"] == summary["bytes_total"]["all"]
-        assert json.loads((run_dir / "meta.json").read_text())["git"]["commit"]
-        if name in ("sgd", "lamb", "adamw"):  # averaged gradients: every parameter's bytes once per step
-            assert rows[0]["bytes/grads"] == 5 * param_bytes and rows[1]["bytes_cum/all"] == 10 * param_bytes
-        if name == "jointspar":  # only the sampled layers' gradients (kappa 0.5 of them on average)
-            assert 0 < rows[1]["bytes_cum/grads"] < 10 * param_bytes
-    slamb_rows = history(tmp_path / "slamb")
-    assert [r["compress_ratio"] for r in slamb_rows] == [0.5, 0.5]  # the per-epoch warm-up
-    assert 0 < slamb_rows[-1]["bytes_cum/momentum"] < 10 * param_bytes
-    assert slamb_rows[-1]["bytes_cum/params"] == 4 * param_bytes  # model syncs after steps 1, 4, 7, 10
-    assert len(list((tmp_path / "slamb" / "ckpt").glob("step*/rank*.pt"))) == 4  # 2 kept x 2 ranks
 
-    # resumed from the epoch-1 checkpoint: the same epoch-2 numbers, bytes and weights as the uninterrupted run
-    assert_same_run(history(resumed_dir), slamb_rows)
-    assert resumed[0][0]["summary"]["resumed_from"] == [1]
+@pytest.fixture(scope="module")
+def e2e(tiny_dir, tmp_path_factory):
+    """Every row of E2E_NAMES for 2 epochs on 2 workers, and the RESUMED rows resumed after epoch 1."""
+    root = tmp_path_factory.mktemp("e2e")
+    cfgs = {name: compose_cfg(*TINY, *TWO_EPOCHS, *(SLAMB_TINY if name == "slamb" else [f"optimizer={name}"]),
+                              f"data.dir={tiny_dir}", "trainer.checkpoint.keep=2") for name in E2E_NAMES}
+    results = distributed.run(e2e_worker, 2, [(cfgs[n], str(root / n)) for n in E2E_NAMES])
+    resumed = distributed.run(e2e_worker, 2, [(cfgs[n], str(resumed_copy(root / n, root / f"{n}_resumed")))
+                                              for n in RESUMED])
+    return {"root": root, "cfgs": cfgs, "results": dict(zip(E2E_NAMES, zip(*results))),
+            "resumed": dict(zip(RESUMED, zip(*resumed)))}
+
+
+PARAM_BYTES = 4 * sum(p.numel() for p in ResNetCifar(8, 4).parameters())
+
+
+@pytest.mark.parametrize("name", E2E_NAMES)
+def test_every_row_writes_its_run_directory_schedule_and_bytes(e2e, name):
+    run_dir, (rank0, rank1) = e2e["root"] / name, e2e["results"][name]
+    for f in ("config.yaml", "meta.json", "metrics.jsonl", "metrics.json", "ckpt/latest.json"):
+        assert (run_dir / f).is_file(), f
+    rows = history(run_dir)
+    assert [r["epoch"] for r in rows] == [1, 2] and [r["step"] for r in rows] == [5, 10]
+    assert all(0 <= r["test_top1"] <= 100 and np.isfinite(r["train_loss"]) for r in rows)
+    base_lr = e2e["cfgs"][name]["optimizer"]["lr"]  # x0.1 after each epoch (milestones 1, 2)
+    assert [r["lr"] for r in rows] == pytest.approx([0.1 * base_lr, 0.01 * base_lr])
+    assert rank0["ledger_total"] == rank1["ledger_total"]  # every rank sends as much
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["bytes_total"] == rank0["ledger_total"] and summary["world_size"] == 2
+    assert rows[-1]["bytes_cum/all"] == summary["bytes_total"]["all"]
+    assert json.loads((run_dir / "meta.json").read_text())["git"]["commit"]
+
+
+def test_data_parallel_rows_send_the_gradients_and_jointspar_only_the_sampled_layers(e2e):
+    for name in ("sgd", "lamb", "adamw"):  # averaged gradients: every parameter's bytes once per step
+        rows = history(e2e["root"] / name)
+        assert rows[0]["bytes/grads"] == 5 * PARAM_BYTES and rows[1]["bytes_cum/all"] == 10 * PARAM_BYTES
+    rows = history(e2e["root"] / "jointspar")  # kappa 0.5 of the layers on average
+    assert 0 < rows[1]["bytes_cum/grads"] < 10 * PARAM_BYTES
+
+
+def test_slamb_row_warms_up_k_syncs_every_h_steps_and_keeps_per_rank_checkpoints(e2e):
+    rows = history(e2e["root"] / "slamb")
+    assert [r["compress_ratio"] for r in rows] == [0.5, 0.5]  # the per-epoch warm-up
+    assert 0 < rows[-1]["bytes_cum/momentum"] < 10 * PARAM_BYTES
+    assert rows[-1]["bytes_cum/params"] == 4 * PARAM_BYTES  # model syncs after steps 1, 4, 7, 10
+    assert len(list((e2e["root"] / "slamb" / "ckpt").glob("step*/rank*.pt"))) == 4  # 2 kept x 2 ranks
+
+
+@pytest.mark.parametrize("name", RESUMED)
+def test_resumed_after_epoch_one_ends_where_the_uninterrupted_run_ends(e2e, name):
+    """Same epoch-2 numbers (the averaged model's evaluation included), bytes and weights."""
+    root = e2e["root"]
+    assert_same_run(history(root / f"{name}_resumed"), history(root / name))
+    assert e2e["resumed"][name][0]["summary"]["resumed_from"] == [1]
     for r in range(2):
-        a = torch.load(tmp_path / "slamb/ckpt/step000000010" / f"rank{r}.pt", weights_only=False)["model"]
-        b = torch.load(resumed_dir / "ckpt/step000000010" / f"rank{r}.pt", weights_only=False)["model"]
+        for run in (name, f"{name}_resumed"):
+            assert (root / run / "ckpt/step000000010" / f"rank{r}.pt").is_file()
+        a, b = (torch.load(root / run / "ckpt/step000000010" / f"rank{r}.pt", weights_only=False)
+                for run in (name, f"{name}_resumed"))
+        a, b = (x.get("model") or x["buffers"] for x in (a, b))  # SLAMB: the rank's model; else its buffers
         assert all(torch.allclose(a[k].double(), b[k].double(), rtol=1e-5, atol=1e-6) for k in a)
 
 
