@@ -49,6 +49,14 @@ def recording_allreduce_hook(state: RecordingState, bucket: dist.GradBucket) -> 
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+def comm_hook(optimizer, process_group=None) -> tuple:
+    """``(state, hook)`` for a DDP around a model ``optimizer`` trains: its own hook, or for data-parallel
+    optimizers DDP's averaging all-reduce recorded in its ledger."""
+    if optimizer.communication == GRADIENT_ALLREDUCE:
+        return RecordingState(optimizer.ledger, process_group), recording_allreduce_hook
+    return optimizer.ddp_comm_hook()
+
+
 def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_kwargs) -> torch.nn.Module:
     """DDP around ``model`` with the gradient communication ``optimizer`` needs.
 
@@ -59,9 +67,5 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
     if comm.world_size(process_group) == 1 or optimizer.communication == NO_DDP:
         return model
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
-    if optimizer.communication == GRADIENT_ALLREDUCE:
-        state, hook = RecordingState(optimizer.ledger, process_group), recording_allreduce_hook
-    else:
-        state, hook = optimizer.ddp_comm_hook()
-    ddp.register_comm_hook(state, hook)
+    ddp.register_comm_hook(*comm_hook(optimizer, process_group))
     return ddp

@@ -8,8 +8,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
-from ..contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
-from ..ddp import RecordingState, recording_allreduce_hook
+from ..contract import NO_DDP, adopt
+from ..ddp import comm_hook
 
 
 def unwrap_optimizer(optimizer):
@@ -34,11 +34,7 @@ def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:
     if optimizer.communication == NO_DDP:
         raise ValueError(f"{type(optimizer).__name__} has communication='no_ddp': the model must not be wrapped in "
                          "DDP, pass the plain model (the integration does so when it builds the wrapping)")
-    if optimizer.communication == GRADIENT_ALLREDUCE:
-        state, hook = RecordingState(optimizer.ledger, ddp.process_group), recording_allreduce_hook
-    else:
-        state, hook = optimizer.ddp_comm_hook()
-    ddp.register_comm_hook(state, hook)
+    ddp.register_comm_hook(*comm_hook(optimizer, ddp.process_group))
 
 
 def local_model_file(directory) -> Path:
