@@ -71,11 +71,6 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
 
 
-def params_differ_across_ranks(optimizer) -> bool:
-    """True for optimizers that update each rank's parameters from local data (SLAMB between syncs)."""
-    return optimizer.params_differ
-
-
 def lookup(cfg, dotted: str, default=None):
     """``cfg["a"]["b"]`` for ``"a.b"`` in a dict or DictConfig, ``default`` where a level is missing."""
     node = cfg
@@ -209,7 +204,7 @@ class Checkpointer:
 def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, scheduler=None, extra=None) -> Path:
     """Checkpoint a training loop: model, optimizer (+ ledger), scheduler, RNG streams, progress."""
     model_sd = unwrap(model).state_dict()
-    per_rank_model = params_differ_across_ranks(optimizer)
+    per_rank_model = optimizer.params_differ  # the contract: SLAMB between syncs
     shared = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra}
     per_rank = {"optimizer": optimizer.state_dict(), "ledger": optimizer.ledger.state_dict(), "rng": rng_state()}
     (per_rank if per_rank_model else shared)["model"] = model_sd
