@@ -113,7 +113,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, 1, cfg.steps)
-    amp = MixedPrecision(t.precision, env.device, **cfg.loss_scale)
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,

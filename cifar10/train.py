@@ -63,7 +63,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     model = build_model(cfg.model).to(env.device)
     optimizer = ex.build_optimizer(model, plain["optimizer"])
     params = [p for p in model.parameters() if p.requires_grad]
-    amp = MixedPrecision(t.precision, env.device)
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
