@@ -118,12 +118,12 @@ def _tensors(obj, scratch=False, depth=0, limit=5):
         yield obj, scratch
     elif depth < limit and isinstance(obj, dict):
         for k, v in obj.items():
-            yield from _tensors(v, scratch or k in SCRATCH, depth + 1)
+            yield from _tensors(v, scratch or k in SCRATCH, depth + 1, limit)
     elif depth < limit and isinstance(obj, (list, tuple)):
         for v in obj:
-            yield from _tensors(v, scratch, depth + 1)
+            yield from _tensors(v, scratch, depth + 1, limit)
     elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
-        yield from _tensors(vars(obj), scratch, depth + 1)
+        yield from _tensors(vars(obj), scratch, depth + 1, limit)
 
 
 def state_bytes(opt, params, scratch: bool = False) -> int:
