@@ -1,6 +1,7 @@
 """What a GPU run depends on, tested on the CPU: masks that are a pure function of
 (seed, step, k, position), overlap under loss scaling and clipping (and the
-harness's fp16 telling it the scale), the fp16 exchange at large n, host synchronisations in a step, 1-bit LAMB under fp16."""
+harness's fp16 telling it the scale), the fp16 exchange at large n, host
+synchronisations in a step, 1-bit LAMB under fp16."""
 from __future__ import annotations
 
 import collections
