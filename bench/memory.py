@@ -41,7 +41,6 @@ from pathlib import Path
 
 import torch
 
-from bench.optimizer_step import _tensors
 from bench.shapes import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +65,20 @@ def rows() -> dict:
     return out
 
 
+def _tensors(obj, depth: int = 0, limit: int = 8):
+    """Every tensor reachable from ``obj`` through dicts, lists, tuples and object attributes."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif depth < limit and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v, depth + 1, limit)
+    elif depth < limit and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v, depth + 1, limit)
+    elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        yield from _tensors(vars(obj), depth + 1, limit)
+
+
 def _storages(tensors, exclude=()) -> dict[int, int]:
     """data pointer -> bytes of each distinct storage among ``tensors`` (not in ``exclude``)."""
     out = {}
@@ -82,11 +95,11 @@ def counted_bytes(opt, params) -> dict:
     """Bytes of the optimizer's ``state_dict()`` tensors (state) and of its other tensor attributes
     (scratch), each storage once, parameters and gradients excluded."""
     own = _storages([p for p in params] + [p.grad for p in params if p.grad is not None])
-    state = _storages((t for t, _ in _tensors(opt.state_dict(), limit=8)), own)
+    state = _storages(_tensors(opt.state_dict()), own)
     # the live state (``opt.state``) may be views into flat buffers that ``state_dict()`` does not return
-    live = _storages((t for t, _ in _tensors(dict(opt.state), limit=8)), own)
+    live = _storages(_tensors(dict(opt.state)), own)
     internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")}
-    scratch = _storages((t for t, _ in _tensors(internals, limit=8)), {**own, **state, **live})
+    scratch = _storages(_tensors(internals), {**own, **state, **live})
     return {"state": sum({**state, **live}.values()), "scratch": sum(scratch.values())}
 
 

@@ -15,10 +15,10 @@ and from it the floor: 7 fp32 words per parameter moved (read p, g, m, v;
 write p, m, v). Rows with ``fused=True`` appear where the optimizers take it.
 Memory, from one fresh process per optimizer:
 
-* state: bytes of every tensor the optimizer keeps between steps (its
-  ``state`` and internal buffers such as SLAMB v1's cut permutation), in fp32
-  words per parameter, without its scratch;
-* scratch: buffers kept between steps only to be reused (SLAMB's ``_work``);
+* state: bytes of the tensors of the optimizer's ``state_dict()`` (and the
+  live state they are views of), in fp32 words per parameter;
+* scratch: the other tensors it keeps between steps (SLAMB's update buffers,
+  its mask's buffers and the next step's draw, v1's cut permutation);
 * peak: the highest memory during the timed steps beyond parameters, gradients,
   state and scratch (CUDA: ``max_memory_allocated``; CPU: peak RSS in a second
   process where glibc hands every large block back, so freed temporaries leave
@@ -30,9 +30,9 @@ targets of the fused steps computed as met or missed from the measured rows.
 from __future__ import annotations
 
 import argparse
-import math
 import importlib.util
 import inspect
+import math
 import os
 import platform
 import resource
@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from bench.memory import counted_bytes
 from bench.shapes import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -107,40 +108,6 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# buffers kept between steps only to be reused or recomputable, at any depth (SLAMB's update buffers and
-# their views, the next step's drawn mask, the mask policies' buffers and hashed counters)
-SCRATCH = ("_work", "_work_views", "_buf", "_scratch", "_counters", "_drawn")
-
-
-def _tensors(obj, scratch=False, depth=0, limit=5):
-    """(tensor, is scratch) for every tensor reachable from ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        yield obj, scratch
-    elif depth < limit and isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, scratch or k in SCRATCH, depth + 1, limit)
-    elif depth < limit and isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v, scratch, depth + 1, limit)
-    elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
-        yield from _tensors(vars(obj), scratch, depth + 1, limit)
-
-
-def state_bytes(opt, params, scratch: bool = False) -> int:
-    own = {p.untyped_storage().data_ptr() for p in params}
-    seen, total = set(), 0
-    internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state")}
-    tensors = [t for t, is_scratch in _tensors({"state": dict(opt.state), "internals": internals})
-               if is_scratch == scratch]
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or ptr in own or t.device.type == "meta":
-            continue
-        seen.add(ptr)
-        total += t.untyped_storage().nbytes()
-    return total
-
-
 def _model_params(shapes, dev: torch.device) -> list[torch.nn.Parameter]:
     """Parameters of the given shapes, filled with the same numbers every time, with gradients."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -185,8 +152,8 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    queue.put({"state_words": state_bytes(opt, params) / (4 * numel),
-               "scratch_words": state_bytes(opt, params, scratch=True) / (4 * numel),
+    counted = counted_bytes(opt, params)
+    queue.put({"state_words": counted["state"] / (4 * numel), "scratch_words": counted["scratch"] / (4 * numel),
                "peak_words": max(peak, 0) / (4 * numel)})
 
 
@@ -346,10 +313,11 @@ def render(rows, device: str) -> str:
             "Rows: `lamb`, `slamb_*` are this package's (`*_fused`: `fused=True`, present only where the "
             "optimizers take it); `adamw_foreach` / `adamw_fused` are torch's AdamW; `timm_lamb` is timm's "
             "`Lamb` (with its default global gradient-norm clipping).",
-            "slamb_v1's state includes its int16 staleness counter and its cut permutation (int16 gaps).",
-            "Scratch: buffers kept between steps only to be reused (SLAMB's update buffers, its mask policy's "
-            "k N doubles) instead of allocating the temporaries afresh each step; LAMB and AdamW allocate "
-            "theirs each step, as torch's foreach optimizers do, and their peak shows it.",
+            "State: the tensors of `state_dict()` (and the live state they are views of); slamb_v1's includes "
+            "its int16 staleness counter. Scratch: the other tensors an optimizer keeps between steps (counted "
+            "as `bench.memory` counts them): SLAMB's update buffers, its mask's buffers and next draw, v1's cut "
+            "permutation (int16 gaps), kept instead of allocating the temporaries afresh each step; LAMB and "
+            "AdamW allocate theirs each step, as torch's foreach optimizers do, and their peak shows it.",
             "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the "
             "one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), "
             "not a per-step cost.",
