@@ -124,27 +124,27 @@ class Resident:
         return self._read()["VmHWM"]
 
 
-def _small_bert():
+def _small_bert(config: dict):
     from transformers import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
-    return BertForPreTraining(BertConfig(**SMALL_BERT))
+    return BertForPreTraining(BertConfig(**config))
 
 
-def _backward(model, rank: int, step: int) -> None:
+def _backward(model, vocab_size: int, rank: int, step: int) -> None:
     gen = torch.Generator().manual_seed(1000 * rank + step)
-    ids = torch.randint(0, SMALL_BERT["vocab_size"], (2, 32), generator=gen)
+    ids = torch.randint(0, vocab_size, (2, 32), generator=gen)
     out = model(input_ids=ids, labels=ids, next_sentence_label=torch.zeros(2, dtype=torch.long))
     out.loss.backward()
 
 
-def measure(rank: int, world: int, row: str, folder: str) -> dict:
+def measure(rank: int, world: int, row: str, folder: str, config: dict = SMALL_BERT) -> dict:
     """One row on one rank of a gloo group: counted bytes, DDP's buckets, and the measured transients."""
     import slamb
 
     name, settings = rows()[row]
     res = Resident()
-    model = _small_bert()
+    model = _small_bert(config)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     build = lambda: slamb.create_optimizer(name, model.parameters(), lr=1e-3, weight_decay=0.01,  # noqa: E731
@@ -153,7 +153,7 @@ def measure(rank: int, world: int, row: str, folder: str) -> dict:
     ddp = slamb.wrap_model(model, opt)
     out = {"numel": numel, "ddp": ddp is not model,
            "bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False))}
-    _backward(ddp, rank, 1)
+    _backward(ddp, config["vocab_size"], rank, 1)
 
     def timed_step(key: str) -> None:
         res.reset()
@@ -164,10 +164,10 @@ def measure(rank: int, world: int, row: str, folder: str) -> dict:
     timed_step("first")  # builds the state; SLAMB averages the parameters after it (a sync step)
     for step in range(2, 5):  # 1-bit LAMB leaves its warm-up (freeze_step=2): the compressed stage's state
         opt.zero_grad(set_to_none=False)
-        _backward(ddp, rank, step)
+        _backward(ddp, config["vocab_size"], rank, step)
         opt.step()
     opt.zero_grad(set_to_none=False)
-    _backward(ddp, rank, 5)
+    _backward(ddp, config["vocab_size"], rank, 5)
     timed_step("later")
     out.update(counted_bytes(opt, params))
     path = os.path.join(folder, f"opt{rank}.pt")
@@ -183,7 +183,7 @@ def measure(rank: int, world: int, row: str, folder: str) -> dict:
     return out
 
 
-def measure_rows(names=None) -> dict[str, dict]:
+def measure_rows(names=None, config: dict = SMALL_BERT) -> dict[str, dict]:
     """Every row, each in a fresh gloo group of 2 processes; bytes per parameter averaged over the ranks."""
     from harness.local import run_local
 
@@ -193,7 +193,7 @@ def measure_rows(names=None) -> dict[str, dict]:
         out = {}
         for row in names or rows():
             with tempfile.TemporaryDirectory() as folder:
-                ranks = run_local(measure, 2, row, folder)
+                ranks = run_local(measure, 2, row, folder, config)
             numel = ranks[0]["numel"]
             per = {k: sum(r[k] for r in ranks) / len(ranks) / numel
                    for k in ("state", "scratch", "first", "later", "resume")}

@@ -2,6 +2,7 @@
 peak it measures, and the per-GPU arithmetic of its tables."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import slamb
@@ -75,3 +76,21 @@ def test_rows_include_fused_slamb_only_where_it_takes_fused():
 
     assert {"lamb", "onebit_lamb", "slamb_v2", "slamb_v1"} <= set(memory.rows())
     assert ("slamb_v2_fused" in memory.rows()) == ("fused" in inspect.signature(SLAMB).parameters)
+
+
+def test_two_rank_measurement_of_the_real_optimizers():
+    """The page's measuring run on a tiny BERT in a 2-rank gloo group: state per parameter as counted
+    above, DDP's bucket view read from the DDP that wrap_model builds, transients that are not negative."""
+    from transformers import BertConfig, BertForPreTraining
+
+    tiny_bert = dict(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
+    tensors = len(list(BertForPreTraining(BertConfig(**tiny_bert)).parameters()))
+    got = memory.measure_rows(["lamb", "slamb_v2"], tiny_bert)
+    numel = got["lamb"]["numel"]
+    assert got["lamb"]["state"] * numel == pytest.approx(2 * 4 * numel + 4 * tensors)  # m, v; step counters
+    assert got["slamb_v2"]["state"] == 12.0
+    assert got["slamb_v2"]["scratch"] >= 4.0  # its update buffer at least
+    for row in got.values():
+        assert row["ddp"] is True and isinstance(row["bucket_view"], bool)
+        assert min(row["first"], row["later"], row["resume"]) >= 0
