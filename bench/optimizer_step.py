@@ -1,6 +1,7 @@
 """Step time and memory of one optimizer step, world size 1.
 
     python -m bench.optimizer_step [--models bert_base resnet110] [--steps N] [--device cpu]
+    python -m bench.optimizer_step --quick        # ResNet-110, 10 steps, written to runs/bench/
 
 Parameters and gradients of each model's real shapes. Step time: all
 optimizers of a model live in one process, each on its own copy of the
@@ -8,41 +9,98 @@ parameters, and take their timed steps in turn (in rotated order), after a few
 warm-up steps. A shared machine's speed drifts by tens of percent within
 minutes, which made separate runs disagree on the ratios; an optimizer's step
 and the LAMB step beside it see the same machine, so the table gives the
-median of those paired ratios. Memory, from one fresh process per optimizer:
+median of those paired ratios. Beside them, in the same rotation, an in-place
+``add_`` over a flat buffer of the model's size gives the memory bandwidth,
+and from it the floor: 7 fp32 words per parameter moved (read p, g, m, v;
+write p, m, v). Rows with ``fused=True`` appear where the optimizers take it.
+Memory, from one fresh process per optimizer:
 
-* state: bytes of every tensor the optimizer keeps between steps (its
-  ``state`` and internal buffers such as SLAMB v1's cut permutation), in fp32
-  words per parameter, without its scratch;
-* scratch: buffers kept between steps only to be reused (SLAMB's ``_work``);
+* state: bytes of the tensors of the optimizer's ``state_dict()`` (and the
+  live state they are views of), in fp32 words per parameter;
+* scratch: the other tensors it keeps between steps (SLAMB's update buffers,
+  its mask's buffers and the next step's draw, v1's cut permutation);
 * peak: the highest memory during the timed steps beyond parameters, gradients,
   state and scratch (CUDA: ``max_memory_allocated``; CPU: peak RSS in a second
   process where glibc hands every large block back, so freed temporaries leave
   the RSS; the step time is measured with glibc's default behaviour).
 
-Writes ``results/bench/optimizer_step.md`` (or ``--out``).
+Writes ``results/bench/optimizer_step.md`` (``--quick``: ``runs/bench/``; or ``--out``), with the
+targets of the fused steps computed as met or missed from the measured rows.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
+import math
 import os
 import platform
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
 
+from bench.memory import counted_bytes
 from bench.shapes import MODELS
 
-OPTIMIZERS = {
-    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
-    "lamb": lambda p: __import__("slamb").LAMB(p, lr=1e-3, weight_decay=0.01),
-    "slamb_v1": lambda p: __import__("slamb").SLAMB(p, lr=1e-3, weight_decay=0.01, variant="v1"),
-    "slamb_v2": lambda p: __import__("slamb").SLAMB(p, lr=1e-3, weight_decay=0.01, variant="v2"),
-    "slamb_v2_nocheck": lambda p: __import__("slamb").SLAMB(p, lr=1e-3, weight_decay=0.01, variant="v2",
-                                                            nonfinite="ignore"),
-}
+ROOT = Path(__file__).resolve().parents[1]
+FULL_OUT, SCRATCH_OUT = ROOT / "results" / "bench" / "optimizer_step.md", ROOT / "runs" / "bench" / "optimizer_step.md"
+
+def _accepts(cls, name: str) -> bool:
+    return name in inspect.signature(cls).parameters
+
+
+def _slamb(variant: str, **kw):
+    return lambda p: __import__("slamb").SLAMB(p, lr=1e-3, weight_decay=0.01, variant=variant, **kw)
+
+
+def _timm_lamb(p):
+    from timm.optim import Lamb
+
+    return Lamb(p, lr=1e-3, weight_decay=0.01)
+
+
+def optimizers() -> dict:
+    """Every row this build can run: the fused rows only where the optimizers take ``fused``."""
+    import slamb
+
+    rows = {
+        "lamb": lambda p: slamb.LAMB(p, lr=1e-3, weight_decay=0.01),
+        "lamb_fused": lambda p: slamb.LAMB(p, lr=1e-3, weight_decay=0.01, fused=True),
+        "adamw_foreach": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, foreach=True),
+        "adamw_fused": lambda p: torch.optim.AdamW(p, lr=1e-3, weight_decay=0.01, fused=True),
+        "timm_lamb": _timm_lamb,
+        "slamb_v1": _slamb("v1"),
+        "slamb_v2": _slamb("v2"),
+        "slamb_v2_nocheck": _slamb("v2", nonfinite="ignore"),
+        "slamb_v1_fused": _slamb("v1", fused=True),
+        "slamb_v2_fused": _slamb("v2", fused=True),
+    }
+    if not _accepts(slamb.LAMB, "fused"):
+        del rows["lamb_fused"]
+    if not _accepts(slamb.SLAMB, "fused"):
+        del rows["slamb_v1_fused"], rows["slamb_v2_fused"]
+    if importlib.util.find_spec("timm") is None:
+        del rows["timm_lamb"]
+    return rows
+
+
+# The memory-bandwidth floor of an Adam-type step: read p, g, m, v and write p, m, v, in fp32
+FLOOR_WORDS = 7
+FLOOR = "floor"
+
+
+def floor_bytes(numel: int) -> int:
+    return FLOOR_WORDS * 4 * numel
+
+
+def floor_seconds(add_seconds: float, numel: int) -> float:
+    """The floor's time at the bandwidth of an in-place ``add_`` of a scalar over ``numel`` fp32 words
+    (each read once and written once: 8 bytes per word)."""
+    return floor_bytes(numel) * add_seconds / (8 * numel)
 
 
 def _rss_bytes() -> int:
@@ -50,56 +108,25 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-# buffers kept between steps only to be reused, at any depth (SLAMB's update buffers and their
-# views, the mask policy's float64 buffer)
-SCRATCH = ("_work", "_work_views", "_buf")
-
-
-def _tensors(obj, scratch=False, depth=0, limit=5):
-    """(tensor, is scratch) for every tensor reachable from ``obj``."""
-    if isinstance(obj, torch.Tensor):
-        yield obj, scratch
-    elif depth < limit and isinstance(obj, dict):
-        for k, v in obj.items():
-            yield from _tensors(v, scratch or k in SCRATCH, depth + 1)
-    elif depth < limit and isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v, scratch, depth + 1)
-    elif depth < limit and hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Parameter, type)):
-        yield from _tensors(vars(obj), scratch, depth + 1)
-
-
-def state_bytes(opt, params, scratch: bool = False) -> int:
-    own = {p.untyped_storage().data_ptr() for p in params}
-    seen, total = set(), 0
-    internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state")}
-    tensors = [t for t, is_scratch in _tensors({"state": dict(opt.state), "internals": internals})
-               if is_scratch == scratch]
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or ptr in own or t.device.type == "meta":
-            continue
-        seen.add(ptr)
-        total += t.untyped_storage().nbytes()
-    return total
-
-
-def _model_params(model: str, dev: torch.device) -> list[torch.nn.Parameter]:
-    """The model's parameter shapes, filled with the same numbers every time, with gradients."""
+def _model_params(shapes, dev: torch.device) -> list[torch.nn.Parameter]:
+    """Parameters of the given shapes, filled with the same numbers every time, with gradients."""
     gen = torch.Generator(device=dev).manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=dev) * 0.02) for s in MODELS[model]()]
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen, device=dev) * 0.02) for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen, device=dev)
     return params
 
 
-def _timed_step(opt, cuda: bool) -> float:
-    if cuda:
-        torch.cuda.synchronize()
+def _sync(dev: torch.device) -> None:
+    if dev.type != "cpu":
+        torch.accelerator.synchronize()
+
+
+def _timed(fn, dev: torch.device) -> float:
+    _sync(dev)
     start = time.perf_counter()
-    opt.step()
-    if cuda:
-        torch.cuda.synchronize()
+    fn()
+    _sync(dev)
     return time.perf_counter() - start
 
 
@@ -107,9 +134,9 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
     """Runs in its own process, so that its memory figures are its own."""
     torch.set_num_threads(os.cpu_count() or 1)
     dev = torch.device(device)
-    params = _model_params(model, dev)
+    params = _model_params(MODELS[model](), dev)
     numel = sum(p.numel() for p in params)
-    opt = OPTIMIZERS[optimizer](params)
+    opt = optimizers()[optimizer](params)
     for _ in range(3):
         opt.step()
     cuda = dev.type == "cuda"
@@ -120,35 +147,69 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
     else:
         base = _rss_bytes()
     for _ in range(3):
-        _timed_step(opt, cuda)
+        _timed(opt.step, dev)
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    queue.put({"numel": numel, "state_words": state_bytes(opt, params) / (4 * numel),
-               "scratch_words": state_bytes(opt, params, scratch=True) / (4 * numel),
+    counted = counted_bytes(opt, params)
+    queue.put({"state_words": counted["state"] / (4 * numel), "scratch_words": counted["scratch"] / (4 * numel),
                "peak_words": max(peak, 0) / (4 * numel)})
 
 
-def measure_times(model: str, optimizers: list[str], steps: int, device: str, queue) -> None:
-    """Every optimizer on its own copy of the parameters in one process, stepped in turn (in rotated order).
+def measure_times(shapes, names: list[str], steps: int, device: str) -> dict[str, list[float]]:
+    """Seconds of each timed step of every optimizer in ``names``, each on its own copy of parameters of
+    ``shapes``, stepped in turn (in rotated order) after 3 warm-up steps; under ``FLOOR``, an in-place
+    ``add_`` of a scalar over a flat fp32 buffer of the same size, timed in the same rotation.
 
     A shared machine's speed drifts by tens of percent within minutes; steps of different optimizers
     taken back to back see the same machine, so their ratio is the figure to trust."""
-    torch.set_num_threads(os.cpu_count() or 1)
     dev = torch.device(device)
-    cuda = dev.type == "cuda"
-    opts = {}
-    for name in optimizers:
-        opts[name] = OPTIMIZERS[name](_model_params(model, dev))
+    build = optimizers()
+    numel = sum(math.prod(s) for s in shapes)
+    flat = torch.zeros(numel, device=dev)
+    work = {FLOOR: lambda: flat.add_(1.0)}
+    for name in names:
+        opt = build[name](_model_params(shapes, dev))
         for _ in range(3):
-            opts[name].step()
-    times = {name: [] for name in optimizers}
+            opt.step()
+        work[name] = opt.step
+    order = list(work)
+    times = {name: [] for name in order}
     for i in range(steps):
-        k = i % len(optimizers)
-        for name in optimizers[k:] + optimizers[:k]:
-            times[name].append(_timed_step(opts[name], cuda))
-    queue.put(times)
+        k = i % len(order)
+        for name in order[k:] + order[:k]:
+            times[name].append(_timed(work[name], dev))
+    return times
+
+
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, med, q3 = statistics.quantiles(values, n=4)
+    return q1, statistics.median(values), q3
+
+
+def summarize(times: dict[str, list[float]], numel: int) -> list[dict]:
+    """Rows from paired timings: each optimizer's median step, and the quartiles of its step over the
+    LAMB step and over the floor (``floor_seconds`` of the ``add_`` pass) taken in the same round; the
+    floor's own row first."""
+    floor = [floor_seconds(t, numel) for t in times[FLOOR]]
+    series = {FLOOR: floor, **{k: v for k, v in times.items() if k != FLOOR}}
+    rows = []
+    for name, ts in series.items():
+        rows.append({"optimizer": name, "numel": numel, "ms": 1e3 * statistics.median(ts),
+                     "vs_lamb": _quartiles([t / b for t, b in zip(ts, times["lamb"])]),
+                     "vs_floor": _quartiles([t / f for t, f in zip(ts, floor)]),
+                     "paired": {other: _quartiles([t / b for t, b in zip(ts, times[other])])
+                                for other in ("lamb_fused",) if other in times and other != name}})
+    rows[0].update(bytes=floor_bytes(numel), gb_per_s=8 * numel / statistics.median(times[FLOOR]) / 1e9)
+    return rows
+
+
+def _times_in_child(model, names, steps, device, queue) -> None:
+    torch.set_num_threads(os.cpu_count() or 1)
+    queue.put(measure_times(MODELS[model](), names, steps, device))
 
 
 def _spawn(target, args, env: dict):
@@ -167,75 +228,133 @@ def _spawn(target, args, env: dict):
     return result
 
 
-def run_model(model: str, optimizers: list[str], steps: int, device: str) -> list[dict]:
+def run_model(model: str, names: list[str], steps: int, device: str) -> list[dict]:
     """Rows of one model: step times from the interleaved run, memory from one process per optimizer."""
-    times = _spawn(measure_times, (model, optimizers, steps, device), {})
+    times = _spawn(_times_in_child, (model, names, steps, device), {})
+    numel = sum(math.prod(s) for s in MODELS[model]())
     # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here)
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if device == "cpu" else {}
     rows = []
-    for name in optimizers:
-        mem = _spawn(measure_memory, (model, name, device), env)
-        ratios = [t / base for t, base in zip(times[name], times["lamb"])]
-        rows.append({"model": model, "optimizer": name, **mem, "ms": 1e3 * statistics.median(times[name]),
-                     "vs_lamb": ratios})
+    for row in summarize(times, numel):
+        mem = {} if row["optimizer"] == FLOOR else _spawn(measure_memory, (model, row["optimizer"], device), env)
+        rows.append({"model": model, "steps": steps, **row, **mem})
     return rows
+
+
+# The targets of the fused steps, checked against the measured rows: (what, row, measured value, limit)
+TARGETS = (
+    ("fused SLAMB v2 step / floor", "slamb_v2_fused", lambda r: r["vs_floor"][1], 2.5),
+    ("fused SLAMB v1 step / floor", "slamb_v1_fused", lambda r: r["vs_floor"][1], 3.0),
+    ("fused LAMB step / floor", "lamb_fused", lambda r: r["vs_floor"][1], 1.5),
+    ("fused SLAMB v2 step / fused LAMB step", "slamb_v2_fused", lambda r: r["paired"]["lamb_fused"][1], 1.3),
+    ("fused SLAMB v1 step / fused LAMB step", "slamb_v1_fused", lambda r: r["paired"]["lamb_fused"][1], 1.3),
+    ("fused SLAMB v2 state (words/param)", "slamb_v2_fused", lambda r: r["state_words"], 2.5),
+    ("fused SLAMB v1 state (words/param)", "slamb_v1_fused", lambda r: r["state_words"], 2.5),
+)
+
+
+def targets(rows) -> list[dict]:
+    """Each target per model: the measured value and met / missed, or not measured where this build has
+    no such row."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        have = {r["optimizer"]: r for r in rows if r["model"] == model}
+        for what, name, value, limit in TARGETS:
+            try:
+                v = value(have[name])
+            except KeyError:
+                out.append({"model": model, "target": what, "limit": limit, "value": None, "verdict": "not measured"})
+                continue
+            out.append({"model": model, "target": what, "limit": limit, "value": v,
+                        "verdict": "met" if v <= limit else "missed"})
+    return out
+
+
+def _q(q) -> str:
+    return f"{q[1]:.2f}x ({q[0]:.2f}-{q[2]:.2f})"
 
 
 def render(rows, device: str) -> str:
     steps = ", ".join(f"{r['steps']} ({r['model']})" for r in rows if r["optimizer"] == "lamb")
+    floor = {r["model"]: r for r in rows if r["optimizer"] == FLOOR}
     out = [
         "# Optimizer step: time and memory (world size 1)",
         "",
         f"Generated by `python -m bench.optimizer_step` on {device} "
         f"({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}). "
         f"Step: median of {steps} timed steps per optimizer, after 3 warm-up steps. All optimizers of a model "
-        "run in one process, each on its own copy of the parameters, and step in turn, so that each step of an optimizer has a "
-        "LAMB step beside it on the same (shared, drifting) machine: vs LAMB is the median of those paired "
-        "ratios, with their quartiles. fp32 parameters with the real shapes of each model; memory is measured "
-        "with each optimizer in its own process. State and peak are in fp32 words per parameter, beyond the "
-        "parameter and its gradient; peak counts the step's temporaries above the resident state.",
+        "run in one process, each on its own copy of the parameters, and step in turn, so that each step of "
+        "an optimizer has a LAMB step and a floor pass beside it on the same (shared, drifting) machine: "
+        "vs LAMB and vs floor are the medians of those paired ratios, with their quartiles. fp32 parameters "
+        "with the real shapes of each model; memory is measured with each optimizer in its own process. "
+        "State and peak are in fp32 words per parameter, beyond the parameter and its gradient; peak counts "
+        "the step's temporaries above the resident state.",
         "",
-        "| model | parameters | optimizer | step (ms) | vs LAMB | state (words/param) | scratch (words/param) "
-        "| peak extra (words/param) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|",
+        f"Floor: the memory traffic an Adam-type step cannot avoid, {FLOOR_WORDS} fp32 words per parameter "
+        "(read p, g, m, v; write p, m, v), at the bandwidth of an in-place `add_` of a scalar over a flat "
+        "fp32 buffer of the model's size (8 bytes per word), timed in the same rotation: "
+        + "; ".join(f"{m} {r['bytes'] / 1e9:.2f} GB at {r['gb_per_s']:.1f} GB/s" for m, r in floor.items()) + ".",
+        "",
+        "| model | parameters | optimizer | step (ms) | vs LAMB | vs floor | state (words/param) "
+        "| scratch (words/param) | peak extra (words/param) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        q1, med, q3 = statistics.quantiles(r["vs_lamb"], n=4)
+        mem = (["-"] * 3 if r["optimizer"] == FLOOR
+               else [f"{r[k]:.2f}" for k in ("state_words", "scratch_words", "peak_words")])
         out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
-                   f"{med:.2f}x ({q1:.2f}-{q3:.2f}) | {r['state_words']:.2f} | {r['scratch_words']:.2f} | "
-                   f"{r['peak_words']:.2f} |")
-    out += ["", "Targets: SLAMB step <= 1.3x the LAMB step; SLAMB state <= 3 fp32 words per parameter.",
-            "slamb_v1's state includes its int16 staleness counter and its cut permutation (int16 gaps).",
-            "Scratch: SLAMB keeps one model-sized buffer (v1: two) and its mask policy's k N doubles between "
-            "steps instead of allocating its temporaries afresh each step (on the CPU a fresh model-sized "
-            "buffer costs more in page faults than the arithmetic done in it); LAMB and AdamW allocate theirs "
-            "each step, as torch's foreach optimizers do, and their peak shows it.",
-            "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), not a per-step cost.",
+                   f"{_q(r['vs_lamb'])} | {_q(r['vs_floor'])} | {' | '.join(mem)} |")
+    out += ["", "## Targets", "", "Computed from the rows above (medians of the paired ratios).", "",
+            "| model | target | limit | measured | |", "|---|---|---:|---:|---|"]
+    for t in targets(rows):
+        value = "-" if t["value"] is None else f"{t['value']:.2f}"
+        out.append(f"| {t['model']} | {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
+    out += ["",
+            "Rows: `lamb`, `slamb_*` are this package's (`*_fused`: `fused=True`, present only where the "
+            "optimizers take it); `adamw_foreach` / `adamw_fused` are torch's AdamW; `timm_lamb` is timm's "
+            "`Lamb` (with its default global gradient-norm clipping).",
+            "State: the tensors of `state_dict()` (and the live state they are views of); slamb_v1's includes "
+            "its int16 staleness counter. Scratch: the other tensors an optimizer keeps between steps (counted "
+            "as `bench.memory` counts them): SLAMB's update buffers, its mask's buffers and next draw, v1's cut "
+            "permutation (int16 gaps), kept instead of allocating the temporaries afresh each step; LAMB and "
+            "AdamW allocate theirs each step, as torch's foreach optimizers do, and their peak shows it.",
+            "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the "
+            "one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), "
+            "not a per-step cost.",
             "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.", ""]
     return "\n".join(out)
 
 
-def main() -> None:
+def main(argv=None) -> None:
+    rows_here = optimizers()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["bert_base", "resnet110"], choices=sorted(MODELS))
-    parser.add_argument("--optimizers", nargs="+", default=list(OPTIMIZERS), choices=list(OPTIMIZERS))
+    parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
+    parser.add_argument("--optimizers", nargs="+", default=list(rows_here), choices=list(rows_here))
     parser.add_argument("--steps", type=int, default=None,
                         help="timed steps per optimizer (default: 40 for BERT-Base, 200 for smaller models)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
+    parser.add_argument("--device", default=torch.accelerator.current_accelerator().type
+                        if torch.accelerator.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true",
+                        help="ResNet-110 only, 10 steps; written to runs/bench/ unless --out is given")
+    parser.add_argument("--out", default=None,
+                        help="the page to write (default: results/bench/optimizer_step[_<device>].md; "
+                             "runs/bench/ for --quick)")
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error(f"invalid --steps={args.steps}: must be >= 1")
+    models = args.models or (["resnet110"] if args.quick else ["bert_base", "resnet110"])
+    names = list(dict.fromkeys(["lamb", *args.optimizers]))  # every ratio needs a LAMB step beside it
     rows = []
-    optimizers = list(dict.fromkeys(["lamb", *args.optimizers]))  # every ratio needs a LAMB step beside it
-    for model in args.models:
-        steps = args.steps or (40 if model == "bert_base" else 200)
-        for r in run_model(model, optimizers, steps, args.device):
-            rows.append({**r, "steps": steps})
-            print(f"{model:10s} {r['optimizer']:16s} {r['ms']:9.1f} ms  {statistics.median(r['vs_lamb']):.2f}x LAMB  "
-                  f"state {r['state_words']:.2f}  peak {r['peak_words']:.2f} words/param", flush=True)
-    out = args.out or f"results/bench/optimizer_step{'' if args.device == 'cpu' else '_' + args.device}.md"
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        f.write(render(rows, args.device))
+    for model in models:
+        steps = args.steps or (10 if args.quick else 40 if model == "bert_base" else 200)
+        for r in run_model(model, names, steps, args.device):
+            rows.append(r)
+            print(f"{model:10s} {r['optimizer']:16s} {r['ms']:9.1f} ms  {r['vs_lamb'][1]:.2f}x LAMB  "
+                  f"{r['vs_floor'][1]:.2f}x floor", flush=True)
+    suffix = "" if args.device == "cpu" else "_" + args.device
+    out = Path(args.out) if args.out else (SCRATCH_OUT if args.quick else FULL_OUT).with_stem(f"optimizer_step{suffix}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(rows, args.device))
     print(f"wrote {out}")
 
 

@@ -2,7 +2,11 @@
 (no memory, no weights)."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def bert_shapes(size: str = "base", layers: int | None = None) -> list[tuple[int, ...]]:
@@ -18,6 +22,19 @@ def bert_shapes(size: str = "base", layers: int | None = None) -> list[tuple[int
     return [tuple(p.shape) for p in model.parameters()]
 
 
+def bert_config_shapes(name: str) -> list[tuple[int, ...]]:
+    """The pre-training model of ``configs/model/<name>.yaml`` (``bert_large``, ``bert_xl``), as
+    ``bert.train`` builds it."""
+    from omegaconf import OmegaConf
+
+    from bert.model import build_model
+
+    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{name}.yaml"), resolve=True)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
 def resnet110_shapes() -> list[tuple[int, ...]]:
     """CIFAR ResNet-110 (He et al. 2016, option-A shortcuts): 3 stages x 18 basic blocks."""
     shapes = [(16, 3, 3, 3), (16,), (16,)]
@@ -29,4 +46,4 @@ def resnet110_shapes() -> list[tuple[int, ...]]:
 
 
 MODELS = {"bert_base": lambda: bert_shapes("base"), "bert_large": lambda: bert_shapes("large"),
-          "resnet110": resnet110_shapes}
+          "bert_xl": lambda: bert_config_shapes("bert_xl"), "resnet110": resnet110_shapes}

@@ -8,9 +8,15 @@ shard. Training length is counted in optimizer steps, so ranks never wait on
 one another for data: the stream of each rank is endless, and
 ``micro_batches(start=n)`` replays it from its n-th micro-batch (exact
 resume) from the shards' lengths alone, without reading skipped data.
+
+:class:`Prefetcher` reads the stream ahead in a background thread (shard
+reads, batch assembly, and on an accelerator the copy into pinned memory), so
+that the training loop only starts an asynchronous copy to the device.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -136,3 +142,77 @@ class PretrainingStream:
                 if pending == self.micro_batch:
                     yield {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                     parts, pending = [], 0
+
+
+class Prefetcher:
+    """The batches of ``batches`` (dicts of CPU tensors) on ``device``, read ``depth`` batches ahead.
+
+    A background thread pulls from ``batches`` while the loop trains and, when ``device`` is an
+    accelerator, copies each batch into pinned (page-locked) memory, from which the loop's copy to the
+    device is asynchronous (``non_blocking``): the host does not wait for it, nor for the device's queue
+    (a copy from pageable memory may). On the CPU nothing is pinned or copied. ``depth=0`` reads in the
+    loop. The batches and their order are those of ``batches``; an error in the thread is raised by the
+    ``next()`` that would have returned its batch. :meth:`close` (or leaving a ``with`` block) stops it.
+    """
+
+    def __init__(self, batches, device, depth: int = 2):
+        if not (isinstance(depth, int) and depth >= 0):
+            raise ValueError(f"invalid data.prefetch={depth!r}: must be an integer >= 0 (batches read ahead)")
+        self.device = torch.device(device)
+        self.pin = self.device.type != "cpu"
+        self._batches = iter(batches)
+        self._queue: queue.Queue | None = None
+        self._stop = threading.Event()
+        if depth:
+            self._queue = queue.Queue(maxsize=depth)
+            self._thread = threading.Thread(target=self._read, name="bert-prefetch", daemon=True)
+            self._thread.start()
+
+    def _prepare(self, batch: dict) -> dict:
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin else batch
+
+    def _put(self, item) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                pass
+        return False
+
+    def _read(self) -> None:
+        if self.pin and self.device.index is not None:
+            # pinning in a thread of its own would otherwise make a context on device 0 (as DataLoader's
+            # pin-memory thread, it takes the loop's device)
+            torch.accelerator.set_device_index(self.device.index)
+        try:
+            for batch in self._batches:
+                if not self._put((self._prepare(batch), None)):
+                    return
+            self._put((None, StopIteration()))
+        except BaseException as e:  # handed to the consumer, whose next() raises it
+            self._put((None, e))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> dict:
+        if self._queue is None:
+            batch = self._prepare(next(self._batches))
+        else:
+            batch, error = self._queue.get()
+            if error is not None:
+                self.close()
+                raise error
+        return {k: v.to(self.device, non_blocking=self.pin) for k, v in batch.items()}
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._queue is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -42,7 +42,7 @@ from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 
-from .data import IGNORE_INDEX, PretrainingStream, find_shards
+from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards
 from .model import build_model, load_pretrained
 
 # per-period sums, kept on the device (no host sync per step)
@@ -113,7 +113,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, 1, cfg.steps)
-    amp = MixedPrecision(t.precision, env.device, **cfg.loss_scale)
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
@@ -124,7 +124,8 @@ def train(cfg: dict, run_dir: str) -> dict:
         at = ex.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
         if env.is_main:
             print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
-    micro_batches = stream.micro_batches(start=start * accum)
+    # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
+    micro_batches = Prefetcher(stream.micro_batches(start=start * accum), env.device, d.prefetch)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
     model.train()
     for step in run.steps(range(start, cfg.steps), total=cfg.steps - start, desc=d.phase):
@@ -133,7 +134,7 @@ def train(cfg: dict, run_dir: str) -> dict:
         optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
         optimizer.zero_grad(set_to_none=True)
         for m in range(accum):
-            batch = {k: v.to(env.device, non_blocking=True) for k, v in next(micro_batches).items()}
+            batch = next(micro_batches)
             with accumulation_context(model, last_micro_batch=m == accum - 1):
                 with amp.autocast():
                     out = model(**batch)
@@ -147,6 +148,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             sums.zero_()
             period_start = step + 1
         run.save_if_due(step + 1)
+    micro_batches.close()
     export_model(model, optimizer, env, Path(run_dir) / "model", data_vocab(d.dir))
 
     return run.finish(phase=d.phase, micro_batch=d.micro_batch, accumulation_steps=accum, seq_len=d.seq_len,

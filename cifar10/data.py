@@ -11,7 +11,8 @@ The whole split is held as one uint8 tensor on the training device;
 augmentation (random 32 x 32 crop of the 4-pixel zero-padded image, random
 horizontal flip) runs batched there, drawn from a generator seeded by
 (seed, rank, step), so it is exactly reproducible and resumable and never
-touches the global RNG.
+touches the global RNG. The draws are made on the host (the same numbers on
+every device) and reach the device once per epoch (``augment_draws``).
 """
 from __future__ import annotations
 
@@ -111,18 +112,34 @@ def write_cifar10(path, train: tuple, test: tuple, classes) -> Path:
     return path
 
 
-def normalize(x: torch.Tensor) -> torch.Tensor:
-    """uint8 N x 3 x H x W -> float, standardised with the CIFAR-10 channel statistics."""
-    mean = torch.tensor(MEAN, device=x.device).view(1, 3, 1, 1)
-    std = torch.tensor(STD, device=x.device).view(1, 3, 1, 1)
+def channel_stats(device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CIFAR-10 channel means and standard deviations on ``device``, made once per run (a tensor made
+    from host data each step is a copy from the host)."""
+    return (torch.tensor(MEAN, device=device).view(1, 3, 1, 1), torch.tensor(STD, device=device).view(1, 3, 1, 1))
+
+
+def normalize(x: torch.Tensor, stats: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """uint8 N x 3 x H x W -> float, standardised with the CIFAR-10 channel statistics (``channel_stats``)."""
+    mean, std = stats if stats is not None else channel_stats(x.device)
     return (x.float() / 255.0 - mean) / std
 
 
-def augment(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """Random crop (4-pixel zero padding) and horizontal flip of a uint8 batch, per image."""
+def augment_draws(n: int, generator: torch.Generator) -> torch.Tensor:
+    """The random numbers of one batch's augmentation, on the host: int64 3 x n (row and column offset in
+    0..2 PAD, flip 0/1 of each image)."""
+    offsets = torch.randint(0, 2 * PAD + 1, (2, n), generator=generator)
+    flip = torch.rand(n, generator=generator) < 0.5
+    return torch.cat([offsets, flip[None].long()])
+
+
+def augment(x: torch.Tensor, generator: torch.Generator | torch.Tensor) -> torch.Tensor:
+    """Random crop (4-pixel zero padding) and horizontal flip of a uint8 batch, per image.
+
+    ``generator``: the batch's generator, or its ``augment_draws`` already on ``x``'s device (no copy
+    from the host here)."""
     n, _, h, w = x.shape
-    offsets = torch.randint(0, 2 * PAD + 1, (2, n), generator=generator).to(x.device)
-    flip = (torch.rand(n, generator=generator) < 0.5).to(x.device)
+    draws = generator if isinstance(generator, torch.Tensor) else augment_draws(n, generator).to(x.device)
+    offsets, flip = draws[:2], draws[2].bool()
     padded = torch.nn.functional.pad(x, (PAD, PAD, PAD, PAD))
     rows = offsets[0, :, None] + torch.arange(h, device=x.device)  # n x h
     cols = offsets[1, :, None] + torch.arange(w, device=x.device)  # n x w

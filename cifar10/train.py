@@ -28,21 +28,21 @@ import harness as ex
 from harness.amp import MixedPrecision
 from harness.schedules import build_lr_scheduler
 
-from .data import augment, augment_generator, load_cifar10, normalize
+from .data import augment, augment_draws, augment_generator, channel_stats, load_cifar10, normalize
 from .model import build_model
 
 
 @torch.no_grad()
-def evaluate(model, x, y, env, batch_size: int) -> dict:
+def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
     """Mean loss and top-1 % over the whole test set, each rank scoring its strided shard."""
     model.eval()
-    idx = ex.eval_shard(len(x), env)
+    idx = ex.eval_shard(len(x), env).to(env.device)
     sums = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     for lo in range(0, len(idx), batch_size):
         b = idx[lo:lo + batch_size]
-        logits = model(normalize(x[b])).float()
+        logits = model(normalize(x[b], stats)).float()
         sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum(),
-                             logits.new_tensor(len(b))]).double()
+                             torch.full((), float(len(b)), device=logits.device)]).double()
     loss, correct, count = ex.rank_sums(sums)
     return {"test_loss": loss / count, "test_top1": 100.0 * correct / count}
 
@@ -63,20 +63,28 @@ def train(cfg: dict, run_dir: str) -> dict:
     model = build_model(cfg.model).to(env.device)
     optimizer = ex.build_optimizer(model, plain["optimizer"])
     params = [p for p in model.parameters() if p.requires_grad]
-    amp = MixedPrecision(t.precision, env.device)
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     ex.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
                   global_batch=d.micro_batch * env.world_size, throughput="images")
 
+    stats = channel_stats(env.device)
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
+        # the epoch's batch indices and augmentation draws reach the device at once: a copy from the host
+        # inside the loop would make the host wait for the device every step
+        order = torch.stack(list(batches.epoch(epoch))).to(env.device)
+        if d.augment:
+            draws = torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, env.rank, run.step + i))
+                                 for i in range(steps_per_epoch)]).to(env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
-        for idx in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+        for i in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+            idx = order[i]
             x = train_x[idx]
-            x = normalize(augment(x, augment_generator(cfg.seed, env.rank, run.step)) if d.augment else x)
+            x = normalize(augment(x, draws[i]) if d.augment else x, stats)
             y = train_y[idx]
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             with amp.autocast():
@@ -90,7 +98,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
         loss_sum, correct = ex.rank_sums(sums)
         seen = steps_per_epoch * run.global_batch
-        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch))
+        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch, stats))
         run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
                       steps=steps_per_epoch)
 

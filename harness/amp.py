@@ -20,6 +20,13 @@ Gradient clipping (``clip_grad``) acts on the unscaled gradients: averaged
 ones under DDP, each rank's local ones under SLAMB (whose update is computed
 from local moments). :func:`accumulation_context` is the ``no_sync`` of
 DDP on the non-final micro-batches of an accumulated step.
+
+An optimizer that exchanges during backward (SLAMB with ``overlap=True``)
+unscales the gradients it sends in DDP's hook, before :meth:`MixedPrecision.step`
+unscales them: given as ``optimizer``, it is told the loss scale
+(``grad_scale``) before each backward, read to the host once per optimizer
+step (after the scale's update), so its exchange is the plain path's and
+nothing is sent twice.
 """
 from __future__ import annotations
 
@@ -42,10 +49,13 @@ class MixedPrecision:
     ``GradScaler`` rule: x ``growth_factor`` after ``growth_interval``
     overflow-free steps, x ``backoff_factor`` on overflow, decided by all
     ranks); it is in :meth:`state_dict`, so a resumed run continues with it.
+    ``optimizer``: the one this precision steps, when it exchanges during
+    backward and must know the loss scale (SLAMB with ``overlap``); others ignore it.
     """
 
     def __init__(self, precision: str, device: torch.device, *, init_scale: float = 2.0 ** 16,
-                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000):
+                 growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
+                 optimizer=None):
         check_choice("trainer.precision", precision, PRECISIONS)
         check_range("init_scale", init_scale, 0.0, lo_open=True)
         check_range("growth_factor", growth_factor, 1.0, lo_open=True)
@@ -57,6 +67,9 @@ class MixedPrecision:
         self.scaler = RankAgreedGradScaler(self.device.type, init_scale=float(init_scale),
                                            growth_factor=growth_factor, backoff_factor=backoff_factor,
                                            growth_interval=growth_interval, enabled=self.scaling)
+        # told the scale before backward: an optimizer whose DDP hook sends what backward gives (SLAMB's overlap)
+        self.told = optimizer if self.scaling and getattr(optimizer, "overlap", False) else None
+        self._told_scale: float | None = None  # the scale it was told; None: read it at the next backward
 
     @property
     def scale(self) -> float:
@@ -71,7 +84,10 @@ class MixedPrecision:
         return torch.autocast(self.device.type, dtype=dtype or torch.float32, enabled=dtype is not None)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.scaler.scale(loss).backward()
+        scaled = self.scaler.scale(loss)
+        if self.told is not None and self._told_scale is None:
+            self._told_scale = self.told.grad_scale = self.scale  # one host read per optimizer step
+        scaled.backward()
 
     def step(self, optimizer, params, *, clip_grad: float | None = None) -> tuple[bool, torch.Tensor | None]:
         """Unscale, agree on skipping, clip, ``optimizer.step()``; returns (skipped, gradient norm or None).
@@ -84,14 +100,18 @@ class MixedPrecision:
             self.scaler.unscale_(optimizer)
             if self.scaler.found_inf(optimizer):
                 self.scaler.step(optimizer)  # skips, and closes the optimizer's ledger step
-                self.scaler.update()
+                self._update()
                 return True, None
         norm = None
         if clip_grad is not None and clip_grad > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
         self.scaler.step(optimizer)
-        self.scaler.update()
+        self._update()
         return False, norm
+
+    def _update(self) -> None:
+        self.scaler.update()
+        self._told_scale = None  # the scale may have moved
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.scaler.state_dict().get("_growth_tracker", 0),
@@ -105,6 +125,7 @@ class MixedPrecision:
                 "scale": float(state["scale"]), "_growth_tracker": int(state["good_steps"]),
                 "growth_factor": self.scaler.get_growth_factor(), "backoff_factor": self.scaler.get_backoff_factor(),
                 "growth_interval": self.scaler.get_growth_interval(), "skipped_steps": int(state["skipped_steps"])})
+            self._told_scale = None
 
 
 def accumulation_context(model: torch.nn.Module, last_micro_batch: bool):

@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from bert import prepare_data as prep
-from bert.data import IGNORE_INDEX, SHARD_PATTERN, PretrainingStream, find_shards, load_shard, mlm_labels
+from bert.data import IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, find_shards, load_shard, mlm_labels
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -294,3 +294,59 @@ def test_stream_splits_each_pass_between_ranks_and_resumes_exactly(shards, world
         assert all(torch.equal(a[k], b[k]) for k in a)
     # another pass reshuffles
     assert example_ids(next(streams[0].micro_batches(start=s.epoch_batches(0)))) != example_ids(next(streams[0].micro_batches()))
+
+
+def test_prefetched_stream_is_the_stream_and_resumes_exactly(shards):
+    """Read ahead by the thread or in the loop: the same batches in the same order, across a pass's end,
+    and from a resumed position."""
+    out, _, _ = shards
+    stream = PretrainingStream(find_shards(out), 8, 0, 2, seed=1, seq_len=SEQ)
+    n = stream.epoch_batches(0) + 3
+    for start in (0, stream.epoch_batches(0) - 1):
+        plain = stream.micro_batches(start=start)
+        with Prefetcher(stream.micro_batches(start=start), "cpu", 3) as ahead:
+            for _ in range(n):
+                a, b = next(plain), next(ahead)
+                assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        with Prefetcher(stream.micro_batches(start=start), "cpu", 0) as inline:
+            assert all(torch.equal(a, b) for a, b in zip(next(inline).values(),
+                                                          next(stream.micro_batches(start=start)).values()))
+
+
+def test_prefetcher_reads_ahead_of_the_loop_and_no_further():
+    import time
+
+    made = []
+
+    def batches():
+        for i in range(100):
+            made.append(i)
+            yield {"x": torch.full((2,), i)}
+
+    def wait_for(count):
+        deadline = time.monotonic() + 10
+        while len(made) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return len(made)
+
+    with Prefetcher(batches(), "cpu", 2) as ahead:
+        # before any request: two batches queued and a third made, waiting for room
+        assert wait_for(3) == 3
+        time.sleep(0.2)
+        assert len(made) == 3
+        assert next(ahead)["x"].tolist() == [0, 0]
+        assert wait_for(4) == 4  # the next batch is made before it is asked for
+        assert [next(ahead)["x"][0].item() for _ in range(3)] == [1, 2, 3]
+
+
+def test_prefetcher_raises_the_readers_error_at_the_batch_it_failed_on():
+    def batches():
+        yield {"x": torch.zeros(1)}
+        raise OSError("shard unreadable")
+
+    ahead = Prefetcher(batches(), "cpu", 2)
+    assert next(ahead)["x"].tolist() == [0.0]
+    with pytest.raises(OSError, match="shard unreadable"):
+        next(ahead)
+    with pytest.raises(ValueError, match=r"data.prefetch=-1: must be an integer >= 0"):
+        Prefetcher(batches(), "cpu", -1)

@@ -2,6 +2,7 @@
 (2 gloo workers) of every optimizer, resume, torchrun restarts after a killed worker, sweeps."""
 from __future__ import annotations
 
+import collections
 import json
 import os
 import pickle
@@ -118,6 +119,8 @@ def test_augment_is_a_padded_crop_and_flip_and_reproducible():
     assert out.shape == x.shape and out.dtype == torch.uint8
     assert torch.equal(out, cdata.augment(x, cdata.augment_generator(0, 0, 5)))
     assert not torch.equal(out, cdata.augment(x, cdata.augment_generator(0, 1, 5)))  # another rank's stream
+    # the draws made ahead (the training loop's, once per epoch) give the same images
+    assert torch.equal(out, cdata.augment(x, cdata.augment_draws(64, cdata.augment_generator(0, 0, 5))))
     padded = torch.nn.functional.pad(x, (4, 4, 4, 4))
     flips = 0
     for i in range(64):  # every output is one of the 81 x 2 windows of its zero-padded input
@@ -277,3 +280,82 @@ def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     done = cli(["trainer.nproc_per_node=1", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode != 0
     assert "missing data_batch_1" in done.stderr and "cifar-10-python.tar.gz" in done.stderr
+
+
+# ------------------------------------------------------------------------------- host synchronisations
+
+
+class HostSyncs:
+    """What makes the host wait for a GPU inside the training loop, counted on the CPU: scalar reads
+    (``item``, ``bool``, ...), ``tolist``, ops whose output size the host must learn (boolean indexing),
+    tensors made from host data, and ``Tensor.to``/``copy_`` calls that block (on a GPU, a blocking
+    copy from the host, or to it, waits for the device's queue)."""
+
+    OPS = ("_local_scalar_dense", "lift_fresh", "nonzero", "masked_select")
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        seen = self.seen = []
+        self.active = False
+        outer = self
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if outer.active and func.__name__.split(".")[0] in HostSyncs.OPS:
+                    seen.append(func.__name__)
+                return func(*args, **(kwargs or {}))
+
+        self.mode = Mode()
+
+    def patch(self, m):
+        def counting(name, blocking):
+            original = getattr(torch.Tensor, name)
+
+            def wrapper(t, *args, **kwargs):
+                if self.active and blocking(args, kwargs):
+                    self.seen.append(name)
+                return original(t, *args, **kwargs)
+            m.setattr(torch.Tensor, name, wrapper)
+
+        counting("tolist", lambda a, k: True)
+        counting("to", lambda a, k: not k.get("non_blocking", False) and (
+            any(isinstance(v, (torch.device, str)) for v in a) or "device" in k))
+        counting("copy_", lambda a, k: not k.get("non_blocking", a[1] if len(a) > 1 else False))
+
+
+def test_training_steps_make_no_host_synchronisation(tiny_dir, tmp_path, monkeypatch):
+    """Inside the per-step loop body (the optimizer's step excluded: its reads are counted in
+    tests/test_gpu_paths.py), nothing waits for the device: metrics are summed on the device and read
+    at the epoch's end, augmentation draws and batch indices reach the device once per epoch."""
+    import harness.loop
+    from harness.amp import MixedPrecision
+
+    syncs = HostSyncs()
+    steps = harness.loop.Loop.steps
+
+    def watched_steps(self, iterable, total, desc):
+        for item in steps(self, iterable, total, desc):
+            syncs.active = True  # the loop body runs until it asks for the next item
+            yield item
+            syncs.active = False
+        syncs.active = False
+
+    amp_step = MixedPrecision.step
+
+    def unwatched_step(self, *args, **kwargs):
+        was, syncs.active = syncs.active, False
+        try:
+            return amp_step(self, *args, **kwargs)
+        finally:
+            syncs.active = was
+
+    monkeypatch.setattr(harness.loop.Loop, "steps", watched_steps)
+    monkeypatch.setattr(MixedPrecision, "step", unwatched_step)
+    syncs.patch(monkeypatch)
+    cfg = compose_cfg(*TINY, "epochs=1", "trainer.nproc_per_node=1", "optimizer=lamb", f"data.dir={tiny_dir}",
+                      "trainer.checkpoint.enabled=false")
+    with syncs.mode:
+        summary = train(cfg, str(tmp_path / "run"))
+    assert summary["steps"] == 10
+    assert collections.Counter(syncs.seen) == {}

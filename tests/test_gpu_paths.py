@@ -1,6 +1,7 @@
 """What a GPU run depends on, tested on the CPU: masks that are a pure function of
-(seed, step, k, position), overlap under loss scaling and clipping, the fp16
-exchange at large n, host synchronisations in a step, 1-bit LAMB under fp16."""
+(seed, step, k, position), overlap under loss scaling and clipping (and the
+harness's fp16 telling it the scale), the fp16 exchange at large n, host
+synchronisations in a step, 1-bit LAMB under fp16."""
 from __future__ import annotations
 
 import collections
@@ -196,6 +197,52 @@ def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode):
         fell_back = [w for w in r[True]["warnings"] if "gradients changed between backward and step()" in w]
         assert len(fell_back) == (0 if mode == "told" else 1)  # warned once, not every step
         assert r["draws_in_backward"] == 0  # the step before drew this step's mask
+
+
+def harness_fp16_worker(rank, world, steps=4):
+    """fp16 through harness.amp (autocast, dynamic loss scale, rank-agreed step) with and without overlap."""
+    import warnings
+
+    from harness.amp import MixedPrecision
+
+    out = {}
+    for overlap in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
+                          overlap=overlap)
+        ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
+        # growth every 2 steps: the scale the optimizer is told must follow the scaler's
+        amp = MixedPrecision("fp16", torch.device("cpu"), init_scale=1024.0, growth_interval=2, optimizer=opt)
+        momentum, scales = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(1, steps + 1):
+                x = torch.randn(8, 100, generator=torch.Generator().manual_seed(1000 * rank + t))
+                opt.zero_grad()
+                with amp.autocast():
+                    loss = ddp(x).float().square().mean()
+                amp.backward(loss)
+                scales.append((amp.scale, opt.grad_scale))
+                skipped, _ = amp.step(opt, model.parameters())
+                assert not skipped
+                momentum.append(opt.ledger.last_step["momentum"].payload)
+        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()], "momentum": momentum,
+                        "scales": scales, "warnings": [str(w.message) for w in caught]}
+    return out
+
+
+def test_harness_fp16_tells_an_overlapping_slamb_its_loss_scale():
+    """An fp16 run with overlap through the harness: the exchange started in backward is the plain path's
+    (no fallback, the same momentum bytes per step, the same parameters)."""
+    for r in distributed.run(harness_fp16_worker, 2):
+        plain, overlap = r[False], r[True]
+        assert not [w for w in overlap["warnings"] if "gradients changed between backward and step()" in w]
+        assert overlap["momentum"] == plain["momentum"] and min(plain["momentum"]) > 0
+        assert [s for s, _ in overlap["scales"]] == [1024.0, 1024.0, 2048.0, 2048.0]
+        assert all(told == scale for scale, told in overlap["scales"])
+        for a, b in zip(plain["params"], overlap["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
 
 
 # ----------------------------------------------------------------------------- host synchronisations

@@ -1,0 +1,96 @@
+"""bench.memory: bytes counted from the optimizer objects against hand-computed ones, the resident-memory
+peak it measures, and the per-GPU arithmetic of its tables."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import slamb
+from bench import memory
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(100, 120), torch.nn.Linear(120, 40))
+    return list(model.parameters())  # 12,000 + 120 + 4,800 + 40 = 16,960 entries
+
+
+def stepped(name, params, **kw):
+    opt = slamb.create_optimizer(name, params, lr=1e-3, **kw)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return opt
+
+
+def test_lamb_state_is_two_fp32_words_per_parameter_and_no_scratch():
+    params = tiny()
+    got = memory.counted_bytes(stepped("lamb", params), params)
+    # exp_avg and exp_avg_sq (2 x 4 bytes per entry) and a 4-byte step counter per tensor
+    assert got == {"state": 2 * 4 * 16_960 + 4 * 4, "scratch": 0}
+
+
+def test_slamb_state_is_counted_once_through_its_flat_buffers():
+    """SLAMB's per-tensor state is views into flat buffers: each buffer counts once. v2: m, v and the
+    freshness r in fp32; v1: m, v and an int16 staleness counter. Scratch holds at least the update buffer
+    (one fp32 word per entry; v1 two) and never the parameters or gradients."""
+    for variant, state, work in (("v2", 3 * 4 * 16_960, 4 * 16_960), ("v1", 2 * 4 * 16_960 + 2 * 16_960,
+                                                                        2 * 4 * 16_960)):
+        params = tiny()
+        got = memory.counted_bytes(stepped("slamb", params, variant=variant, min_compress_numel=1000), params)
+        assert got["state"] == state
+        assert work <= got["scratch"] < work + 4 * 16_960
+
+
+def test_resident_peak_sees_a_freed_temporary():
+    res = memory.Resident()
+    res.reset()
+    before = res.now()
+    t = torch.ones(16 * 2**20)  # 64 MiB, above glibc's largest mmap threshold: handed back when freed
+    del t
+    assert res.peak() - before >= 60 * 2**20
+    assert res.now() - before < 8 * 2**20
+    res.reset()
+    assert res.peak() - res.now() < 8 * 2**20
+
+
+def test_per_gpu_bytes_and_fit():
+    per = {"state": 12.0, "scratch": 4.0, "first": 6.0, "later": 2.0, "resume": 14.0, "ddp": True,
+           "bucket_view": False, "numel": 1}
+    b = memory.model_bytes(per, 10**9)
+    assert (b["params"], b["grads"], b["buckets"]) == (4e9, 4e9, 4e9)
+    assert b["resident"] == 28e9 and b["resume"] == 42e9 and b["fwd_bwd"] == 30e9
+    assert b["peak"] == 42e9 and b["fits"]
+    viewed = memory.model_bytes({**per, "bucket_view": True}, 3 * 10**9)
+    assert viewed["buckets"] == 0 and viewed["peak"] == 3 * 38e9 and not viewed["fits"]
+    page = memory.render({"slamb_v2": per}, {"BERT-Large": 336_232_258, "BERT-XL": 2_767_626_050})
+    assert "| slamb_v2 | 1.3 | 1.3 | 1.3 | 4.0 | 1.3 | 9.4 |" in page  # BERT-Large in GB
+    assert "no (" in page.split("## BERT-XL")[1] and "yes (" in page.split("## BERT-XL")[0]
+
+
+def test_rows_include_fused_slamb_only_where_it_takes_fused():
+    import inspect
+
+    from slamb.optim.slamb import SLAMB
+
+    assert {"lamb", "onebit_lamb", "slamb_v2", "slamb_v1"} <= set(memory.rows())
+    assert ("slamb_v2_fused" in memory.rows()) == ("fused" in inspect.signature(SLAMB).parameters)
+
+
+def test_two_rank_measurement_of_the_real_optimizers():
+    """The page's measuring run on a tiny BERT in a 2-rank gloo group: state per parameter as counted
+    above, DDP's bucket view read from the DDP that wrap_model builds, transients that are not negative."""
+    from transformers import BertConfig, BertForPreTraining
+
+    tiny_bert = dict(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                     intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
+    tensors = len(list(BertForPreTraining(BertConfig(**tiny_bert)).parameters()))
+    got = memory.measure_rows(["lamb", "slamb_v2"], tiny_bert)
+    numel = got["lamb"]["numel"]
+    assert got["lamb"]["state"] * numel == pytest.approx(2 * 4 * numel + 4 * tensors)  # m, v; step counters
+    assert got["slamb_v2"]["state"] == 12.0
+    assert got["slamb_v2"]["scratch"] >= 4.0  # its update buffer at least
+    for row in got.values():
+        assert row["ddp"] is True and isinstance(row["bucket_view"], bool)
+        assert min(row["first"], row["later"], row["resume"]) >= 0

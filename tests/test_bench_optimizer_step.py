@@ -1,0 +1,82 @@
+"""bench.optimizer_step on tiny shapes: the floor row's bytes, ratios computed from the paired timings
+the measuring function returns, the targets computed from the rows, and ``--quick`` kept out of results/."""
+from __future__ import annotations
+
+import inspect
+import math
+import statistics
+
+import pytest
+import torch
+
+import slamb
+from bench import optimizer_step as bench
+
+SHAPES = [(64, 32), (32,), (128, 16)]
+NUMEL = 64 * 32 + 32 + 128 * 16
+
+
+def test_rows_follow_the_build_fused_only_where_the_optimizers_take_it():
+    rows = bench.optimizers()
+    assert {"lamb", "adamw_foreach", "adamw_fused", "timm_lamb", "slamb_v1", "slamb_v2"} <= set(rows)
+    assert ("slamb_v2_fused" in rows) == ("fused" in inspect.signature(slamb.SLAMB).parameters)
+    assert ("lamb_fused" in rows) == ("fused" in inspect.signature(slamb.LAMB).parameters)
+    for name, build in rows.items():  # every row builds and steps
+        params = bench._model_params(SHAPES, torch.device("cpu"))
+        build(params).step()
+        assert all(torch.isfinite(p).all() for p in params), name
+
+
+def test_paired_timings_give_the_rows_ratios_and_the_floor():
+    names = ["lamb", "slamb_v2", "adamw_fused"]
+    times = bench.measure_times(SHAPES, names, 6, "cpu")
+    assert set(times) == {bench.FLOOR, *names} and all(len(t) == 6 and min(t) > 0 for t in times.values())
+    rows = {r["optimizer"]: r for r in bench.summarize(times, NUMEL)}
+    floor = rows[bench.FLOOR]
+    assert floor["bytes"] == 7 * 4 * NUMEL  # read p, g, m, v; write p, m, v
+    # the add_ pass moves 8 bytes per word, so the floor takes 3.5 times as long
+    per_round = [3.5 * t for t in times[bench.FLOOR]]
+    assert floor["ms"] == pytest.approx(1e3 * statistics.median(per_round))
+    assert floor["gb_per_s"] == pytest.approx(8 * NUMEL / statistics.median(times[bench.FLOOR]) / 1e9)
+    assert floor["vs_floor"] == pytest.approx((1.0, 1.0, 1.0))
+    for name in names:
+        r = rows[name]
+        assert r["ms"] == pytest.approx(1e3 * statistics.median(times[name]))
+        vs_lamb = [t / b for t, b in zip(times[name], times["lamb"])]
+        vs_floor = [t / f for t, f in zip(times[name], per_round)]
+        assert r["vs_lamb"][1] == pytest.approx(statistics.median(vs_lamb))
+        assert r["vs_floor"][1] == pytest.approx(statistics.median(vs_floor))
+        assert r["vs_floor"][0] <= r["vs_floor"][1] <= r["vs_floor"][2]
+    assert rows["lamb"]["vs_lamb"] == (1.0, 1.0, 1.0)
+
+
+def test_targets_are_computed_from_the_rows():
+    def row(name, floor, state=2.0, vs_fused_lamb=None):
+        return {"model": "m", "optimizer": name, "vs_floor": (0, floor, 0), "state_words": state,
+                "paired": {} if vs_fused_lamb is None else {"lamb_fused": (0, vs_fused_lamb, 0)}}
+
+    got = {t["target"]: t for t in bench.targets([
+        row("lamb_fused", 1.4), row("slamb_v2_fused", 2.6, state=2.25, vs_fused_lamb=1.2)])}
+    assert got["fused LAMB step / floor"]["verdict"] == "met"
+    assert got["fused SLAMB v2 step / floor"]["verdict"] == "missed"
+    assert got["fused SLAMB v2 step / fused LAMB step"]["value"] == 1.2
+    assert got["fused SLAMB v2 state (words/param)"]["verdict"] == "met"
+    assert got["fused SLAMB v1 step / floor"] == {"model": "m", "target": "fused SLAMB v1 step / floor",
+                                                  "limit": 3.0, "value": None, "verdict": "not measured"}
+
+
+def test_quick_run_writes_to_runs_not_results(monkeypatch, tmp_path):
+    written = []
+    monkeypatch.setattr(bench, "run_model", lambda model, names, steps, device: written.append(
+        (model, steps)) or [
+        {"model": model, "steps": steps, **r, **({} if r["optimizer"] == bench.FLOOR else
+                                                 {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0})}
+        for r in bench.summarize(bench.measure_times(SHAPES, names, steps, device), NUMEL)])
+    monkeypatch.setattr(bench, "SCRATCH_OUT", tmp_path / "runs" / "optimizer_step.md")
+    monkeypatch.setattr(bench, "FULL_OUT", tmp_path / "results" / "optimizer_step.md")
+    bench.main(["--quick", "--device", "cpu", "--optimizers", "slamb_v2"])
+    assert written == [("resnet110", 10)]
+    assert not (tmp_path / "results").exists()
+    page = (tmp_path / "runs" / "optimizer_step.md").read_text()
+    assert "| resnet110 |" in page and "| floor |" in page and "## Targets" in page
+    assert math.isfinite(float(page.split("| slamb_v2 | ")[1].split(" |")[0]))
