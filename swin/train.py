@@ -95,7 +95,6 @@ def train(cfg: dict, run_dir: str) -> dict:
     ex.check_counts(cfg, "epochs", "accumulation_steps")
     accum = cfg.accumulation_steps
     env = ex.init_distributed(t.device, t.threads_per_worker)
-    amp = MixedPrecision(t.precision, env.device)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)
@@ -110,6 +109,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     ocfg = dict(plain["optimizer"])
     ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
     optimizer = ex.build_optimizer(model, ocfg)
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)  # an overlapping SLAMB needs the loss scale
     params = [p for p in model.parameters() if p.requires_grad]
     # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
