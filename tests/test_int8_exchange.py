@@ -46,15 +46,17 @@ def test_int8_mean_is_within_its_bound_identical_on_every_rank_and_costs_its_for
     res = distributed.run(exchange_worker, N)
     xs = torch.stack([r["x"] for r in res])
     exact = xs.double().mean(0)
-    c = -(-D // N)
+    b = 256  # entries per scale
+    c = b * math.ceil(D / (N * b))  # entries per rank's chunk: whole blocks
     padded = torch.zeros(N, N * c, dtype=torch.float64)
     padded[:, :D] = xs.double()
-    # rank i's scale of chunk j, and the scale of the averaged chunk j
-    s = padded.view(N, N, c).abs().amax(2) / 127
+    # rank i's scale of each block, and (an upper bound on) the scale of the averaged block: its largest
+    # entry moved by at most the first rounding, mean_i(s_i) / 2
+    s = padded.view(N, -1, b).abs().amax(2) / 127
     mean_padded = torch.zeros(N * c, dtype=torch.float64)
     mean_padded[:D] = exact
-    s_avg = (mean_padded.view(N, c).abs().amax(1) + s.mean(0) / 2) / 127  # its max moved by at most mean(s)/2
-    bound = (s.mean(0) / 2 + s_avg / 2).repeat_interleave(c)[:D]
+    s_avg = (mean_padded.view(-1, b).abs().amax(1) + s.mean(0) / 2) / 127
+    bound = (s.mean(0) / 2 + s_avg / 2).repeat_interleave(b)[:D]
     for r in res:
         assert torch.equal(r["int8"], res[0]["int8"]) and torch.equal(r["int8_async"], r["int8"])
         err = (r["int8"].double() - exact).abs()
@@ -63,14 +65,13 @@ def test_int8_mean_is_within_its_bound_identical_on_every_rank_and_costs_its_for
         assert float((err / bound).max()) > 0.2
         stats = r["int8_stats"]
         assert stats["momentum"]["payload"] == N * c + c  # int8 values: the all-to-all, then the all-gather
-        assert stats["scales"]["payload"] == 4 * N + 4  # a float32 scale per chunk sent, one per chunk gathered
+        assert stats["scales"]["payload"] == 4 * (N * c + c) // b  # a float32 scale per block, both ways
         assert stats["momentum"]["wire"] == N * c * (N - 1) / N + c * (N - 1)
         assert r["fp32_stats"]["momentum"]["payload"] == 4 * D and r["fp16_stats"]["momentum"]["payload"] == 2 * D
-    # what the report quotes: the errors relative to the average's RMS
-    rms = float(exact.square().mean().sqrt())
-    for name in ("fp16", "int8"):
-        res[0][name + "_rel"] = float((res[0][name].double() - exact).abs().max()) / rms
-    assert res[0]["fp16_rel"] < 1e-2 < res[0]["int8_rel"] < 1.0
+    # int8 rounds where fp16 keeps three digits: RMS errors relative to the average's RMS
+    rms = exact.square().mean().sqrt()
+    rel = {name: float((res[0][name].double() - exact).square().mean().sqrt() / rms) for name in ("fp16", "int8")}
+    assert rel["fp16"] < 1e-3 < rel["int8"] < 2e-2, rel
 
 
 def slamb_worker(rank, world):
@@ -102,19 +103,19 @@ def test_slamb_with_int8_exchange_plain_and_overlapped():
     n = 2
     for r in res:
         for t, step in enumerate(r["int8"], start=1):
-            c = -(-step["selected"] // n)
+            c, b = comm.int8_layout(step["selected"], n)
             assert step["stats"]["momentum"]["payload"] == n * c + c
-            assert step["stats"]["scales"]["payload"] == 4 * n + 4
+            assert step["stats"]["scales"]["payload"] == 4 * (n * c + c) // b
         # overlapped: one exchange per DDP bucket, the same entries
         total = sum(s["stats"]["momentum"]["payload"] for s in r["int8-overlap"])
         plain = sum(s["stats"]["momentum"]["payload"] for s in r["int8"])
-        assert abs(total - plain) <= 6 * 3 * (n + 1)  # each bucket pads its own chunks
+        assert 0 <= total - plain <= 6 * 3 * (n + 1) * 256  # each bucket pads its own chunks
         # against the float32 exchange's run, relative to how far that run moved the parameters
         moved = torch.cat([(a - b).reshape(-1) for a, b in zip(r["fp32"][-1]["params"], r["init"])]).norm()
         for name in ("int8", "int8-overlap"):
             drift = torch.cat([(a - b).reshape(-1) for a, b in zip(r[name][-1]["params"],
                                                                    r["fp32"][-1]["params"])]).norm() / moved
-            assert 0 < drift < 0.1, (name, float(drift))
+            assert 0 < drift < 0.05, (name, float(drift))
         # the gradients are DDP's buckets (3 buckets for 6 tensors), no second copy
         assert r["int8_storages"] < 6 and r["int8-overlap_storages"] < 6
     for name in ("int8", "int8-overlap"):  # sync steps (1 and 5) leave the ranks identical
@@ -136,6 +137,7 @@ def test_int8_exchange_across_nodes():
                 assert torch.equal(a, b)
     levels = res[0][1]["stats"]["momentum"]["levels"]
     # the int8 exchange runs over the nodes (2 of them) on 1/L of the entries; the node gathers float64
-    inter_chunk = levels["intra"]["payload"] // 8
-    assert levels["inter"]["payload"] == 2 * (-(-inter_chunk // 2)) + (-(-inter_chunk // 2))
-    assert res[0][1]["stats"]["scales"]["levels"]["inter"]["payload"] == 4 * 2 + 4
+    c, b = comm.int8_layout(levels["intra"]["payload"] // 8, 2)
+    assert levels["inter"]["payload"] == 2 * c + c
+    assert res[0][1]["stats"]["scales"]["levels"] == {"inter": {"payload": 4 * 3 * c // b, "wire": 4 * 2 * c // b,
+                                                                "calls": 2}}
