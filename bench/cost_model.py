@@ -28,6 +28,14 @@ interface per node shared by its ``g`` GPUs):
   the node, so the NIC carries ``g (N-1)/N P`` while NVLink carries the rest
   concurrently.
 
+Hierarchical SLAMB (``SLAMB(hierarchy="node")``) splits a step's exchanges by
+scope: the dense gradient all-reduce inside each node only (``scope="intra"``),
+and the momentum exchange over the nodes (``scope="inter"``): the g GPUs of a
+node hold the same momentum, so each carries 1/g of it over its own inter-node
+ring (the g rings share the node's NIC, which carries ``2 (N-1)/N P`` in all)
+and an intra all-gather spreads the averaged shares; no intra reduce-scatter,
+since nothing is left to reduce inside the node.
+
 A step is ``forward + max(backward window, overlappable comm) + exposed comm``
 (the rest of the backward pass cannot hide anything), or the plain sum when
 nothing overlaps. Scaling efficiency is per-GPU throughput relative to a
@@ -45,7 +53,7 @@ from slamb.comm import wire_factor
 
 __all__ = [
     "Link", "Cluster", "Collective", "CommProfile", "BenchParams",
-    "ring_time", "hierarchical_time", "collective_time", "step_time", "scaling_efficiency",
+    "ring_time", "hierarchical_time", "node_exchange_time", "collective_time", "step_time", "scaling_efficiency",
     "tcp_wire_overhead", "solve_op_split", "bench_profile", "predict_bench_record",
     "fit_bench", "validate_bench", "last_bucket_share", "BENCH_KEYS",
 ]
@@ -139,10 +147,37 @@ def hierarchical_time(op: str, payload: float, nodes: int, gpus_per_node: int, i
     return calls * (N - 1) * inter.alpha + payload * inter.beta + ring_time("broadcast", payload, g, intra, calls)
 
 
+def node_exchange_time(payload: float, nodes: int, gpus_per_node: int, intra: Link, inter: Link,
+                       calls: int = 1) -> float:
+    """Seconds for ``calls`` all-reduces over the nodes of a ``payload`` every GPU of a node holds alike
+    (hierarchical SLAMB): each GPU's 1/g share over its inter-node ring, all g rings through the node's
+    NIC at once, then an intra all-gather of the shares."""
+    N, g = nodes, gpus_per_node
+    if N <= 1:
+        return 0.0
+    return (calls * 2 * (N - 1) * inter.alpha + 2 * (N - 1) / N * payload * inter.beta
+            + ring_time("all_gather", payload / g, g, intra, calls))
+
+
+SCOPES = ("all", "intra", "inter")
+
+
 def collective_time(op: str, payload: float, gpus: int, cluster: Cluster, *, algorithm: str = "hierarchical",
-                    calls: int = 1) -> float:
-    """One collective of a job of ``gpus`` GPUs on ``cluster`` ("ring": one flat ring through every GPU)."""
+                    calls: int = 1, scope: str = "all") -> float:
+    """One collective of a job of ``gpus`` GPUs on ``cluster`` ("ring": one flat ring through every GPU).
+
+    ``scope``: ``"all"`` the GPUs of the job; ``"intra"`` each node's GPUs only (a ring on the intra
+    link); ``"inter"`` an all-reduce over the nodes of what a node's GPUs hold alike
+    (:func:`node_exchange_time`)."""
     nodes, g = cluster.layout(gpus)
+    if scope == "intra":
+        return ring_time(op, payload, g, cluster.intra, calls)
+    if scope == "inter":
+        if op != "all_reduce":
+            raise ValueError(f"scope='inter' models the all-reduce over nodes, got {op!r}")
+        return node_exchange_time(payload, nodes, g, cluster.intra, cluster.inter, calls)
+    if scope != "all":
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     if algorithm == "hierarchical":
         return hierarchical_time(op, payload, nodes, g, cluster.intra, cluster.inter, calls)
     if algorithm == "ring":  # every step waits for the slowest hop: the network once it spans nodes
@@ -199,6 +234,7 @@ class Collective:
     # bytes per parameter of the buffer DDP cuts into buckets (None: this payload itself): SLAMB's overlapped
     # momentum rides on the gradient buckets, so its last bucket is a share of the gradient's
     bucket_basis_per_param: float | None = None
+    scope: str = "all"  # "all" GPUs, "intra" each node, "inter" the nodes (see collective_time)
 
     def payload(self, params: float, n: int) -> float:
         scale = self.ref_world / n if self.sharded else 1.0
@@ -220,7 +256,8 @@ class CommProfile:
         exposed = overlappable = 0.0
         for c in self.collectives:
             payload = c.payload(params, gpus)
-            t = collective_time(c.op, payload, gpus, cluster, algorithm=algorithm, calls=c.calls(payload)) / c.every
+            t = collective_time(c.op, payload, gpus, cluster, algorithm=algorithm, calls=c.calls(payload),
+                                scope=c.scope) / c.every
             if c.overlappable:
                 basis = payload if c.bucket_basis_per_param is None else c.bucket_basis_per_param * params
                 last = last_bucket_share(basis, c.bucket_bytes) if c.bucket_bytes else 0.0

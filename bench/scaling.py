@@ -155,6 +155,12 @@ def ledger_profiles(raw: dict) -> dict[str, sc.CommProfile]:
         dataclasses.replace(fp16.collectives[0], overlappable=True, bucket_bytes=sc.DDP_BUCKET_BYTES,
                             bucket_basis_per_param=grads / numel),
         fp16.collectives[1]))
+    # hierarchy="node": the gradients averaged inside each node (DDP's buckets, under backward), SLAMB's
+    # momentum exchange and syncs over the nodes, each GPU of a node carrying 1/g of them
+    for label in ("SLAMB fp16 (k=0.1, H=100)", "SLAMB fp32 (k=0.1, H=100)"):
+        name = label.replace("SLAMB", "SLAMB hierarchical")
+        out[name] = sc.CommProfile(name, (dataclasses.replace(dense, scope="intra"),) + tuple(
+            dataclasses.replace(c, scope="inter") for c in out[label].collectives))
     return out
 
 
@@ -192,6 +198,7 @@ def optimizer_steps(profiles: dict, warm_fraction: float):
         "1-bit LAMB (compression stage)": [(1.0, profiles["1-bit LAMB (compression stage)"])],
         "SLAMB": [(1.0, profiles["SLAMB fp16 (k=0.1, H=100)"])],
         "SLAMB + overlap": [(1.0, profiles["SLAMB fp16 + overlap"])],
+        "SLAMB hierarchical": [(1.0, profiles["SLAMB hierarchical fp16 (k=0.1, H=100)"])],
     }
 
 
@@ -421,13 +428,14 @@ def main(argv=None):
               f"BERT-XL ({xl:,} parameters, `configs/model/bert_xl.yaml`) and Swin-B ({swin:,}) by parameter "
               "count (SLAMB's always-dense small tensors are about 1% of BERT-Large's bytes, a smaller share in "
               "BERT-XL: a <1% overestimate there).", "",
-              "| profile | collective | bytes/param (ledger payload) | every | overlaps backward |",
-              "|---|---|---:|---:|---|"]
+              "| profile | collective | bytes/param (ledger payload) | every | overlaps backward | over |",
+              "|---|---|---:|---:|---|---|"]
+    scopes = {"all": "all GPUs", "intra": "each node's GPUs", "inter": "the nodes, 1/g per GPU"}
     for name, prof in profiles.items():
         for c in prof.collectives:
             lines.append(f"| {name} | {c.op}{' (1/n shard)' if c.sharded else ''} | "
                          f"{c.bytes_per_param * (c.ref_world if c.sharded else 1):.4f}{' / n' if c.sharded else ''} | "
-                         f"{c.every} | {'yes' if c.overlappable else 'no'} |")
+                         f"{c.every} | {'yes' if c.overlappable else 'no'} | {scopes[c.scope]} |")
     lines += ["", f"1-bit LAMB: {ONEBIT_WARMUP} warm-up steps of {PHASE1_STEPS} (phase 1) send dense gradients; "
               "its row averages the step time over both stages, the compression-stage row is its best case.", ""]
 
@@ -449,7 +457,8 @@ def main(argv=None):
 
     # Swin-B time to train on 128 GPUs
     swin_mixes = {"AdamW / LAMB (dense)": [(1.0, profiles["LAMB"])],
-                  "SLAMB (fp32 momentum, as configs/experiment/swin_b/slamb.yaml)": [(1.0, profiles["SLAMB fp32 (k=0.1, H=100)"])]}
+                  "SLAMB (fp32 momentum, as configs/experiment/swin_b/slamb.yaml)": [(1.0, profiles["SLAMB fp32 (k=0.1, H=100)"])],
+                  "SLAMB hierarchical (fp32 momentum)": [(1.0, profiles["SLAMB hierarchical fp32 (k=0.1, H=100)"])]}
     gpus = 128
     lines += ["## Swin-B ImageNet time to train on 128 GPUs", "",
               f"{inp.swin_epochs} epochs of {inp.imagenet_train_images:,} images, {inp.swin_batch_per_gpu} images "
@@ -492,6 +501,28 @@ def main(argv=None):
               "| SLAMB sends half of 1-bit LAMB's data (BERT-Large) | from the ledger over phase 1: SLAMB/1-bit LAMB "
               f"= {half['SLAMB fp16 (k=0.1, H=100)']:.2f}x with fp16 momentum, {half['SLAMB fp32 (k=0.1, H=100)']:.2f}x "
               "with fp32 (`results/comm_volume.md`) | rests on 1-bit LAMB's dense warm-up steps; not a timing claim |", ""]
+    # hierarchy="node" beside flat SLAMB
+    xl_hier = curves["BERT-XL"][a100]["SLAMB hierarchical"][1024]
+    ring = dataclasses.replace(inp, algorithm="ring")
+    xl_ring = efficiency_curves(workloads["BERT-XL"], {k: mixes[k] for k in ("SLAMB", "SLAMB hierarchical")},
+                                cl[a100], ring)
+    lines += ["## Hierarchical SLAMB (`hierarchy=\"node\"`) beside flat SLAMB", "",
+              "Hierarchical SLAMB averages the gradients over NVLink inside each node (DDP's buckets, under "
+              "backward) and runs SLAMB over the nodes, each GPU carrying 1/8 of the node's momentum over its own "
+              "inter-node ring; the NIC then carries the same bytes as flat SLAMB's all-reduce under a "
+              "hierarchical (NCCL-style) algorithm, and the node skips the intra reduce-scatter. The model "
+              "predicts time only: that n becomes the number of nodes (each worker's momentum a node's mean "
+              "gradient) changes the optimization, which it does not model.", "",
+              "| workload | flat SLAMB | hierarchical SLAMB |", "|---|---|---|",
+              f"| BERT-XL, 1,024 A100 (128 nodes x 8), efficiency vs 1 GPU (vs one node) | "
+              f"{pct(xl_slamb[1])} ({pct(xl_slamb[2])}) | {pct(xl_hier[1])} ({pct(xl_hier[2])}) |",
+              f"| the same with one flat ring through all GPUs (no hierarchical all-reduce in the library) | "
+              f"{pct(xl_ring['SLAMB'][1024][1])} ({pct(xl_ring['SLAMB'][1024][2])}) | "
+              f"{pct(xl_ring['SLAMB hierarchical'][1024][1])} ({pct(xl_ring['SLAMB hierarchical'][1024][2])}) |"]
+    for s_name in cl:
+        lines.append(f"| Swin-B, 128 GPUs, {s_name}: hours | {swin_hours[(s_name, list(swin_mixes)[1])]:.2f} | "
+                     f"{swin_hours[(s_name, list(swin_mixes)[2])]:.2f} |")
+    lines.append("")
     # Which inputs move the BERT-XL claim: one input changed at a time
     def xl_1024(**changes):
         alt = dataclasses.replace(inp, **changes)

@@ -44,7 +44,7 @@ def optimizer_kwargs(ocfg) -> dict:
         if key.endswith("dtype") and isinstance(value, str):
             dtype = getattr(torch, value, None)
             if not isinstance(dtype, torch.dtype):
-                raise ValueError(f"invalid optimizer.{key}={value!r}: must name a torch dtype (float16, bfloat16)")
+                raise ValueError(f"invalid optimizer.{key}={value!r}: must name a torch dtype (float16, bfloat16, int8)")
             settings[key] = dtype
         elif isinstance(value, list):
             settings[key] = tuple(value)

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from . import comm
+from .topology import whole_group
 
 __all__ = ["save_optimizer", "load_optimizer", "optimizer_file"]
 
@@ -32,7 +33,7 @@ _RANK_FILE = re.compile(r"optimizer\.rank(\d+)-of-(\d+)\.pt")
 
 
 def _place(optimizer) -> tuple[bool, int, int]:
-    group = getattr(optimizer, "process_group", None)
+    group = whole_group(getattr(optimizer, "process_group", None))  # every rank of a node keeps its own file
     return bool(getattr(optimizer, "per_rank_state", False)), comm.rank(group), comm.world_size(group)
 
 

@@ -14,6 +14,16 @@ Two figures are kept per rank:
   ``(n-1) * payload``, broadcast ``payload``.
 
 Nothing is recorded when the world has one rank: no collective runs then.
+
+Every collective also accepts a :class:`slamb.topology.NodeTopology` as its
+group: a node is then one worker (see that module), a mean runs over the
+inter-node groups and then inside the node, and each record carries its level
+(``"inter"``, ``"intra"``, or ``"world"`` for a collective over every rank),
+kept beside the totals as ``levels`` in :meth:`CommLedger.summary`.
+
+``comm_dtype=torch.int8`` in :func:`all_reduce_mean_`: a quantised
+reduce-scatter then all-gather, one float32 scale per block of 256 entries
+(see :func:`int8_mean_`).
 """
 from __future__ import annotations
 
@@ -23,6 +33,8 @@ from collections import defaultdict
 
 import torch
 import torch.distributed as dist
+
+from .topology import NodeTopology
 
 __all__ = [
     "CommLedger",
@@ -37,16 +49,25 @@ __all__ = [
     "broadcast_",
     "agree_any",
     "agree_max",
+    "int8_mean_",
+    "int8_layout",
+    "at_level",
 ]
 
 
-def world_size(group: dist.ProcessGroup | None = None) -> int:
+def world_size(group: dist.ProcessGroup | NodeTopology | None = None) -> int:
+    """Ranks of ``group``; nodes of a :class:`NodeTopology`."""
+    if isinstance(group, NodeTopology):
+        return group.n_nodes
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
-def rank(group: dist.ProcessGroup | None = None) -> int:
+def rank(group: dist.ProcessGroup | NodeTopology | None = None) -> int:
+    """This rank in ``group``; its node in a :class:`NodeTopology`."""
+    if isinstance(group, NodeTopology):
+        return group.node
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
@@ -73,11 +94,22 @@ class Tally:
     payload: int = 0
     wire: float = 0.0
     calls: int = 0
+    levels: dict = dataclasses.field(default_factory=dict)  # level -> {"payload", "wire", "calls"} of those
 
     def add(self, other: "Tally") -> None:
         self.payload += other.payload
         self.wire += other.wire
         self.calls += other.calls
+        for level, part in other.levels.items():
+            mine = self.levels.setdefault(level, {"payload": 0, "wire": 0.0, "calls": 0})
+            for key in mine:
+                mine[key] += part[key]
+
+    def as_dict(self) -> dict:
+        out = {"payload": self.payload, "wire": self.wire, "calls": self.calls}
+        if self.levels:
+            out["levels"] = {k: dict(v) for k, v in sorted(self.levels.items())}
+        return out
 
 
 class CommLedger:
@@ -94,13 +126,14 @@ class CommLedger:
         self.last_step: dict[str, Tally] = {}
         self.steps = 0
 
-    def record(self, kind: str, op: str, payload_bytes: int, n: int) -> None:
+    def record(self, kind: str, op: str, payload_bytes: int, n: int, level: str | None = None) -> None:
+        """``level``: where the collective runs (``"intra"``/``"inter"`` node, ``"world"``), kept apart too."""
         if n <= 1:
             return
-        tally = self.current[kind]
-        tally.payload += int(payload_bytes)
-        tally.wire += payload_bytes * wire_factor(op, n)
-        tally.calls += 1
+        one = Tally(int(payload_bytes), payload_bytes * wire_factor(op, n), 1)
+        if level is not None:
+            one.levels[level] = {"payload": one.payload, "wire": one.wire, "calls": 1}
+        self.current[kind].add(one)
 
     def end_step(self) -> None:
         for kind, tally in self.current.items():
@@ -113,30 +146,30 @@ class CommLedger:
         """Plain numbers: payload/wire bytes and calls by kind, per last step and in total."""
 
         def flat(tallies: dict[str, Tally]) -> dict:
-            out = {k: dataclasses.asdict(v) for k, v in sorted(tallies.items())}
-            out["all"] = {
-                "payload": sum(v.payload for v in tallies.values()),
-                "wire": sum(v.wire for v in tallies.values()),
-                "calls": sum(v.calls for v in tallies.values()),
-            }
+            out = {k: v.as_dict() for k, v in sorted(tallies.items())}
+            everything = Tally()
+            for v in tallies.values():
+                everything.add(v)
+            out["all"] = everything.as_dict()
             return out
 
-        total = dict(self.total)
-        for kind, tally in self.current.items():  # recorded but not yet closed by a step
-            merged = dataclasses.replace(total.get(kind, Tally()))
-            merged.add(tally)
-            total[kind] = merged
+        total = {}
+        for tallies in (self.total, self.current):  # the open step's records count in the total
+            for kind, tally in tallies.items():
+                total.setdefault(kind, Tally()).add(tally)
         return {"steps": self.steps, "last_step": flat(self.last_step), "total": flat(total)}
 
     def state_dict(self) -> dict:
         return {
             "steps": self.steps,
-            "total": {k: dataclasses.asdict(v) for k, v in self.total.items()},
+            "total": {k: v.as_dict() for k, v in self.total.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
         self.steps = int(state["steps"])
-        self.total = defaultdict(Tally, {k: Tally(**v) for k, v in state["total"].items()})
+        self.total = defaultdict(Tally)
+        for k, v in state["total"].items():
+            self.total[k].add(Tally(v["payload"], v["wire"], v["calls"], v.get("levels", {})))
         self.current = defaultdict(Tally)
         self.last_step = {}
 
@@ -145,8 +178,34 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class _AtLevel:
+    """A ledger whose records carry ``level``."""
+
+    def __init__(self, ledger: CommLedger, level: str):
+        self.ledger, self.level = ledger, level
+
+    def record(self, kind: str, op: str, payload_bytes: int, n: int) -> None:
+        self.ledger.record(kind, op, payload_bytes, n, level=self.level)
+
+
+def at_level(ledger: CommLedger | None, level: str):
+    """``ledger`` recording at ``level`` (None stays None)."""
+    return None if ledger is None else _AtLevel(getattr(ledger, "ledger", ledger), level)
+
+
+def _plain(group, ledger):
+    """A collective over every rank of ``group``: the process group, and the ledger at level "world"."""
+    if isinstance(group, NodeTopology):
+        return group.group, at_level(ledger, "world")
+    return group, ledger
+
+
 def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None, async_op=False):
-    """In-place sum over ranks. Returns the work handle when ``async_op``."""
+    """In-place sum over ranks (nodes of a topology). Returns the work handle when ``async_op``."""
+    if isinstance(group, NodeTopology):
+        return _over_nodes(tensor, group, kind, ledger, async_op,
+                           lambda chunk, led: MeanWork(chunk, all_reduce_sum_(chunk, kind=kind, ledger=led,
+                                                                              group=group.inter, async_op=True)))
     n = world_size(group)
     if n == 1:
         return None
@@ -155,13 +214,29 @@ def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None,
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
+class _Works:
+    """Several collectives in flight, waited on together."""
+
+    def __init__(self, *works):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
 class MeanWork:
-    """An all-reduce mean in flight: :meth:`wait` returns the averaged tensor."""
+    """An all-reduce mean in flight: :meth:`wait` returns the averaged tensor.
+
+    ``finish``: what completes it once ``work`` is done (a second collective: the all-gather of a
+    quantised or hierarchical exchange), writing the result into ``tensor``.
+    """
 
     def __init__(self, tensor: torch.Tensor, work=None, divide_by: int | None = None,
-                 wire: torch.Tensor | None = None, unscale: torch.Tensor | None = None):
+                 wire: torch.Tensor | None = None, unscale: torch.Tensor | None = None, finish=None):
         self.tensor, self.work, self.divide_by = tensor, work, divide_by
         self.wire, self.unscale = wire, unscale  # the tensor sent in another dtype, and its scale's inverse
+        self.finish = finish
 
     def wait(self) -> torch.Tensor:
         if self.work is not None:
@@ -174,7 +249,33 @@ class MeanWork:
                 self.tensor.mul_(self.unscale)
             if self.divide_by is not None:
                 self.tensor.div_(self.divide_by)
+            if self.finish is not None:
+                self.finish()
+                self.finish = None
         return self.tensor
+
+
+def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: str, ledger, async_op: bool, reduce):
+    """Reduce ``tensor`` (identical on the L ranks of each node) over the nodes: local rank l reduces the
+    l-th of L chunks over its inter-node group (``reduce(chunk, ledger)``: a :class:`MeanWork`), then the
+    node's ranks all-gather the reduced chunks. Every rank ends with the same bytes (each chunk comes from
+    one inter-node collective, whose ranks all receive the same result)."""
+    if topo.n_nodes == 1 or tensor.numel() == 0:
+        return MeanWork(tensor) if async_op else tensor
+    numel, local = tensor.numel(), topo.local_world_size
+    c = -(-numel // local)
+    padded = tensor.new_zeros(local * c)
+    padded[:numel] = tensor.reshape(-1)
+    chunk = padded[topo.local_rank * c:(topo.local_rank + 1) * c]
+    inner = reduce(chunk, at_level(ledger, "inter"))
+
+    def gather() -> None:
+        whole = all_gather_into_tensor(torch.empty_like(padded), chunk, kind=kind, ledger=at_level(ledger, "intra"),
+                                       group=topo.intra)
+        tensor.copy_(whole[:numel].view_as(tensor))
+
+    work = MeanWork(tensor, inner, finish=gather)
+    return work if async_op else work.wait()
 
 
 # fp16's largest finite value: a sum of n terms each at most this / n cannot overflow
@@ -190,9 +291,70 @@ def fp16_scale(peak: torch.Tensor, n: int) -> torch.Tensor:
     return torch.exp2(e)
 
 
+_INT8_MAX = 127
+# entries per int8 scale: a packed momentum vector concatenates tensors whose magnitudes differ by decades,
+# and one scale over a whole chunk would round the entries of the small ones to zero; 4 scale bytes per
+# 256 values cost 1.6% more bytes
+INT8_BLOCK = 256
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of the 2-D ``x`` as int8 and its float32 scale ``max|row| / 127`` (round to nearest:
+    an entry is off by at most half its row's scale; an all-zero row has scale 0)."""
+    scales = x.abs().amax(dim=1).to(torch.float32) / _INT8_MAX
+    q = torch.round(x.to(torch.float32) / scales.clamp_min(torch.finfo(torch.float32).tiny).unsqueeze(1))
+    return q.to(torch.int8), scales
+
+
+def int8_layout(numel: int, n: int, block: int = INT8_BLOCK) -> tuple[int, int]:
+    """``(c, b)``: entries per rank's chunk and per scale; ``c = ceil(numel / n)`` rounded up to whole
+    blocks of ``b = min(block, ceil(numel / n))`` entries."""
+    b = max(1, min(block, -(-numel // n)))
+    return b * -(-numel // (n * b)), b
+
+
+def int8_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
+               async_op: bool = False, scale_kind: str = "scales", block: int = INT8_BLOCK):
+    """In-place mean over ranks sent as int8, as the 1-bit all-reduce of :mod:`slamb.compression.onebit`
+    is built with int8 values in place of signs: the D entries are cut into n chunks of c entries
+    (:func:`int8_layout`, zero-padded), each quantised in blocks of b entries with one float32 scale per
+    block; an all-to-all hands rank j chunk j of every rank (``n c`` bytes, kind ``kind``; ``4 n c / b``
+    bytes of scales, kind ``scale_kind``); rank j dequantises and averages them, requantises the average
+    per block, and an all-gather (``c`` bytes and ``4 c / b`` of scales) gives every rank every chunk.
+    Every rank decodes the same bytes: the result is identical on all of them.
+
+    Per entry the error is at most ``mean_i(s_i) / 2 + s' / 2``, with ``s_i`` rank i's scale of the
+    entry's block (``max|x_i| / 127`` over it) and ``s'`` the scale of the averaged block.
+    """
+    n = world_size(group)
+    if n == 1:
+        return MeanWork(tensor) if async_op else tensor
+    numel = tensor.numel()
+    c, b = int8_layout(numel, n, block)
+    x = torch.zeros(n * c, dtype=torch.float32, device=tensor.device)
+    x[:numel] = tensor.reshape(-1)
+    q, scales = quantize_int8(x.view(-1, b))  # rows: n chunks of c / b blocks each, in order
+    recv, recv_scales = torch.empty_like(q), torch.empty_like(scales)
+    works = _Works(all_to_all_single(recv.view(-1), q.view(-1), kind=kind, ledger=ledger, group=group, async_op=True),
+                   all_to_all_single(recv_scales, scales, kind=scale_kind, ledger=ledger, group=group, async_op=True))
+
+    def finish() -> None:
+        decoded = recv.to(torch.float32).mul_(recv_scales.unsqueeze(1))  # n ranks x c / b blocks, b each
+        mean = decoded.view(n, c).sum(0).div_(n)
+        mine, my_scales = quantize_int8(mean.view(-1, b))
+        values, all_scales = torch.empty_like(q), torch.empty_like(scales)
+        all_gather_into_tensor(values.view(-1), mine.view(-1), kind=kind, ledger=ledger, group=group)
+        all_gather_into_tensor(all_scales, my_scales, kind=scale_kind, ledger=ledger, group=group)
+        out = values.to(torch.float32).mul_(all_scales.unsqueeze(1))
+        tensor.copy_(out.view(-1)[:numel].view_as(tensor))
+
+    work = MeanWork(tensor, works, finish=finish)
+    return work if async_op else work.wait()
+
+
 def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
                      async_op: bool = False, comm_dtype: torch.dtype | None = None):
-    """In-place mean over ranks; with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
+    """In-place mean over ranks (nodes of a topology); with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
 
     Full-precision tensors are summed then divided (the sum is exact to the
     last bit on every rank, so the mean is too). Half-precision tensors are
@@ -201,11 +363,18 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     ``comm_dtype``: send ``tensor`` (full precision) in that dtype and write the mean back into
     it. float16 is scaled first by a power of two agreed by the ranks (:func:`_fp16_scale`), so
     that its error stays at fp16's rounding at any n where dividing by n first would flush small
-    values to zero; bfloat16 has float32's range and is summed as it is.
+    values to zero; bfloat16 has float32's range and is summed as it is; int8 is
+    :func:`int8_mean_` (quantised per chunk).
     """
+    if isinstance(group, NodeTopology):
+        return _over_nodes(tensor, group, kind, ledger, async_op,
+                           lambda chunk, led: all_reduce_mean_(chunk, kind=kind, ledger=led, group=group.inter,
+                                                               async_op=True, comm_dtype=comm_dtype))
     n = world_size(group)
     if n == 1:
         return MeanWork(tensor) if async_op else tensor
+    if comm_dtype == torch.int8:
+        return int8_mean_(tensor, kind=kind, ledger=ledger, group=group, async_op=async_op)
     if comm_dtype is not None and comm_dtype != tensor.dtype:
         unscale = None
         if comm_dtype == torch.float16 and tensor.numel():
@@ -233,7 +402,10 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
 
 
 def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None):
-    """``output`` (n * input.numel()) receives every rank's ``input`` in rank order."""
+    """``output`` (n * input.numel()) receives every rank's ``input`` in rank order (one per node, in
+    node order, over this rank's inter-node group of a topology)."""
+    if isinstance(group, NodeTopology):
+        group, ledger = group.inter, at_level(ledger, "inter")
     n = world_size(group)
     if n == 1:
         output.copy_(input.reshape(output.shape))
@@ -244,19 +416,25 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
     return output
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None):
-    """Equal split: rank j receives the j-th of n equal chunks of every rank's ``input``."""
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None,
+                      async_op: bool = False):
+    """Equal split: rank j receives the j-th of n equal chunks of every rank's ``input`` (node j of a
+    topology, over the inter-node group). With ``async_op`` the work handle, else ``output``."""
+    if isinstance(group, NodeTopology):
+        group, ledger = group.inter, at_level(ledger, "inter")
     n = world_size(group)
     if n == 1:
         output.copy_(input)
-        return output
+        return MeanWork(output) if async_op else output
     if ledger is not None:
         ledger.record(kind, "all_to_all", _nbytes(input), n)
-    dist.all_to_all_single(output, input, group=group)
-    return output
+    work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    return work if async_op else output
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: str, ledger, group=None):
+    """``src``'s ``tensor`` on every rank (every rank of a topology; ``src`` a global rank)."""
+    group, ledger = _plain(group, ledger)
     n = world_size(group)
     if n == 1:
         return tensor
@@ -270,8 +448,9 @@ def agree_max(values: torch.Tensor, *, ledger, group=None) -> torch.Tensor:
     """The element-wise maximum over the ranks of ``values`` (a float32 copy, the same on every rank).
 
     The one place where rank-local conditions become a collective decision,
-    so that no rank ever skips a collective alone.
+    so that no rank ever skips a collective alone. Over every rank of a topology.
     """
+    group, ledger = _plain(group, ledger)
     x = values.detach().reshape(-1).to(torch.float32, copy=True)
     n = world_size(group)
     if n > 1:

@@ -1,8 +1,6 @@
 """DistributedDataParallel wrapping for any optimizer of the package.
 
 DDP still broadcasts the initial parameters (and buffers) from rank 0; what
-happens to the gradient buckets during backward depends on the optimizer:
-
 happens to the gradient buckets during backward is the optimizer's
 ``communication`` (:mod:`slamb.contract`):
 
@@ -14,6 +12,17 @@ happens to the gradient buckets during backward is the optimizer's
 * ``no_ddp`` (JointSpar, which freezes a different set of layers every round,
   more than DDP's reducer can follow): the model is returned unwrapped and the
   optimizer broadcasts the initial parameters itself.
+
+An optimizer over a :class:`slamb.topology.NodeTopology` (``SLAMB(hierarchy="node")``)
+gets its hook after a dense averaging of each bucket inside the node (kind
+``"grads"``, level ``"intra"``): DDP spans every rank (its initial broadcast
+from global rank 0 gives every node the same start), the hook's all-reduce
+only the node's ranks.
+
+Where the hook leaves its result in the bucket itself (marked ``in_place``:
+SLAMB's hooks send no gradient or reduce it in place), DDP is built with
+``gradient_as_bucket_view=True``: the parameters' ``.grad`` are views into the
+buckets, so DDP keeps no second model-sized copy of the gradients.
 """
 
 import dataclasses
@@ -24,8 +33,16 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import comm
 from .contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
+from .topology import NodeTopology
 
 
+def in_place(hook):
+    """Mark a DDP comm hook whose future's value is the bucket's own buffer (reduced in place or untouched)."""
+    hook.in_place = True
+    return hook
+
+
+@in_place
 def no_comm_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
@@ -49,12 +66,36 @@ def recording_allreduce_hook(state: RecordingState, bucket: dist.GradBucket) -> 
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
+@dataclasses.dataclass
+class NodeState:
+    topology: NodeTopology
+    ledger: comm.CommLedger | None
+    state: object  # the optimizer's hook and its state
+    hook: object
+
+
+@in_place
+def node_mean_hook(state: NodeState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The bucket averaged over the node's ranks, then handed to the optimizer's hook (which sees what a
+    flat run's rank sees: the gradient of its worker, here the node)."""
+    comm.all_reduce_mean_(bucket.buffer(), kind="grads", ledger=comm.at_level(state.ledger, "intra"),
+                          group=state.topology.intra)
+    return state.hook(state.state, bucket)
+
+
 def comm_hook(optimizer, process_group=None) -> tuple:
     """``(state, hook)`` for a DDP around a model ``optimizer`` trains: its own hook, or for data-parallel
     optimizers DDP's averaging all-reduce recorded in its ledger."""
     if optimizer.communication == GRADIENT_ALLREDUCE:
         return RecordingState(optimizer.ledger, process_group), recording_allreduce_hook
-    return optimizer.ddp_comm_hook()
+    state, hook = optimizer.ddp_comm_hook()
+    topology = getattr(optimizer, "process_group", None)
+    if isinstance(topology, NodeTopology):
+        if not getattr(hook, "in_place", False):
+            raise ValueError(f"{type(optimizer).__name__}: a per-node hierarchy needs a comm hook that works on "
+                             "the bucket in place")
+        return NodeState(topology, optimizer.ledger, state, hook), node_mean_hook
+    return state, hook
 
 
 def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_kwargs) -> torch.nn.Module:
@@ -64,8 +105,13 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
     ``ddp_kwargs`` go to :class:`DistributedDataParallel` (``device_ids``, ...).
     """
     adopt(optimizer)
+    topology = getattr(optimizer, "process_group", None)
+    if isinstance(topology, NodeTopology):
+        process_group = topology.group
     if comm.world_size(process_group) == 1 or optimizer.communication == NO_DDP:
         return model
+    state, hook = comm_hook(optimizer, process_group)
+    ddp_kwargs.setdefault("gradient_as_bucket_view", getattr(hook, "in_place", False))
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)
-    ddp.register_comm_hook(*comm_hook(optimizer, process_group))
+    ddp.register_comm_hook(state, hook)
     return ddp

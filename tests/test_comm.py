@@ -37,6 +37,25 @@ def test_ledger_steps_totals_and_state_dict():
     assert "x" not in ledger.summary()["total"]
 
 
+def test_ledger_keeps_each_level_apart_and_in_its_totals():
+    ledger = comm.CommLedger()
+    ledger.record("momentum", "all_reduce", 100, 2, level="inter")
+    comm.at_level(ledger, "intra").record("momentum", "all_gather", 100, 4)
+    ledger.record("momentum", "all_reduce", 10, 2)  # no level: in the kind's totals only
+    ledger.end_step()
+    step = ledger.summary()["last_step"]
+    assert step["momentum"]["payload"] == 210 and step["momentum"]["wire"] == 100 + 300 + 10
+    assert step["momentum"]["levels"] == {"inter": {"payload": 100, "wire": 100.0, "calls": 1},
+                                          "intra": {"payload": 100, "wire": 300.0, "calls": 1}}
+    assert step["all"]["levels"]["intra"]["wire"] == 300.0
+    ledger.record("momentum", "all_reduce", 100, 2, level="inter")
+    assert ledger.summary()["total"]["momentum"]["levels"]["inter"]["payload"] == 200  # the open step counts
+    ledger.end_step()
+    copy = comm.CommLedger()
+    copy.load_state_dict(ledger.state_dict())
+    assert copy.summary()["total"] == ledger.summary()["total"]
+
+
 def collectives_worker(rank, world):
     ledger = comm.CommLedger()
     out = {}

@@ -170,6 +170,8 @@ def test_optimizer_config_builds_with_its_settings(name):
     ("optimizer.overlap=true", "overlap", True),
     ("optimizer.foreach=false", "foreach", False),
     ("optimizer.nonfinite=skip", "nonfinite", "skip"),
+    ("optimizer.comm_dtype=int8", "comm_dtype", torch.int8),
+    ("optimizer.hierarchy=node", "hierarchy", "node"),
 ])
 def test_slamb_settings_can_be_overridden(override, attr, value):
     cfg = compose_cfg("experiment=cifar10/slamb", "model=resnet8", override)

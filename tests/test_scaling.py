@@ -1,4 +1,5 @@
 """The alpha-beta cost model against hand-computed times, and its bench calibration on synthetic records."""
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,23 @@ def test_hierarchical_all_gather_and_all_to_all_by_hand():
     # all-to-all, 100 MB per GPU: half of every GPU's input leaves the node and the 4 GPUs share the NIC:
     #   latency 3*5us + 1*10us ; bandwidth max(4 * 1/2 * 1e8 * 8e-10, 3/8 * 1e8 * 1e-11) = 0.16
     assert sc.hierarchical_time("all_to_all", 1e8, 2, 4, NVL, NET) == pytest.approx(0.160025, rel=1e-12)
+
+
+def test_hierarchical_slamb_exchange_by_hand():
+    # over 2 nodes x 4 GPUs, 100 MB the 4 GPUs of a node hold alike: each sends 25 MB over its own ring,
+    # the 4 rings share the NIC: 2*1*10us + 2*1/2*1e8*8e-10 = 0.08002; then the intra all-gather of the
+    # 25 MB shares: 3*5us + 3*2.5e7*1e-11 = 7.65e-4. No intra reduce-scatter (the flat hierarchical
+    # all-reduce's 7.65e-4): 0.080785
+    assert sc.node_exchange_time(1e8, 2, 4, NVL, NET) == pytest.approx(0.080785, rel=1e-12)
+    cluster = sc.Cluster("test", 4, NVL, NET)
+    assert sc.collective_time("all_reduce", 1e8, 8, cluster, scope="inter") == pytest.approx(0.080785, rel=1e-12)
+    assert sc.collective_time("all_reduce", 1e8, 4, cluster, scope="inter") == 0.0  # one node: nothing to send
+    # the gradients averaged inside each node only: 2*3*5us + 2*3/4*4e8*1e-11 = 0.00603, at any node count
+    assert sc.collective_time("all_reduce", 4e8, 64, cluster, scope="intra") == pytest.approx(0.00603, rel=1e-12)
+    with pytest.raises(ValueError, match="scope"):
+        sc.collective_time("all_gather", 1.0, 8, cluster, scope="inter")
+    with pytest.raises(ValueError, match="scope"):
+        sc.collective_time("all_reduce", 1.0, 8, cluster, scope="rack")
 
 
 def test_cluster_layout_and_links():
@@ -227,6 +245,18 @@ def test_ledger_profiles_from_measured_volumes():
     a2a, ag = profiles["1-bit LAMB (compression stage)"].collectives
     assert a2a.bytes_per_param == pytest.approx(1 / 8, rel=1e-3)  # one sign bit per parameter
     assert ag.sharded and ag.payload(1.0, 8) == pytest.approx(1 / 64, rel=1e-3)
+    # hierarchical SLAMB: LAMB's gradient bytes inside the node, flat SLAMB's exchanges over the nodes
+    hier = profiles["SLAMB hierarchical fp16 (k=0.1, H=100)"].collectives
+    assert [c.scope for c in hier] == ["intra", "inter", "inter"]
+    assert hier[0] == dataclasses.replace(grads, scope="intra")
+    assert hier[1:] == tuple(dataclasses.replace(c, scope="inter") for c in (momentum, sync))
+    # BERT-XL-sized, 1,024 A100-like GPUs (128 nodes x 8): the times are the sum of the hand-checked parts
+    cluster = sc.Cluster("c", 8, NVL, NET)
+    exposed, overlappable = profiles["SLAMB hierarchical fp16 (k=0.1, H=100)"].times(2.8e9, 1024, cluster)
+    m, h = momentum.bytes_per_param * 2.8e9, sync.bytes_per_param * 2.8e9
+    assert exposed + overlappable == pytest.approx(
+        sc.collective_time("all_reduce", 4 * 2.8e9, 1024, cluster, scope="intra", calls=math.ceil(4 * 2.8e9 / 25 / 2**20))
+        + sc.node_exchange_time(m, 128, 8, NVL, NET) + sc.node_exchange_time(h, 128, 8, NVL, NET) / 100, rel=1e-9)
 
 
 def test_command_with_and_without_bench_file(tmp_path, capsys):

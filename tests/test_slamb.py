@@ -316,7 +316,7 @@ INVALID = [
     (dict(variant="v3"), "variant"), (dict(mask="topk"), "mask"),
     (dict(betas=(1.0, 0.999)), "betas"), (dict(betas=(0.9,)), "betas"), (dict(eps=0.0), "eps"),
     (dict(weight_decay=-0.1), "weight_decay"), (dict(min_compress_numel=-1), "min_compress_numel"),
-    (dict(comm_dtype=torch.int8), "comm_dtype"), (dict(nonfinite="maybe"), "nonfinite"),
+    (dict(comm_dtype=torch.int16), "comm_dtype"), (dict(nonfinite="maybe"), "nonfinite"),
     (dict(seed=1.5), "seed"),
 ]
 

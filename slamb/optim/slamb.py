@@ -31,7 +31,8 @@ import torch
 from .. import comm
 from ..averaging import average_tensors_
 from ..schedules import check_compression_warmup, compression_ratio
-from ..ddp import no_comm_hook
+from ..topology import HIERARCHIES, node_topology
+from ..ddp import in_place, no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
                       safe_ratio)
 from .base import LocalStateOptimizer
@@ -83,7 +84,14 @@ class SLAMB(LocalStateOptimizer):
     Per parameter group: ``lr``, ``betas``, ``eps``, ``weight_decay``, ``beta3``,
     ``c_min``, ``c_max``. For the whole optimizer (they shape the collective):
     ``compress_ratio`` (k), ``sync_interval`` (H), ``min_compress_numel`` (T),
-    ``variant``, ``mask``, ``comm_dtype``, ``seed``, ``process_group``.
+    ``variant``, ``mask``, ``comm_dtype``, ``seed``, ``process_group``,
+    ``hierarchy``, ``local_world_size``.
+
+    ``hierarchy="node"``: the workers are the nodes (``local_world_size`` ranks each, default
+    torchrun's ``LOCAL_WORLD_SIZE``): :func:`slamb.wrap_model` averages the gradients densely inside
+    each node, and the momentum exchange and parameter syncs run across nodes, every local rank
+    carrying a share (:mod:`slamb.topology`); n is the number of nodes. ``comm_dtype=torch.int8``
+    quantises the exchange per chunk (:func:`slamb.comm.int8_mean_`).
 
     ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``;
     the next step's mask uses it, and a cyclic mask re-cuts its permutation
@@ -165,21 +173,28 @@ class SLAMB(LocalStateOptimizer):
         ledger: comm.CommLedger | None = None,
         overlap: bool = False,
         compression_warmup=None,
+        hierarchy: str | None = None,
+        local_world_size: int | None = None,
     ):
         check_choice("variant", variant, VARIANTS)
+        check_choice("hierarchy", hierarchy, HIERARCHIES)
         check_choice("overlap", overlap, (False, True))
         check_choice("mask", mask, (None, *MASK_POLICIES))
         if not (isinstance(sync_interval, int) and sync_interval >= 1):
             raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
         if not (isinstance(min_compress_numel, int) and min_compress_numel >= 0):
             raise ValueError(f"invalid min_compress_numel={min_compress_numel!r}: must be an integer >= 0")
-        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and comm_dtype.is_floating_point):
-            raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None or a floating torch.dtype")
+        if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype)
+                                           and (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
+            raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None, a floating torch.dtype or torch.int8")
         if not isinstance(seed, int):
             raise ValueError(f"invalid seed={seed!r}: must be an integer")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
                         c_min=c_min, c_max=c_max)
         super().__init__(params, defaults)
+        self.hierarchy = hierarchy
+        if hierarchy == "node" and comm.world_size(process_group) > 1:
+            process_group = node_topology(process_group, local_world_size)  # the workers are the nodes
         self._setup(process_group=process_group, nonfinite=nonfinite, ledger=ledger)
         self.variant = variant
         self.mask_policy = mask or VARIANTS[variant]
@@ -272,6 +287,7 @@ class SLAMB(LocalStateOptimizer):
         """With ``overlap``, each DDP bucket's momentum exchange starts as soon as backward fills it."""
         return None, (self._bucket_hook if self.overlap else no_comm_hook)
 
+    @in_place
     def _bucket_hook(self, state, bucket):  # no annotations: DDP checks them against its own
         if self._layout is not None:  # the first step's buckets arrive before the layout exists
             index = self._index
@@ -508,6 +524,8 @@ class SLAMB(LocalStateOptimizer):
     def _same_as_local(self, sel: Selection, ids: list[int], mean: torch.Tensor) -> bool:
         """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
         local = torch.cat(sel.take([self._m_views[i] for i in ids], ids))
+        if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
+            return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
         rtol = 8 * torch.finfo(self.comm_dtype or mean.dtype).eps
         return bool(torch.allclose(local, mean, rtol=rtol, atol=0.0))
 
