@@ -41,6 +41,8 @@ OPTIMIZERS = {
     "SLAMB fp32 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100}),
     "SLAMB fp16 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100,
                                             "comm_dtype": torch.float16}),
+    "SLAMB int8 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100,
+                                            "comm_dtype": torch.int8}),
     "DGC (density 0.001)": ("dgc", {"density": 0.001, "warmup_densities": ()}),
     "JointSpar-LARS": ("jointspar_lars", {}),
     "PowerSGD (r=2)": ("powersgd", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}),
