@@ -270,6 +270,28 @@ def test_step_leaves_global_rng_untouched():
         assert torch.equal(torch.get_rng_state(), cpu)
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("per_tensor_add", [True, False])
+def test_both_scaled_additions_of_the_flat_path_equal_the_reference(variant, per_tensor_add, monkeypatch):
+    """The flat path adds its per-tensor multiples one tensor at a time on the CPU and with two multi-tensor
+    ops on other devices: both agree with the per-tensor reference (c_max = 0.5 makes v1 clamp some tensors)."""
+    from slamb.optim import slamb as module
+
+    monkeypatch.setattr(module, "_PER_TENSOR_ADD", {"cpu"} if per_tensor_add else set())
+    runs = []
+    for foreach in (True, False):
+        params = [torch.nn.Parameter(p) for p in init_params()]
+        opt = make_optimizer(params, variant=variant, compress_ratio=0.3, c_max=0.5, foreach=foreach)
+        for t in range(1, 6):
+            for i, p in enumerate(params):
+                p.grad = grad_of(p.detach(), 0, t, i)
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    assert not torch.equal(runs[0][0], init_params()[0])
+
+
 def test_compress_ratio_one_with_identical_data_equals_lamb():
     torch.manual_seed(0)
     for variant, wd in (("v1", 0.01), ("v2", 0.0)):
@@ -559,7 +581,7 @@ def overlap_worker(rank, world, variant, steps=6):
             x = torch.randn(8, 100, generator=gen, dtype=torch.float64)
             opt.zero_grad()
             ddp(x).square().mean().backward()
-            launched.append(len(opt._pending))  # exchanges already in flight when step() starts
+            launched.append(len(opt.overlap_state.pending))  # exchanges already in flight when step() starts
             opt.step()
         out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
                         "launched": launched, "momentum": opt.comm_stats()["total"]["momentum"]}
