@@ -9,6 +9,10 @@ biases and LayerNorm in a group with ``weight_decay=0``.
 """
 from __future__ import annotations
 
+import functools
+import types
+import warnings
+
 import torch
 from torch.optim import Optimizer
 
@@ -27,7 +31,9 @@ def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torc
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
-    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
+    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive.
+
+    ``t``, ``lr``, ``b1``, ``b2``, ``eps``, ``wd`` are numbers or 0-d tensors (the fused path compiles this)."""
     adam_moments_([m], [v], [g], b1, b2, foreach=False)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
@@ -54,6 +60,49 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
+_HYPER = ("t", "lr", "b1", "b2", "eps", "wd")
+
+
+def _fused_body(params, grads, ms, vs, hyper, *, groups):
+    """:func:`lamb_reference` over every tensor, traced by ``torch.compile``; ``groups``: (first, end,
+    bias_correction, trust_clamp) per group, ``hyper``: a row of ``_HYPER`` per group."""
+    for g, (lo, hi, bias_correction, trust_clamp) in enumerate(groups):
+        h = dict(zip(_HYPER, hyper[g].unbind()))
+        for i in range(lo, hi):
+            lamb_reference(params[i], grads[i], ms[i], vs[i], bias_correction=bias_correction,
+                           trust_clamp=trust_clamp, **h)
+
+
+def lamb_fused(fused: dict, params, grads, ms, vs, groups) -> bool:
+    """The step of every group as one compiled graph (compiled once per set of tensors and group options;
+    the hyper-parameters travel in a tensor, so a new lr or t reuses it). ``fused``: the optimizer's cache.
+    Returns False where ``torch.compile`` failed (warned once): the caller runs the multi-tensor path."""
+    if fused.get("failed"):
+        return False
+    structure = tuple((lo, hi, bc, tc) for lo, hi, bc, tc, _ in groups)
+    if fused.get("structure") != structure:
+        # a code object of its own: dynamo's recompile limit counts the graphs of one code object
+        body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__, "_fused_body")
+        fused.update(structure=structure, compiled=False,
+                     fn=torch.compile(functools.partial(body, groups=list(structure)), dynamic=False),
+                     hyper=torch.zeros(len(groups), len(_HYPER), dtype=torch.float64, device=params[0].device))
+    rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for *_, hyper in groups], dtype=torch.float64)
+    fused["hyper"].copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
+    if fused["compiled"]:
+        fused["fn"](params, grads, ms, vs, fused["hyper"])
+        return True
+    try:
+        fused["fn"](params, grads, ms, vs, fused["hyper"])
+    except Exception as e:  # the compile runs in the first call, before the graph touches any tensor
+        fused["failed"] = True
+        warnings.warn(f"LAMB(fused=True): torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                      "this optimizer runs the multi-tensor path instead (the same numbers, more kernel launches). "
+                      "Install a C++ compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=3)
+        return False
+    fused["compiled"] = True
+    return True
+
+
 class LAMB(ContractDefaults, Optimizer):
     """Data-parallel LAMB. Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``bias_correction``, ``trust_clamp`` (``None`` or ``(min, max)``).
@@ -61,18 +110,26 @@ class LAMB(ContractDefaults, Optimizer):
     Gradients must already be averaged (use :func:`slamb.wrap_model`, whose DDP
     hook records the gradient bytes in ``self.ledger``). ``nonfinite`` as in
     :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
-    the decision is too.
+    the decision is too. ``fused=True`` compiles the step of every group into one graph
+    (``torch.compile``, once): the same numbers to rounding, fewer kernels; it warns once and runs the
+    multi-tensor path where ``torch.compile`` fails.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = True, trust_clamp=None,
                  foreach: bool | None = None, nonfinite: str = "raise", process_group=None,
-                 ledger: comm.CommLedger | None = None):
+                 ledger: comm.CommLedger | None = None, fused: bool = False):
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        check_choice("fused", fused, (False, True))
+        if fused and foreach is False:
+            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
+                             "and foreach=False asks for the per-tensor reference; set only one of them")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp)
         super().__init__(params, defaults)
         self.foreach = True if foreach is None else foreach
+        self.fused = fused
+        self._fused: dict = {}  # the compiled step and its inputs' structure
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
@@ -101,6 +158,7 @@ class LAMB(ContractDefaults, Optimizer):
         if nonfinite_skip(grads, names, self.nonfinite, ledger=None, where="LAMB: ", agree=False):
             self.ledger.end_step()
             return loss
+        todo = []  # per group: its tensors and hyper-parameters
         for group, params in work:
             for p in params:
                 state = self.state[p]
@@ -115,9 +173,18 @@ class LAMB(ContractDefaults, Optimizer):
             hyper = dict(t=int(states[0]["step"]), lr=group["lr"], b1=b1, b2=b2, eps=group["eps"],
                          wd=group["weight_decay"], bias_correction=group["bias_correction"],
                          trust_clamp=group["trust_clamp"])
-            ms = [s["exp_avg"] for s in states]
-            vs = [s["exp_avg_sq"] for s in states]
-            gs = [p.grad for p in params]
+            todo.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                         [s["exp_avg_sq"] for s in states], hyper))
+        if self.fused:
+            flat, groups = [[], [], [], []], []
+            for *tensors, hyper in todo:
+                lo = len(flat[0])
+                for lst, xs in zip(flat, tensors):
+                    lst += xs
+                groups.append((lo, len(flat[0]), hyper["bias_correction"], hyper["trust_clamp"], hyper))
+            if lamb_fused(self._fused, *flat, groups):
+                todo = []
+        for params, gs, ms, vs, hyper in todo:
             if self.foreach:
                 lamb_foreach(params, gs, ms, vs, **hyper)
             else:

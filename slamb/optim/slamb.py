@@ -12,7 +12,7 @@ Step t of worker i, numbered as in ``docs/algorithm.md`` (the specification):
 4. m[M_t] = mean over workers of m[M_t]: ONE all-reduce of the packed entries;
 5. the Adam direction (v1 and v2 place bias correction and eps differently);
 6. the freshness r of each element: 1 where averaged now, decaying by b3 per
-   step since (v1 keeps the age c and takes r = b3^c, v2 keeps r);
+   step since (the state is the age c, an int16 counter; r = b3^c);
 7. two layer-wise trust ratios (fresh / stale entries) blended by r, and a
    step size blended between lr (fresh) and lr/sqrt(n) (stale);
 8. after the updates of steps 1, H+1, 2H+1, ... the parameters are averaged.
@@ -60,7 +60,9 @@ them as numbers).
 """
 from __future__ import annotations
 
+import functools
 import math
+import types
 import warnings
 
 import torch
@@ -77,33 +79,43 @@ from .masks import MASK_POLICIES, Selection, make_mask
 from .overlap import OverlapState, discard, grads_changed, launch, overlap_hook
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
-_AGE = {"v1": "staleness", "v2": "freshness"}  # the per-element state of step 6
-# v1 counts steps in int16 (half a word): exact up to this age, where b3^age is 0 in fp32 for b3 <= 0.997
+# the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
+# age, where b3^age is 0 in fp32 for b3 <= 0.997
 _MAX_AGE = 2**15 - 1
 # first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
 _ALIKE_STEPS = 3
 
 
+def _norms(x, sel):
+    """The norms of ``x[sel]`` and ``x[~sel]``, as masked sums: no data-dependent shapes, so
+    ``torch.compile`` traces them."""
+    sq = x * x
+    return torch.where(sel, sq, 0).sum().sqrt(), torch.where(sel, 0, sq).sum().sqrt()
+
+
 def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t."""
+    """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t.
+
+    The hyper-parameters are numbers or 0-d tensors (the fused path compiles this function)."""
     u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
     if p.dim() == 1:  # plain LAMB: no clamp, no blending
         p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
         return
     r = torch.pow(b3, age.to(p.dtype))
-    phi_s = safe_ratio(p[sel].norm(), u[sel].norm(), 1.0)
-    phi_l = safe_ratio(p[~sel].norm(), u[~sel].norm(), 1.0)
+    (p_s, p_l), (u_s, u_l) = _norms(p, sel), _norms(u, sel)
+    phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
     trust = (r * phi_s + (1 - r) * phi_l).clamp(c_min, c_max)
     eta = r * lr + (1 - r) * lr / math.sqrt(n)
     p.sub_(trust * eta * u)
 
 
-def v2_reference(p, m, v, r, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    """Steps 5-7 of v2 for one tensor; the fresh entries are those with r == 1."""
-    a = (m / (v.sqrt() + eps)) * (math.sqrt(1 - b2**t) / (1 - b1**t))
-    fresh, stale = r == 1, r < 1
-    phi_s = safe_ratio(p[fresh].norm(), a[fresh].norm(), 1.0).clamp(c_min, c_max)
-    phi_l = safe_ratio(p[stale].norm(), a[stale].norm(), 0.0).clamp(0.0, c_max)
+def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    """Steps 5-7 of v2 for one tensor; the fresh entries are those with r == 1, the ones of ``sel``."""
+    a = (m / (v.sqrt() + eps)) * ((1 - b2**t) ** 0.5 / (1 - b1**t))
+    r = torch.pow(b3, age.to(p.dtype))
+    (p_s, p_l), (a_s, a_l) = _norms(p, sel), _norms(a, sel)
+    phi_s = safe_ratio(p_s, a_s, 1.0).clamp(c_min, c_max)
+    phi_l = safe_ratio(p_l, a_l, 0.0).clamp(max=c_max)  # >= 0
     u = a + wd * p
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
@@ -124,6 +136,8 @@ class SlambLayout:
             self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
                                                         device=layout.device))
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.fused: dict[tuple[str, int], _Fused] = {}
+        self.fallback_work: list[torch.Tensor] | None = None  # the multi-tensor scratch, where compiling failed
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
@@ -171,6 +185,13 @@ def _add_scaled_(params, xs, scales) -> None:
         torch._foreach_add_(params, xs)
 
 
+def _freshness(age: torch.Tensor, b3: float, *, out: torch.Tensor) -> torch.Tensor:
+    """r = b3^age (step 6)."""
+    if b3 > 0:
+        return out.copy_(age).mul_(math.log(b3)).exp_()
+    return out.copy_(age == 0)
+
+
 def _v1_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
     span, params = plan.layout.span(lo, hi), plan.params[lo:hi]
     c, eps = bias_folding(t, b1, b2, eps)
@@ -185,11 +206,7 @@ def _v1_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, 
     a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
     b = torch.where(dense, 0.0, phi_s - phi_l)
     clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
-    r = work[1][span]
-    if b3 > 0:
-        r.copy_(age[span]).mul_(math.log(b3)).exp_()
-    else:
-        r.copy_(age[span] == 0)
+    r = _freshness(age[span], b3, out=work[1][span])
     e0 = lr / math.sqrt(n)
     e1 = lr - e0
     if e1 != 0:
@@ -223,7 +240,8 @@ def _v2_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, 
     if wd != 0:
         torch._foreach_add_(d, params, alpha=wd / c)  # u / c
     base = phi_l * (lr / math.sqrt(n))
-    fresh = plan.views(age)[lo:hi]
+    _freshness(age[span], b3, out=work[1][span])
+    fresh = plan.views(work[1])[lo:hi]
 
     def update(slope, base):
         torch._foreach_addcmul_(params, d, fresh, slope)
@@ -244,7 +262,66 @@ def _multi_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
         update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
 
-_IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb}
+_HYPER = ("t", "lr", "b1", "b2", "eps", "wd", "b3", "c_min", "c_max")
+
+
+def _fused_body(params, m, v, age, hyper, *, variant, n, groups, offsets):
+    """The reference functions over every tensor, traced by ``torch.compile``: the selected entries are those
+    of age 0, the hyper-parameters rows of ``hyper`` (one per group)."""
+    reference = v1_reference if variant == "v1" else v2_reference
+    for g, (lo, hi) in enumerate(groups):
+        h = dict(zip(_HYPER, hyper[g].unbind()))
+        for i in range(lo, hi):
+            p = params[i]
+            m_i, v_i, age_i = (x[offsets[i]:offsets[i + 1]].view(p.shape) for x in (m, v, age))
+            reference(p, m_i, v_i, age_i, age_i == 0, n=n, **h)
+
+
+class _Fused:
+    """One layout's compiled step: compiled once (``dynamic=False``); the hyper-parameters travel in a
+    tensor, so a new lr or t reuses the graph."""
+
+    def __init__(self, plan: SlambLayout, variant: str, n: int, n_groups: int):
+        layout = plan.layout
+        # a code object of its own: dynamo's recompile limit counts the graphs of one code object, and every
+        # layout (every optimizer of a process) has its own graph
+        body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__, "_fused_body")
+        self.fn = torch.compile(functools.partial(body, variant=variant, n=n, offsets=layout.offsets,
+                                                  groups=[(lo, hi) for _, lo, hi in layout.groups]),
+                                dynamic=False)
+        self.hyper = torch.zeros(n_groups, len(_HYPER), dtype=torch.float64, device=layout.device)
+        self.compiled = False
+        self.failed: str | None = None
+
+
+def _fused_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
+    """Steps 5-7 as a compiled graph over the flat buffers (the reference math, fused by inductor): a pass
+    for the norms and one for the update, no scratch kept between steps and no host read. Falls back to
+    the multi-tensor path (warning once) where no compiler works."""
+    fused = plan.fused.get((variant, n))
+    if fused is None:
+        fused = plan.fused[(variant, n)] = _Fused(plan, variant, n, len(groups))
+    if fused.failed is None:
+        rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for _, _, hyper in groups], dtype=torch.float64)
+        fused.hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
+        if fused.compiled:
+            return fused.fn(plan.params, m, v, age, fused.hyper)
+        try:
+            fused.fn(plan.params, m, v, age, fused.hyper)
+            fused.compiled = True
+            return None
+        except Exception as e:  # the compile runs in the first call, before the graph touches any tensor
+            fused.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"SLAMB(fused=True): torch.compile failed ({fused.failed}); this optimizer runs the "
+                          "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
+                          "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
+    if not work:
+        plan.fallback_work = plan.fallback_work or [plan.layout.zeros() for _ in range(2)]
+        work = plan.fallback_work
+    return _multi_tensor_slamb(plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
+
+
+_IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
 
 
 def slamb_update_(plan: SlambLayout, sel: Selection, m, v, age, groups, *, variant: str, n: int,
@@ -252,9 +329,10 @@ def slamb_update_(plan: SlambLayout, sel: Selection, m, v, age, groups, *, varia
     """Steps 5-7 of every parameter group, in place on ``plan.params``.
 
     ``m``, ``v``, ``age``: flat buffers over the layout (the momentum after step 4, the second moment, the
-    staleness (v1) or freshness (v2) after step 6); ``sel``: the step's mask; ``groups``: (first, end,
+    age (``staleness``) after step 6); ``sel``: the step's mask; ``groups``: (first, end,
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
-    scratch, flat buffers over the layout (1 for v2, 2 for v1); ``impl``: ``"foreach"`` or ``"reference"``.
+    scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``,
+    ``"fused"`` or ``"reference"``.
     """
     _IMPLS[impl](plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
 
@@ -293,7 +371,13 @@ class SLAMB(LocalStateOptimizer):
     ``"ignore"`` (no check; saves a pass over the gradients). The decision
     travels in the step's one 4-byte all-reduce (kind ``"control"``).
 
-    ``torch.compile(opt.step)`` runs this step eagerly (the same numbers).
+    ``fused=True`` compiles steps 5-7 (``torch.compile``, once per layout) into a
+    pass for the norms and one for the update over the flat buffers: fewer
+    kernels, no scratch buffer and no host read of the trust ratios; the numbers
+    are the reference path's to rounding. ``torch.compile(opt.step)`` runs the
+    step eagerly (it decides on the host and communicates between its kernels):
+    use ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the
+    step warns once and runs the multi-tensor path.
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
@@ -347,9 +431,14 @@ class SLAMB(LocalStateOptimizer):
         ledger: comm.CommLedger | None = None,
         overlap: bool = False,
         compression_warmup=None,
+        fused: bool = False,
     ):
         check_choice("variant", variant, VARIANTS)
         check_choice("overlap", overlap, (False, True))
+        check_choice("fused", fused, (False, True))
+        if fused and foreach is False:
+            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
+                             "and foreach=False asks for the per-tensor reference; set only one of them")
         check_choice("mask", mask, (None, *MASK_POLICIES))
         if not (isinstance(sync_interval, int) and sync_interval >= 1):
             raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
@@ -373,6 +462,7 @@ class SLAMB(LocalStateOptimizer):
         self.comm_dtype = comm_dtype
         self.seed = seed
         self.foreach = True if foreach is None else foreach
+        self.fused = fused
         self.overlap = overlap
         self._warned_fallback = False
         self._layout: FlatLayout | None = None
@@ -473,14 +563,13 @@ class SLAMB(LocalStateOptimizer):
             raise ValueError("SLAMB: no parameter has a gradient: nothing to optimize")
         layout = FlatLayout.of(self, ids)
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
-        age = _AGE[self.variant]
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
-                      age: (layout.adopt(self.state, age, fill=0, dtype=torch.int16) if age == "staleness"
-                            else layout.adopt(self.state, age, fill=1.0))}
+                      "staleness": layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)}
         # scratch for the update (not state): reused, since a fresh model-sized buffer each step costs
         # more in page faults than the arithmetic done in it
-        self._work = [layout.zeros() for _ in range(2 if self.variant == "v1" else 1)] if self.foreach else []
+        self._work = ([layout.zeros() for _ in range(2)]
+                      if self.foreach and not self.fused else [])
         self._dense = [p.dim() == 1 or p.numel() < self.min_compress_numel for p in layout.params]
         self._plan = SlambLayout(layout, self._dense)
         self._views = {key: self._plan.views(buf) for key, buf in self._flat.items()}
@@ -521,10 +610,27 @@ class SLAMB(LocalStateOptimizer):
             )
 
     def _load_extra_state(self, extra: dict) -> None:
+        self._age_from_freshness()
         self.compress_ratio = extra["compress_ratio"]
         self.seed = int(extra["seed"])  # the masks are a function of it: resumed runs redraw the same ones
         self._layout, self._last_draw = None, None
         self.overlap_state.pending = {}
+
+    def _age_from_freshness(self) -> None:
+        """A v2 state saved with the freshness r itself (float, one word per element) holds r = b3^age:
+        its age, the int16 counter kept now. Exact where b3^age is above fp32's smallest normal number."""
+        for group in self.param_groups:
+            b3 = group["beta3"]
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "freshness" not in state:
+                    continue
+                r = state.pop("freshness").double()
+                if b3 > 0:
+                    age = (r.log() / math.log(b3)).round().nan_to_num(posinf=_MAX_AGE).clamp(0, _MAX_AGE)
+                else:  # r = 0^age: 1 for age 0, else 0 for every age
+                    age = (r < 1).double()
+                state["staleness"] = torch.where(r >= 1, 0.0, age.clamp_min(1)).to(torch.int16)
 
     # -- the step -------------------------------------------------------------------
 
@@ -545,7 +651,7 @@ class SLAMB(LocalStateOptimizer):
         layout = self._layout
         t, n = self._step + 1, comm.world_size(self.process_group)
         self._step = t
-        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
+        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", "staleness"))
         sel = self._selection(t)  # step 3
         discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
         pending = {key: e for key, e in pending.items() if e[0] is sel}
@@ -580,13 +686,8 @@ class SLAMB(LocalStateOptimizer):
         if self._alike_steps is not None and n > 1:
             self._count_alike(alike)
 
-        if self.variant == "v1":  # step 6
-            age.clamp_max_(_MAX_AGE - 1).add_(1)
-            sel.fill_(age, 0)
-        else:
-            for gi, lo, hi in layout.groups:
-                age[layout.span(lo, hi)].mul_(self.param_groups[gi]["beta3"])
-            sel.fill_(age, 1.0)
+        age.clamp_max_(_MAX_AGE - 1).add_(1)  # step 6
+        sel.fill_(age, 0)
 
         groups = []
         for gi, lo, hi in layout.groups:
@@ -595,7 +696,7 @@ class SLAMB(LocalStateOptimizer):
             groups.append((lo, hi, dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
                                         b3=group["beta3"], c_min=group["c_min"], c_max=group["c_max"])))
         slamb_update_(self._plan, sel, m, v, age, groups, variant=self.variant, n=n, work=self._work,
-                      impl="foreach" if self.foreach else "reference")  # steps 5 and 7
+                      impl="fused" if self.fused else "foreach" if self.foreach else "reference")  # steps 5, 7
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
