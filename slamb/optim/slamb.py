@@ -19,9 +19,11 @@ Step t of worker i, numbered as in ``docs/algorithm.md`` (the specification):
 
 Steps 5-7 have implementations with one signature, as torch's Adam has:
 ``_single_tensor_slamb`` (the reference: ``v1_reference`` / ``v2_reference``
-per tensor, the spec written out) and ``_multi_tensor_slamb`` (the same math
-on flat buffers), chosen by :func:`slamb_update_`, which ``SLAMB.step()``
-calls. The optimizer keeps the state, the layout, the mask, the exchange
+per tensor, the spec written out), ``_multi_tensor_slamb`` (the same math
+rewritten into per-tensor scalars and multi-tensor ops over flat buffers, as
+derived below) and ``_fused_slamb`` (the reference functions compiled by
+``torch.compile`` over the flat buffers), chosen by :func:`slamb_update_`,
+which ``SLAMB.step()`` calls. The optimizer keeps the state, the layout, the mask, the exchange
 (``overlap.py``) and the parameter sync.
 
 How the multi-tensor path rewrites steps 5-7
@@ -265,37 +267,48 @@ def _multi_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
 _HYPER = ("t", "lr", "b1", "b2", "eps", "wd", "b3", "c_min", "c_max")
 
 
-def _fused_body(params, m, v, age, hyper, *, variant, n, groups, offsets):
-    """The reference functions over every tensor, traced by ``torch.compile``: the selected entries are those
-    of age 0, the hyper-parameters rows of ``hyper`` (one per group)."""
+# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and chunks of
+# the same shapes (a network's repeated blocks) share one graph
+_CHUNK = 12
+
+
+def _fused_body(params, m, v, age, hyper, *, variant, n, offsets):
+    """The reference functions over a run of tensors, traced by ``torch.compile``: ``m``, ``v``, ``age`` are
+    the run's slices of the flat buffers, the selected entries those of age 0, ``hyper`` the group's row."""
     reference = v1_reference if variant == "v1" else v2_reference
-    for g, (lo, hi) in enumerate(groups):
-        h = dict(zip(_HYPER, hyper[g].unbind()))
-        for i in range(lo, hi):
-            p = params[i]
-            m_i, v_i, age_i = (x[offsets[i]:offsets[i + 1]].view(p.shape) for x in (m, v, age))
-            reference(p, m_i, v_i, age_i, age_i == 0, n=n, **h)
+    h = dict(zip(_HYPER, hyper.unbind()))
+    for i, p in enumerate(params):
+        m_i, v_i, age_i = (x[offsets[i]:offsets[i + 1]].view(p.shape) for x in (m, v, age))
+        reference(p, m_i, v_i, age_i, age_i == 0, n=n, **h)
 
 
 class _Fused:
-    """One layout's compiled step: compiled once (``dynamic=False``); the hyper-parameters travel in a
-    tensor, so a new lr or t reuses the graph."""
+    """One layout's compiled step: runs of at most ``_CHUNK`` tensors of a group, one graph per distinct
+    run of shapes, each compiled once (``dynamic=False``); the hyper-parameters travel in a tensor, so a
+    new lr or t reuses the graphs."""
 
     def __init__(self, plan: SlambLayout, variant: str, n: int, n_groups: int):
         layout = plan.layout
-        # a code object of its own: dynamo's recompile limit counts the graphs of one code object, and every
-        # layout (every optimizer of a process) has its own graph
-        body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__, "_fused_body")
-        self.fn = torch.compile(functools.partial(body, variant=variant, n=n, offsets=layout.offsets,
-                                                  groups=[(lo, hi) for _, lo, hi in layout.groups]),
-                                dynamic=False)
+        graphs = {}
+        self.runs = []  # (first, end, group, graph)
+        for g, (_, lo, hi) in enumerate(layout.groups):
+            for a in range(lo, hi, _CHUNK):
+                b = min(a + _CHUNK, hi)
+                shapes = tuple(layout.shapes[a:b])
+                if shapes not in graphs:
+                    # a code object of its own: dynamo's recompile limit counts the graphs of one code object
+                    body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__)
+                    offsets = [o - layout.offsets[a] for o in layout.offsets[a:b + 1]]
+                    graphs[shapes] = torch.compile(functools.partial(body, variant=variant, n=n, offsets=offsets),
+                                                   dynamic=False)
+                self.runs.append((a, b, g, graphs[shapes]))
         self.hyper = torch.zeros(n_groups, len(_HYPER), dtype=torch.float64, device=layout.device)
-        self.compiled = False
+        self.compiled: set[int] = set()  # ids of the graphs that compiled
         self.failed: str | None = None
 
 
 def _fused_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
-    """Steps 5-7 as a compiled graph over the flat buffers (the reference math, fused by inductor): a pass
+    """Steps 5-7 as compiled graphs over the flat buffers (the reference math, fused by inductor): a pass
     for the norms and one for the update, no scratch kept between steps and no host read. Falls back to
     the multi-tensor path (warning once) where no compiler works."""
     fused = plan.fused.get((variant, n))
@@ -304,17 +317,28 @@ def _fused_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
     if fused.failed is None:
         rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for _, _, hyper in groups], dtype=torch.float64)
         fused.hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
-        if fused.compiled:
-            return fused.fn(plan.params, m, v, age, fused.hyper)
-        try:
-            fused.fn(plan.params, m, v, age, fused.hyper)
-            fused.compiled = True
+        off = plan.layout.offsets
+        for k, (a, b, g, graph) in enumerate(fused.runs):
+            args = (plan.params[a:b], m[off[a]:off[b]], v[off[a]:off[b]], age[off[a]:off[b]], fused.hyper[g])
+            if id(graph) in fused.compiled:
+                graph(*args)
+                continue
+            try:  # the compile runs in the first call, before the graph touches any tensor
+                graph(*args)
+                fused.compiled.add(id(graph))
+            except Exception as e:
+                fused.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"SLAMB(fused=True): torch.compile failed ({fused.failed}); this optimizer runs the "
+                              "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
+                              "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
+                if k > 0:  # this step's earlier runs are done: the reference finishes the others
+                    hyper_of = {lo: hyper for lo, _, hyper in groups}
+                    starts = [lo for _, lo, _ in plan.layout.groups]
+                    rest = [(a2, b2, hyper_of[starts[g2]]) for a2, b2, g2, _ in fused.runs[k:]]
+                    return _single_tensor_slamb(plan, sel, m, v, age, rest, variant=variant, n=n, work=work)
+                break
+        else:
             return None
-        except Exception as e:  # the compile runs in the first call, before the graph touches any tensor
-            fused.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            warnings.warn(f"SLAMB(fused=True): torch.compile failed ({fused.failed}); this optimizer runs the "
-                          "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
-                          "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
     if not work:
         plan.fallback_work = plan.fallback_work or [plan.layout.zeros() for _ in range(2)]
         work = plan.fallback_work
