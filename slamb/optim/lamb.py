@@ -61,45 +61,64 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
 
 
 _HYPER = ("t", "lr", "b1", "b2", "eps", "wd")
+# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and runs of
+# the same shapes (a network's repeated blocks) share one graph
+_CHUNK = 12
 
 
-def _fused_body(params, grads, ms, vs, hyper, *, groups):
-    """:func:`lamb_reference` over every tensor, traced by ``torch.compile``; ``groups``: (first, end,
-    bias_correction, trust_clamp) per group, ``hyper``: a row of ``_HYPER`` per group."""
-    for g, (lo, hi, bias_correction, trust_clamp) in enumerate(groups):
-        h = dict(zip(_HYPER, hyper[g].unbind()))
-        for i in range(lo, hi):
-            lamb_reference(params[i], grads[i], ms[i], vs[i], bias_correction=bias_correction,
-                           trust_clamp=trust_clamp, **h)
+def _fused_body(params, grads, ms, vs, hyper, *, bias_correction, trust_clamp):
+    """:func:`lamb_reference` over a run of tensors of one group, traced by ``torch.compile``; ``hyper``: the
+    group's row of ``_HYPER``."""
+    h = dict(zip(_HYPER, hyper.unbind()))
+    for p, g, m, v in zip(params, grads, ms, vs):
+        lamb_reference(p, g, m, v, bias_correction=bias_correction, trust_clamp=trust_clamp, **h)
 
 
-def lamb_fused(fused: dict, params, grads, ms, vs, groups) -> bool:
-    """The step of every group as one compiled graph (compiled once per set of tensors and group options;
-    the hyper-parameters travel in a tensor, so a new lr or t reuses it). ``fused``: the optimizer's cache.
-    Returns False where ``torch.compile`` failed (warned once): the caller runs the multi-tensor path."""
+def lamb_fused(fused: dict, todo) -> bool:
+    """The step of every group (``todo``: per group its params, grads, moments and hyper-parameters) as
+    compiled graphs over runs of at most ``_CHUNK`` tensors, one graph per distinct run of shapes and group
+    options, each compiled once; the hyper-parameters travel in a tensor, so a new lr or t reuses them.
+    ``fused``: the optimizer's cache. Returns False where ``torch.compile`` failed before any tensor
+    changed (warned once): the caller runs the multi-tensor path."""
     if fused.get("failed"):
         return False
-    structure = tuple((lo, hi, bc, tc) for lo, hi, bc, tc, _ in groups)
-    if fused.get("structure") != structure:
-        # a code object of its own: dynamo's recompile limit counts the graphs of one code object
-        body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__, "_fused_body")
-        fused.update(structure=structure, compiled=False,
-                     fn=torch.compile(functools.partial(body, groups=list(structure)), dynamic=False),
-                     hyper=torch.zeros(len(groups), len(_HYPER), dtype=torch.float64, device=params[0].device))
-    rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for *_, hyper in groups], dtype=torch.float64)
-    fused["hyper"].copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
-    if fused["compiled"]:
-        fused["fn"](params, grads, ms, vs, fused["hyper"])
-        return True
-    try:
-        fused["fn"](params, grads, ms, vs, fused["hyper"])
-    except Exception as e:  # the compile runs in the first call, before the graph touches any tensor
-        fused["failed"] = True
-        warnings.warn(f"LAMB(fused=True): torch.compile failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                      "this optimizer runs the multi-tensor path instead (the same numbers, more kernel launches). "
-                      "Install a C++ compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=3)
-        return False
-    fused["compiled"] = True
+    graphs, compiled = fused.setdefault("graphs", {}), fused.setdefault("compiled", set())
+    hyper = fused.get("hyper")
+    if hyper is None or hyper.shape[0] != len(todo):
+        hyper = fused["hyper"] = torch.zeros(len(todo), len(_HYPER), dtype=torch.float64, device=todo[0][0][0].device)
+    rows = torch.tensor([[float(h[k]) for k in _HYPER] for *_, h in todo], dtype=torch.float64)
+    hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
+    first = True
+    for gi, (params, gs, ms, vs, h) in enumerate(todo):
+        for a in range(0, len(params), _CHUNK):
+            b = min(a + _CHUNK, len(params))
+            key = (tuple(p.shape for p in params[a:b]), h["bias_correction"], h["trust_clamp"])
+            if key not in graphs:
+                # a code object of its own: dynamo's recompile limit counts the graphs of one code object
+                body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__)
+                graphs[key] = torch.compile(functools.partial(body, bias_correction=key[1], trust_clamp=key[2]),
+                                            dynamic=False)
+            args = (params[a:b], gs[a:b], ms[a:b], vs[a:b], hyper[gi])
+            try:  # the compile runs in the first call, before the graph touches any tensor
+                graphs[key](*args)
+            except Exception as e:
+                if key in compiled:
+                    raise
+                fused["failed"] = True
+                warnings.warn(f"LAMB(fused=True): torch.compile failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); this optimizer runs the multi-tensor "
+                              "path instead (the same numbers, more kernel launches). Install a C++ compiler (CPU) "
+                              "or Triton (GPU), or construct it with fused=False.", stacklevel=3)
+                if first:
+                    return False
+                for p, g, m, v in zip(params[a:], gs[a:], ms[a:], vs[a:]):  # finish this step's others
+                    lamb_reference(p, g, m, v, **h)
+                for params2, gs2, ms2, vs2, h2 in todo[gi + 1:]:
+                    for p, g, m, v in zip(params2, gs2, ms2, vs2):
+                        lamb_reference(p, g, m, v, **h2)
+                return True
+            compiled.add(key)
+            first = False
     return True
 
 
@@ -129,7 +148,7 @@ class LAMB(ContractDefaults, Optimizer):
         super().__init__(params, defaults)
         self.foreach = True if foreach is None else foreach
         self.fused = fused
-        self._fused: dict = {}  # the compiled step and its inputs' structure
+        self._fused: dict = {}  # the compiled graphs
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
@@ -175,15 +194,8 @@ class LAMB(ContractDefaults, Optimizer):
                          trust_clamp=group["trust_clamp"])
             todo.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], hyper))
-        if self.fused:
-            flat, groups = [[], [], [], []], []
-            for *tensors, hyper in todo:
-                lo = len(flat[0])
-                for lst, xs in zip(flat, tensors):
-                    lst += xs
-                groups.append((lo, len(flat[0]), hyper["bias_correction"], hyper["trust_clamp"], hyper))
-            if lamb_fused(self._fused, *flat, groups):
-                todo = []
+        if self.fused and lamb_fused(self._fused, todo):
+            todo = []
         for params, gs, ms, vs, hyper in todo:
             if self.foreach:
                 lamb_foreach(params, gs, ms, vs, **hyper)
