@@ -167,3 +167,42 @@ def test_lamb_fused_equals_lamb_foreach():
     for a, b in zip(runs[True], runs[False]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert not torch.equal(runs[True][0], init_params()[0].float())
+
+
+def test_runs_of_the_same_shapes_share_a_graph():
+    """30 tensors of one shape compile two graphs (runs of 12, 12 and 6 tensors), and match the reference."""
+    from torch._dynamo.utils import counters
+
+    from slamb.optim.slamb import _CHUNK
+
+    assert _CHUNK == 12
+    runs = {}
+    for kw in (dict(fused=True), dict(foreach=False)):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(10, 10, generator=gen)) for _ in range(30)]
+        opt = slamb.SLAMB(params, lr=0.01, weight_decay=0.01, min_compress_numel=50, compress_ratio=0.3, **kw)
+        graphs = counters["stats"]["unique_graphs"]
+        for t in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
+    assert runs[True][1] == 2 and runs[False][1] == 0
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_each_compiled_graph_has_its_own_recompile_limit():
+    """A model with more distinct runs of shapes than dynamo's recompile limit (8 graphs per code object)
+    still compiles every one of them, rather than running the ninth on eagerly."""
+    from torch._dynamo.utils import counters
+
+    from slamb.optim._common import compile_once
+
+    def scale(x, *, k):
+        return x * k
+
+    graphs = counters["stats"]["unique_graphs"]
+    fns = [compile_once(scale, k=float(k)) for k in range(10)]
+    assert [float(f(torch.ones(3))[0]) for f in fns] == [float(k) for k in range(10)]
+    assert counters["stats"]["unique_graphs"] - graphs == 10

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 
@@ -126,3 +127,13 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     if policy == "skip":
         return True
     raise nonfinite_error(where, [names[i] for i in torch.nonzero(local_bad).flatten().tolist()])
+
+
+def compile_once(fn, **constants):
+    """``torch.compile`` (``dynamic=False``) of ``fn`` with ``constants`` bound, as a function of its own code
+    object: dynamo's recompile limit counts the graphs of one code object (a ``functools.partial`` or a
+    closure shares its function's), so each layout or run of shapes needs its own."""
+    def bound(*args):
+        return fn(*args, **constants)
+    own = types.FunctionType(bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__)
+    return torch.compile(own, dynamic=False)

@@ -9,8 +9,6 @@ biases and LayerNorm in a group with ``weight_decay=0``.
 """
 from __future__ import annotations
 
-import functools
-import types
 import warnings
 
 import torch
@@ -19,7 +17,7 @@ from torch.optim import Optimizer
 from .. import comm
 from ..contract import ContractDefaults
 from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
-                      nonfinite_skip, safe_ratio)
+                      compile_once, nonfinite_skip, safe_ratio)
 
 
 def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:
@@ -94,10 +92,7 @@ def lamb_fused(fused: dict, todo) -> bool:
             b = min(a + _CHUNK, len(params))
             key = (tuple(p.shape for p in params[a:b]), h["bias_correction"], h["trust_clamp"])
             if key not in graphs:
-                # a code object of its own: dynamo's recompile limit counts the graphs of one code object
-                body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__)
-                graphs[key] = torch.compile(functools.partial(body, bias_correction=key[1], trust_clamp=key[2]),
-                                            dynamic=False)
+                graphs[key] = compile_once(_fused_body, bias_correction=key[1], trust_clamp=key[2])
             args = (params[a:b], gs[a:b], ms[a:b], vs[a:b], hyper[gi])
             try:  # the compile runs in the first call, before the graph touches any tensor
                 graphs[key](*args)

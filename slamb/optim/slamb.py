@@ -62,9 +62,7 @@ them as numbers).
 """
 from __future__ import annotations
 
-import functools
 import math
-import types
 import warnings
 
 import torch
@@ -74,7 +72,7 @@ from ..averaging import average_tensors_
 from ..schedules import check_compression_warmup, compression_ratio
 from ..ddp import no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
-                      safe_ratio)
+                      compile_once, safe_ratio)
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
@@ -296,11 +294,8 @@ class _Fused:
                 b = min(a + _CHUNK, hi)
                 shapes = tuple(layout.shapes[a:b])
                 if shapes not in graphs:
-                    # a code object of its own: dynamo's recompile limit counts the graphs of one code object
-                    body = types.FunctionType(_fused_body.__code__.replace(), _fused_body.__globals__)
                     offsets = [o - layout.offsets[a] for o in layout.offsets[a:b + 1]]
-                    graphs[shapes] = torch.compile(functools.partial(body, variant=variant, n=n, offsets=offsets),
-                                                   dynamic=False)
+                    graphs[shapes] = compile_once(_fused_body, variant=variant, n=n, offsets=offsets)
                 self.runs.append((a, b, g, graphs[shapes]))
         self.hyper = torch.zeros(n_groups, len(_HYPER), dtype=torch.float64, device=layout.device)
         self.compiled: set[int] = set()  # ids of the graphs that compiled
