@@ -6,6 +6,7 @@ float64, so the two agree to ~1e-12 and any departure from the spec shows.
 """
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -270,6 +271,28 @@ def test_step_leaves_global_rng_untouched():
         assert torch.equal(torch.get_rng_state(), cpu)
 
 
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+@pytest.mark.parametrize("per_tensor_add", [True, False])
+def test_both_scaled_additions_of_the_flat_path_equal_the_reference(variant, per_tensor_add, monkeypatch):
+    """The flat path adds its per-tensor multiples one tensor at a time on the CPU and with two multi-tensor
+    ops on other devices: both agree with the per-tensor reference (c_max = 0.5 makes v1 clamp some tensors)."""
+    from slamb.optim import slamb as module
+
+    monkeypatch.setattr(module, "_PER_TENSOR_ADD", {"cpu"} if per_tensor_add else set())
+    runs = []
+    for foreach in (True, False):
+        params = [torch.nn.Parameter(p) for p in init_params()]
+        opt = make_optimizer(params, variant=variant, compress_ratio=0.3, c_max=0.5, foreach=foreach)
+        for t in range(1, 6):
+            for i, p in enumerate(params):
+                p.grad = grad_of(p.detach(), 0, t, i)
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
+    assert not torch.equal(runs[0][0], init_params()[0])
+
+
 def test_compress_ratio_one_with_identical_data_equals_lamb():
     torch.manual_seed(0)
     for variant, wd in (("v1", 0.01), ("v2", 0.0)):
@@ -359,6 +382,42 @@ def test_state_dict_holds_everything_and_loads_into_a_fresh_optimizer():
         assert torch.equal(opt.last_sync_mask(), opt2.last_sync_mask())
     for p, q in zip(params, fresh):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("b3", [0.9, 0.0])
+def test_v2_state_is_an_int16_age_and_a_float_freshness_checkpoint_loads_converted(b3):
+    """m, v and the int16 age: 2.5 words per element. A v2 state saved with the freshness r = b3^age
+    itself (float) loads as the same ages, and runs on as the state it was converted from."""
+    params = [torch.nn.Parameter(p) for p in init_params()]
+    opt = make_optimizer(params, variant="v2", compress_ratio=0.25)
+    for g in opt.param_groups:
+        g["beta3"] = b3
+    for t in range(6):
+        for i, p in enumerate(params):
+            p.grad = grad_of(p.detach(), 0, t, i)
+        opt.step()
+    sd = opt.state_dict()
+    assert {k: v.dtype for k, v in sd["state"][0].items()} == {"exp_avg": torch.float64, "exp_avg_sq": torch.float64,
+                                                               "staleness": torch.int16}
+    assert max(int(s["staleness"].max()) for s in sd["state"].values()) >= 3
+    old = copy.deepcopy(sd)
+    for s in old["state"].values():  # the float freshness the state used to hold
+        s["freshness"] = torch.pow(b3, s.pop("staleness").double())
+    runs = []
+    for state in (sd, old):
+        fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt2 = make_optimizer(fresh, variant="v2")
+        opt2.load_state_dict(copy.deepcopy(state))
+        assert "freshness" not in opt2.state[fresh[0]]
+        for t in range(6, 9):
+            for i, p in enumerate(fresh):
+                p.grad = grad_of(p.detach(), 0, t, i)
+            opt2.step()
+        # b3 = 0 forgets how long ago (r = 0 for every age > 0): only whether an entry is fresh is kept
+        ages = [opt2.state[p]["staleness"].clone() for p in fresh]
+        runs.append([a.clamp_max(1) if b3 == 0 else a for a in ages] + fresh)
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
 
 
 def test_loading_a_state_of_another_layout_or_optimizer_raises():
@@ -559,7 +618,7 @@ def overlap_worker(rank, world, variant, steps=6):
             x = torch.randn(8, 100, generator=gen, dtype=torch.float64)
             opt.zero_grad()
             ddp(x).square().mean().backward()
-            launched.append(len(opt._pending))  # exchanges already in flight when step() starts
+            launched.append(len(opt.overlap_state.pending))  # exchanges already in flight when step() starts
             opt.step()
         out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
                         "launched": launched, "momentum": opt.comm_stats()["total"]["momentum"]}

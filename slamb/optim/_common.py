@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import torch
 
@@ -67,10 +68,10 @@ def adam_moments_(ms, vs, grads, b1: float, b2: float, *, foreach: bool) -> None
         torch._foreach_lerp_(ms, grads, 1 - b1)  # one pass where mul_ + add_ take two
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-    else:
+    else:  # b1, b2 may be 0-d tensors (the fused paths trace this)
         for m, v, g in zip(ms, vs, grads):
-            m.mul_(b1).add_(g, alpha=1 - b1)
-            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            m.mul_(b1).add_(g * (1 - b1))
+            v.mul_(b2).add_(g * g * (1 - b2))
 
 
 def adam_direction_(m: torch.Tensor, v: torch.Tensor, eps: float, *, out: torch.Tensor) -> torch.Tensor:
@@ -126,3 +127,13 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     if policy == "skip":
         return True
     raise nonfinite_error(where, [names[i] for i in torch.nonzero(local_bad).flatten().tolist()])
+
+
+def compile_once(fn, **constants):
+    """``torch.compile`` (``dynamic=False``) of ``fn`` with ``constants`` bound, as a function of its own code
+    object: dynamo's recompile limit counts the graphs of one code object (a ``functools.partial`` or a
+    closure shares its function's), so each layout or run of shapes needs its own."""
+    def bound(*args):
+        return fn(*args, **constants)
+    own = types.FunctionType(bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__)
+    return torch.compile(own, dynamic=False)

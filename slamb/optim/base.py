@@ -192,9 +192,17 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
                     "the entries of the state dict it is given): save and load it with slamb.save_optimizer and "
                     "slamb.load_optimizer")
         self._check_extra_state(extra)
-        super().load_state_dict({**{k: v for k, v in state_dict.items() if k != key},
+        # torch's loader would move every state tensor to its parameter's device: a second model-sized copy
+        # there beside the flat buffers _build makes. It loads the groups only; the state keeps the device it
+        # was read to (the CPU, by slamb.load_optimizer) and _build copies it into the flat buffers.
+        super().load_state_dict({**{k: v for k, v in state_dict.items() if k not in (key, "state")}, "state": {},
                                  "param_groups": [{k: v for k, v in g.items() if k != key}
                                                   for g in state_dict["param_groups"]]})
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        for k, p in zip(saved, self._all_params()):
+            if k in state_dict["state"]:
+                self.state[p] = {name: v.to(p.dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                                 for name, v in state_dict["state"][k].items()}
         self._step = int(extra["step"])
         self.ledger.load_state_dict(extra["ledger"])
         self._load_extra_state(extra)

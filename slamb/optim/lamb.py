@@ -9,13 +9,15 @@ biases and LayerNorm in a group with ``weight_decay=0``.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
 from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
-                      nonfinite_skip, safe_ratio)
+                      compile_once, nonfinite_skip, safe_ratio)
 
 
 def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:
@@ -27,7 +29,9 @@ def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torc
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
-    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
+    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive.
+
+    ``t``, ``lr``, ``b1``, ``b2``, ``eps``, ``wd`` are numbers or 0-d tensors (the fused path compiles this)."""
     adam_moments_([m], [v], [g], b1, b2, foreach=False)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
@@ -54,6 +58,65 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
+_HYPER = ("t", "lr", "b1", "b2", "eps", "wd")
+# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and runs of
+# the same shapes (a network's repeated blocks) share one graph
+_CHUNK = 12
+
+
+def _fused_body(params, grads, ms, vs, hyper, *, bias_correction, trust_clamp):
+    """:func:`lamb_reference` over a run of tensors of one group, traced by ``torch.compile``; ``hyper``: the
+    group's row of ``_HYPER``."""
+    h = dict(zip(_HYPER, hyper.unbind()))
+    for p, g, m, v in zip(params, grads, ms, vs):
+        lamb_reference(p, g, m, v, bias_correction=bias_correction, trust_clamp=trust_clamp, **h)
+
+
+def lamb_fused(fused: dict, todo) -> bool:
+    """The step of every group (``todo``: per group its params, grads, moments and hyper-parameters) as
+    compiled graphs over runs of at most ``_CHUNK`` tensors, one graph per distinct run of shapes and group
+    options, each compiled once; the hyper-parameters travel in a tensor, so a new lr or t reuses them.
+    ``fused``: the optimizer's cache. Returns False where ``torch.compile`` failed before any tensor
+    changed (warned once): the caller runs the multi-tensor path."""
+    if fused.get("failed"):
+        return False
+    graphs, compiled = fused.setdefault("graphs", {}), fused.setdefault("compiled", set())
+    hyper = fused.get("hyper")
+    if hyper is None or hyper.shape[0] != len(todo):
+        hyper = fused["hyper"] = torch.zeros(len(todo), len(_HYPER), dtype=torch.float64, device=todo[0][0][0].device)
+    rows = torch.tensor([[float(h[k]) for k in _HYPER] for *_, h in todo], dtype=torch.float64)
+    hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
+    first = True
+    for gi, (params, gs, ms, vs, h) in enumerate(todo):
+        for a in range(0, len(params), _CHUNK):
+            b = min(a + _CHUNK, len(params))
+            key = (tuple(p.shape for p in params[a:b]), h["bias_correction"], h["trust_clamp"])
+            if key not in graphs:
+                graphs[key] = compile_once(_fused_body, bias_correction=key[1], trust_clamp=key[2])
+            args = (params[a:b], gs[a:b], ms[a:b], vs[a:b], hyper[gi])
+            try:  # the compile runs in the first call, before the graph touches any tensor
+                graphs[key](*args)
+            except Exception as e:
+                if key in compiled:
+                    raise
+                fused["failed"] = True
+                warnings.warn(f"LAMB(fused=True): torch.compile failed ({type(e).__name__}: "
+                              f"{str(e).splitlines()[0] if str(e) else ''}); this optimizer runs the multi-tensor "
+                              "path instead (the same numbers, more kernel launches). Install a C++ compiler (CPU) "
+                              "or Triton (GPU), or construct it with fused=False.", stacklevel=3)
+                if first:
+                    return False
+                for p, g, m, v in zip(params[a:], gs[a:], ms[a:], vs[a:]):  # finish this step's others
+                    lamb_reference(p, g, m, v, **h)
+                for params2, gs2, ms2, vs2, h2 in todo[gi + 1:]:
+                    for p, g, m, v in zip(params2, gs2, ms2, vs2):
+                        lamb_reference(p, g, m, v, **h2)
+                return True
+            compiled.add(key)
+            first = False
+    return True
+
+
 class LAMB(ContractDefaults, Optimizer):
     """Data-parallel LAMB. Per group: ``lr``, ``betas``, ``eps``, ``weight_decay``,
     ``bias_correction``, ``trust_clamp`` (``None`` or ``(min, max)``).
@@ -61,18 +124,26 @@ class LAMB(ContractDefaults, Optimizer):
     Gradients must already be averaged (use :func:`slamb.wrap_model`, whose DDP
     hook records the gradient bytes in ``self.ledger``). ``nonfinite`` as in
     :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
-    the decision is too.
+    the decision is too. ``fused=True`` compiles the step of every group into one graph
+    (``torch.compile``, once): the same numbers to rounding, fewer kernels; it warns once and runs the
+    multi-tensor path where ``torch.compile`` fails.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = True, trust_clamp=None,
                  foreach: bool | None = None, nonfinite: str = "raise", process_group=None,
-                 ledger: comm.CommLedger | None = None):
+                 ledger: comm.CommLedger | None = None, fused: bool = False):
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        check_choice("fused", fused, (False, True))
+        if fused and foreach is False:
+            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
+                             "and foreach=False asks for the per-tensor reference; set only one of them")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp)
         super().__init__(params, defaults)
         self.foreach = True if foreach is None else foreach
+        self.fused = fused
+        self._fused: dict = {}  # the compiled graphs
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
@@ -101,6 +172,7 @@ class LAMB(ContractDefaults, Optimizer):
         if nonfinite_skip(grads, names, self.nonfinite, ledger=None, where="LAMB: ", agree=False):
             self.ledger.end_step()
             return loss
+        todo = []  # per group: its tensors and hyper-parameters
         for group, params in work:
             for p in params:
                 state = self.state[p]
@@ -115,9 +187,11 @@ class LAMB(ContractDefaults, Optimizer):
             hyper = dict(t=int(states[0]["step"]), lr=group["lr"], b1=b1, b2=b2, eps=group["eps"],
                          wd=group["weight_decay"], bias_correction=group["bias_correction"],
                          trust_clamp=group["trust_clamp"])
-            ms = [s["exp_avg"] for s in states]
-            vs = [s["exp_avg_sq"] for s in states]
-            gs = [p.grad for p in params]
+            todo.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                         [s["exp_avg_sq"] for s in states], hyper))
+        if self.fused and lamb_fused(self._fused, todo):
+            todo = []
+        for params, gs, ms, vs, hyper in todo:
             if self.foreach:
                 lamb_foreach(params, gs, ms, vs, **hyper)
             else:

@@ -12,14 +12,53 @@ Step t of worker i, numbered as in ``docs/algorithm.md`` (the specification):
 4. m[M_t] = mean over workers of m[M_t]: ONE all-reduce of the packed entries;
 5. the Adam direction (v1 and v2 place bias correction and eps differently);
 6. the freshness r of each element: 1 where averaged now, decaying by b3 per
-   step since (v1 keeps the age c and takes r = b3^c, v2 keeps r);
+   step since (the state is the age c, an int16 counter; r = b3^c);
 7. two layer-wise trust ratios (fresh / stale entries) blended by r, and a
    step size blended between lr (fresh) and lr/sqrt(n) (stale);
 8. after the updates of steps 1, H+1, 2H+1, ... the parameters are averaged.
 
-``foreach=False`` runs the per-tensor reference functions ``v1_reference`` /
-``v2_reference`` (the spec written out); the default fast path does the same
-math on flat buffers. Both share the mask, the exchange and the sync.
+Steps 5-7 have implementations with one signature, as torch's Adam has:
+``_single_tensor_slamb`` (the reference: ``v1_reference`` / ``v2_reference``
+per tensor, the spec written out), ``_multi_tensor_slamb`` (the same math
+rewritten into per-tensor scalars and multi-tensor ops over flat buffers, as
+derived below) and ``_fused_slamb`` (the reference functions compiled by
+``torch.compile`` over the flat buffers), chosen by :func:`slamb_update_`,
+which ``SLAMB.step()`` calls. The optimizer keeps the state, the layout, the mask, the exchange
+(``overlap.py``) and the parameter sync.
+
+How the multi-tensor path rewrites steps 5-7
+--------------------------------------------
+Per tensor, with S the entries selected at step t and L the others:
+
+* Bias folding (``_common.bias_folding``). With c = sqrt(1-b2^t) / (1-b1^t)
+  and eps' = eps sqrt(1-b2^t),
+  m_hat / (sqrt(v_hat) + eps) = c m / (sqrt(v) + eps'):
+  no pass over the moments divides them. v1 uses this; v2's direction is
+  a = c m / (sqrt(v) + eps) with eps unscaled. The scratch buffer holds the
+  direction divided by c, d = u / c = m / (sqrt(v) + eps') + (wd / c) p,
+  and every norm of u is c times that of d.
+* Split norms. |x[L]| = sqrt(|x|^2 - |x[S]|^2) (clamped at 0 against
+  rounding): a gather of the k N selected entries and one norm of the whole
+  tensor, instead of a masked pass over each part. An always-averaged
+  tensor has no L.
+* v1: trust(r) = clamp(r phi_s + (1 - r) phi_l, c_min, c_max) = A + B r with
+  A = phi_l, B = phi_s - phi_l; an always-averaged tensor has r = 1:
+  A = clamp(phi_s) (unclamped for a 1-D one: plain LAMB), B = 0. A blend
+  of two ratios inside [c_min, c_max] stays inside, so only a tensor with a
+  ratio outside needs the element-wise clamp (rare, done per tensor).
+  The step size is eta(r) = r lr + (1 - r) lr / sqrt(n) = e0 + e1 r with
+  e0 = lr / sqrt(n), e1 = lr - e0, so
+  p -= trust(r) eta(r) u = (c e0) (A + B r) (1 + (e1 / e0) r) d:
+  d *= 1 + (e1 / e0) r in place (one pass, r = b3^age in a second scratch),
+  then p += (-c e0 B) r d + (-c e0 A) d.
+* v2: p -= lr phi_s r u + (lr / sqrt(n)) phi_l (1 - r) u = (slope r + base) u
+  with base = (lr / sqrt(n)) phi_l and slope = lr phi_s - base; with u = c d
+  both scale by -c: p += (-c slope) r d + (-c base) d.
+
+Every factor above is a scalar per tensor: the element-wise work is a few
+multi-tensor ops over the parameters and the scratch. Those scalars of all
+parameter groups are read to the host at once (the multi-tensor ops take
+them as numbers).
 """
 from __future__ import annotations
 
@@ -32,50 +71,290 @@ from .. import comm
 from ..averaging import average_tensors_
 from ..schedules import check_compression_warmup, compression_ratio
 from ..topology import HIERARCHIES, node_topology
-from ..ddp import in_place, no_comm_hook
+from ..ddp import no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
-                      safe_ratio)
+                      compile_once, safe_ratio)
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
+from .overlap import OverlapState, discard, grads_changed, launch, overlap_hook
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
-_AGE = {"v1": "staleness", "v2": "freshness"}  # the per-element state of step 6
-# v1 counts steps in int16 (half a word): exact up to this age, where b3^age is 0 in fp32 for b3 <= 0.997
+# the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
+# age, where b3^age is 0 in fp32 for b3 <= 0.997
 _MAX_AGE = 2**15 - 1
 # first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
 _ALIKE_STEPS = 3
 
 
+def _norms(x, sel):
+    """The norms of ``x[sel]`` and ``x[~sel]``, as masked sums: no data-dependent shapes, so
+    ``torch.compile`` traces them."""
+    sq = x * x
+    return torch.where(sel, sq, 0).sum().sqrt(), torch.where(sel, 0, sq).sum().sqrt()
+
+
 def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    """Step 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t."""
+    """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t.
+
+    The hyper-parameters are numbers or 0-d tensors (the fused path compiles this function)."""
     u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
     if p.dim() == 1:  # plain LAMB: no clamp, no blending
         p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
         return
     r = torch.pow(b3, age.to(p.dtype))
-    phi_s = safe_ratio(p[sel].norm(), u[sel].norm(), 1.0)
-    phi_l = safe_ratio(p[~sel].norm(), u[~sel].norm(), 1.0)
+    (p_s, p_l), (u_s, u_l) = _norms(p, sel), _norms(u, sel)
+    phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
     trust = (r * phi_s + (1 - r) * phi_l).clamp(c_min, c_max)
     eta = r * lr + (1 - r) * lr / math.sqrt(n)
     p.sub_(trust * eta * u)
 
 
-def v2_reference(p, m, v, r, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
-    """Step 5-7 of v2 for one tensor; the fresh entries are those with r == 1."""
-    a = (m / (v.sqrt() + eps)) * (math.sqrt(1 - b2**t) / (1 - b1**t))
-    fresh, stale = r == 1, r < 1
-    phi_s = safe_ratio(p[fresh].norm(), a[fresh].norm(), 1.0).clamp(c_min, c_max)
-    phi_l = safe_ratio(p[stale].norm(), a[stale].norm(), 0.0).clamp(0.0, c_max)
+def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    """Steps 5-7 of v2 for one tensor; the fresh entries are those with r == 1, the ones of ``sel``."""
+    a = (m / (v.sqrt() + eps)) * ((1 - b2**t) ** 0.5 / (1 - b1**t))
+    r = torch.pow(b3, age.to(p.dtype))
+    (p_s, p_l), (a_s, a_l) = _norms(p, sel), _norms(a, sel)
+    phi_s = safe_ratio(p_s, a_s, 1.0).clamp(c_min, c_max)
+    phi_l = safe_ratio(p_l, a_l, 0.0).clamp(max=c_max)  # >= 0
     u = a + wd * p
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
+class SlambLayout:
+    """The flat layout with what steps 5-7 read of it besides the step's buffers: which tensors are always
+    averaged, and per-parameter views of the long-lived flat buffers (made once: a model with hundreds of
+    small tensors spends more on making views each step than on its arithmetic)."""
+
+    def __init__(self, layout: FlatLayout, dense: list[bool]):
+        self.layout, self.params, self.dense = layout, layout.params, dense
+        self.dense_t = torch.tensor(dense, device=layout.device)
+        self.one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+        # per group: its compressed tensors, and their places in the group (for _split_norms)
+        self.compressed_of = {}
+        for _, lo, hi in layout.groups:
+            ids = [i for i in range(lo, hi) if not dense[i]]
+            self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
+                                                        device=layout.device))
+        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
+        self.fused: dict[tuple[str, int], _Fused] = {}
+        self.fallback_work: list[torch.Tensor] | None = None  # the multi-tensor scratch, where compiling failed
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
+        got = self._views.get(id(flat))
+        if got is None or got[0] is not flat:
+            got = self._views[id(flat)] = (flat, self.layout.views(flat))
+        return got[1]
+
+
+def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
+    """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi)."""
+    whole = torch.stack(torch._foreach_norm(tensors))
+    ids, at = plan.compressed_of[lo]
+    if not ids:
+        return whole, torch.zeros_like(whole)
+    selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(sel.take([tensors[i - lo] for i in ids],
+                                                                                ids))))
+    rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
+    return selected, rest.masked_fill_(plan.dense_t[lo:hi], 0.0)
+
+
+def _single_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
+    """Steps 5-7, tensor by tensor, with the reference functions."""
+    mask = plan.layout.views(sel.bool_mask())
+    reference = v1_reference if variant == "v1" else v2_reference
+    for lo, hi, hyper in groups:
+        for i in range(lo, hi):
+            reference(plan.params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i],
+                      n=n, **hyper)
+
+
+# devices where p.add_(x, alpha=s) per tensor beats the multi-tensor pair: torch's foreach ops loop over the
+# tensors there anyway, and the pair makes two passes and writes x
+_PER_TENSOR_ADD = {"cpu"}
+
+
 def _add_scaled_(params, xs, scales) -> None:
-    """p += s * x per tensor: one pass, where ``_foreach_mul_`` + ``_foreach_add_`` (foreach ``add_``
-    takes one alpha for all tensors) make two and write x."""
-    for p, x, s in zip(params, xs, scales):
-        p.add_(x, alpha=s)
+    """p += s * x per tensor; ``xs`` is scratch and may be overwritten. Elsewhere than ``_PER_TENSOR_ADD``,
+    two multi-tensor launches instead of one kernel per tensor (foreach ``add_`` takes one alpha for all)."""
+    if params and params[0].device.type in _PER_TENSOR_ADD:
+        for p, x, s in zip(params, xs, scales):
+            p.add_(x, alpha=s)
+    else:
+        torch._foreach_mul_(xs, scales)
+        torch._foreach_add_(params, xs)
+
+
+def _freshness(age: torch.Tensor, b3: float, *, out: torch.Tensor) -> torch.Tensor:
+    """r = b3^age (step 6)."""
+    if b3 > 0:
+        return out.copy_(age).mul_(math.log(b3)).exp_()
+    return out.copy_(age == 0)
+
+
+def _v1_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    span, params = plan.layout.span(lo, hi), plan.params[lo:hi]
+    c, eps = bias_folding(t, b1, b2, eps)
+    adam_direction_(m[span], v[span], eps, out=work[0][span])
+    d = plan.views(work[0])[lo:hi]
+    if wd != 0:
+        torch._foreach_add_(d, params, alpha=wd / c)
+    p_s, p_l = _split_norms(plan, sel, params, lo, hi)
+    d_s, d_l = _split_norms(plan, sel, d, lo, hi)
+    phi_s, phi_l = safe_ratio(p_s, d_s * c, 1.0), safe_ratio(p_l, d_l * c, 1.0)
+    dense, one_dim = plan.dense_t[lo:hi], plan.one_dim_t[lo:hi]
+    a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
+    b = torch.where(dense, 0.0, phi_s - phi_l)
+    clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
+    r = _freshness(age[span], b3, out=work[1][span])
+    e0 = lr / math.sqrt(n)
+    e1 = lr - e0
+    if e1 != 0:
+        work[0][span].addcmul_(work[0][span], r, value=e1 / e0)
+    scale = -c * e0
+    rs = plan.views(work[1])[lo:hi]
+
+    def update(a, b, clamps):
+        keep = [i for i, x in enumerate(clamps) if not x]
+        if keep:
+            def sub(xs):
+                return [xs[i] for i in keep]
+            torch._foreach_addcmul_(sub(params), sub(d), sub(rs), [scale * x for x in sub(b)])
+            _add_scaled_(sub(params), sub(d), [scale * x for x in sub(a)])
+        for i in (i for i, x in enumerate(clamps) if x):
+            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
+            params[i].addcmul_(d[i], trust, value=scale)
+
+    return torch.stack([a, b, clamps.to(a.dtype)]), update
+
+
+def _v2_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    span, params = plan.layout.span(lo, hi), plan.params[lo:hi]
+    c = bias_folding(t, b1, b2, eps)[0]
+    adam_direction_(m[span], v[span], eps, out=work[0][span])
+    d = plan.views(work[0])[lo:hi]  # a / c
+    p_s, p_l = _split_norms(plan, sel, params, lo, hi)
+    a_s, a_l = _split_norms(plan, sel, d, lo, hi)
+    phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
+    phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
+    if wd != 0:
+        torch._foreach_add_(d, params, alpha=wd / c)  # u / c
+    base = phi_l * (lr / math.sqrt(n))
+    _freshness(age[span], b3, out=work[1][span])
+    fresh = plan.views(work[1])[lo:hi]
+
+    def update(slope, base):
+        torch._foreach_addcmul_(params, d, fresh, slope)
+        _add_scaled_(params, d, base)
+
+    return torch.stack([phi_s * lr - base, base]) * -c, update
+
+
+def _multi_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
+    """Steps 5-7 on flat buffers (the rewrites of the module docstring); ``work``: the scratch buffers."""
+    flat = _v1_flat if variant == "v1" else _v2_flat
+    deferred = [flat(plan, sel, lo, hi, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
+    # every group's scalars in one host read: a group's update changes nothing another reads
+    values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
+    for scalars, update in deferred:
+        rows, values = values[:scalars.numel()], values[scalars.numel():]
+        width = scalars.shape[1]
+        update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
+
+
+_HYPER = ("t", "lr", "b1", "b2", "eps", "wd", "b3", "c_min", "c_max")
+
+
+# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and chunks of
+# the same shapes (a network's repeated blocks) share one graph
+_CHUNK = 12
+
+
+def _fused_body(params, m, v, age, hyper, *, variant, n, offsets):
+    """The reference functions over a run of tensors, traced by ``torch.compile``: ``m``, ``v``, ``age`` are
+    the run's slices of the flat buffers, the selected entries those of age 0, ``hyper`` the group's row."""
+    reference = v1_reference if variant == "v1" else v2_reference
+    h = dict(zip(_HYPER, hyper.unbind()))
+    for i, p in enumerate(params):
+        m_i, v_i, age_i = (x[offsets[i]:offsets[i + 1]].view(p.shape) for x in (m, v, age))
+        reference(p, m_i, v_i, age_i, age_i == 0, n=n, **h)
+
+
+class _Fused:
+    """One layout's compiled step: runs of at most ``_CHUNK`` tensors of a group, one graph per distinct
+    run of shapes, each compiled once (``dynamic=False``); the hyper-parameters travel in a tensor, so a
+    new lr or t reuses the graphs."""
+
+    def __init__(self, plan: SlambLayout, variant: str, n: int, n_groups: int):
+        layout = plan.layout
+        graphs = {}
+        self.runs = []  # (first, end, group, graph)
+        for g, (_, lo, hi) in enumerate(layout.groups):
+            for a in range(lo, hi, _CHUNK):
+                b = min(a + _CHUNK, hi)
+                shapes = tuple(layout.shapes[a:b])
+                if shapes not in graphs:
+                    offsets = [o - layout.offsets[a] for o in layout.offsets[a:b + 1]]
+                    graphs[shapes] = compile_once(_fused_body, variant=variant, n=n, offsets=offsets)
+                self.runs.append((a, b, g, graphs[shapes]))
+        self.hyper = torch.zeros(n_groups, len(_HYPER), dtype=torch.float64, device=layout.device)
+        self.compiled: set[int] = set()  # ids of the graphs that compiled
+        self.failed: str | None = None
+
+
+def _fused_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
+    """Steps 5-7 as compiled graphs over the flat buffers (the reference math, fused by inductor): a pass
+    for the norms and one for the update, no scratch kept between steps and no host read. Falls back to
+    the multi-tensor path (warning once) where no compiler works."""
+    fused = plan.fused.get((variant, n))
+    if fused is None:
+        fused = plan.fused[(variant, n)] = _Fused(plan, variant, n, len(groups))
+    if fused.failed is None:
+        rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for _, _, hyper in groups], dtype=torch.float64)
+        fused.hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
+        off = plan.layout.offsets
+        for k, (a, b, g, graph) in enumerate(fused.runs):
+            args = (plan.params[a:b], m[off[a]:off[b]], v[off[a]:off[b]], age[off[a]:off[b]], fused.hyper[g])
+            if id(graph) in fused.compiled:
+                graph(*args)
+                continue
+            try:  # the compile runs in the first call, before the graph touches any tensor
+                graph(*args)
+                fused.compiled.add(id(graph))
+            except Exception as e:
+                fused.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                warnings.warn(f"SLAMB(fused=True): torch.compile failed ({fused.failed}); this optimizer runs the "
+                              "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
+                              "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
+                if k > 0:  # this step's earlier runs are done: the reference finishes the others
+                    hyper_of = {lo: hyper for lo, _, hyper in groups}
+                    starts = [lo for _, lo, _ in plan.layout.groups]
+                    rest = [(a2, b2, hyper_of[starts[g2]]) for a2, b2, g2, _ in fused.runs[k:]]
+                    return _single_tensor_slamb(plan, sel, m, v, age, rest, variant=variant, n=n, work=work)
+                break
+        else:
+            return None
+    if not work:
+        plan.fallback_work = plan.fallback_work or [plan.layout.zeros() for _ in range(2)]
+        work = plan.fallback_work
+    return _multi_tensor_slamb(plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
+
+
+_IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
+
+
+def slamb_update_(plan: SlambLayout, sel: Selection, m, v, age, groups, *, variant: str, n: int,
+                  work: list[torch.Tensor], impl: str) -> None:
+    """Steps 5-7 of every parameter group, in place on ``plan.params``.
+
+    ``m``, ``v``, ``age``: flat buffers over the layout (the momentum after step 4, the second moment, the
+    age (``staleness``) after step 6); ``sel``: the step's mask; ``groups``: (first, end,
+    hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
+    scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``,
+    ``"fused"`` or ``"reference"``.
+    """
+    _IMPLS[impl](plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
 
 
 class SLAMB(LocalStateOptimizer):
@@ -119,7 +398,13 @@ class SLAMB(LocalStateOptimizer):
     ``"ignore"`` (no check; saves a pass over the gradients). The decision
     travels in the step's one 4-byte all-reduce (kind ``"control"``).
 
-    ``torch.compile(opt.step)`` runs this step eagerly (the same numbers).
+    ``fused=True`` compiles steps 5-7 (``torch.compile``, once per layout) into a
+    pass for the norms and one for the update over the flat buffers: fewer
+    kernels, no scratch buffer and no host read of the trust ratios; the numbers
+    are the reference path's to rounding. ``torch.compile(opt.step)`` runs the
+    step eagerly (it decides on the host and communicates between its kernels):
+    use ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the
+    step warns once and runs the multi-tensor path.
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
@@ -175,10 +460,15 @@ class SLAMB(LocalStateOptimizer):
         compression_warmup=None,
         hierarchy: str | None = None,
         local_world_size: int | None = None,
+        fused: bool = False,
     ):
         check_choice("variant", variant, VARIANTS)
         check_choice("hierarchy", hierarchy, HIERARCHIES)
         check_choice("overlap", overlap, (False, True))
+        check_choice("fused", fused, (False, True))
+        if fused and foreach is False:
+            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
+                             "and foreach=False asks for the per-tensor reference; set only one of them")
         check_choice("mask", mask, (None, *MASK_POLICIES))
         if not (isinstance(sync_interval, int) and sync_interval >= 1):
             raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
@@ -206,14 +496,16 @@ class SLAMB(LocalStateOptimizer):
         self.comm_dtype = comm_dtype
         self.seed = seed
         self.foreach = True if foreach is None else foreach
+        self.fused = fused
         self.overlap = overlap
-        self.grad_scale = 1.0
         self._warned_fallback = False
         self._layout: FlatLayout | None = None
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
-        # bucket exchanges started in backward: parameter ids -> (selection, exchange, gradient norms seen)
-        self._pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork, torch.Tensor]] = {}
+        # the momentum exchange: DDP's comm hook starts it during backward with ``overlap``
+        self.overlap_state = OverlapState(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype,
+                                          param_groups=self.param_groups,
+                                          next_selection=lambda: self._selection(self._step + 1))
         self._alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
 
     # -- settings -----------------------------------------------------------------
@@ -284,66 +576,17 @@ class SLAMB(LocalStateOptimizer):
     # -- communication ----------------------------------------------------------------
 
     def ddp_comm_hook(self):
-        """With ``overlap``, each DDP bucket's momentum exchange starts as soon as backward fills it."""
-        return None, (self._bucket_hook if self.overlap else no_comm_hook)
+        """``(state, hook)``: with ``overlap``, each DDP bucket's momentum exchange starts as soon as backward
+        fills it (:func:`slamb.optim.overlap.overlap_hook`); else DDP sends nothing."""
+        return (self.overlap_state, overlap_hook) if self.overlap else (None, no_comm_hook)
 
-    @in_place
-    def _bucket_hook(self, state, bucket):  # no annotations: DDP checks them against its own
-        if self._layout is not None:  # the first step's buckets arrive before the layout exists
-            index = self._index
-            ids, grads = [], []
-            for p, g in zip(bucket.parameters(), bucket.gradients()):
-                if id(p) in index:
-                    ids.append(index[id(p)])
-                    grads.append(g)
-            if ids:
-                key = tuple(ids)
-                # a second backward before step() (accumulation outside no_sync) supersedes the first
-                if key in self._pending:
-                    self._discard({key: self._pending.pop(key)})
-                sel = self._selection(self._step + 1)  # drawn at the end of the last step: no draw here
-                gs = sel.take(grads, ids)
-                if self.grad_scale != 1.0:
-                    gs = torch._foreach_mul(gs, 1.0 / self.grad_scale)  # as unscaling will before step()
-                norms = torch.stack(torch._foreach_norm(gs))
-                self._pending[key] = (sel, self._launch(sel, ids, gs), norms)
-        fut = torch.futures.Future()
-        fut.set_result(bucket.buffer())
-        return fut
+    @property
+    def grad_scale(self) -> float:
+        return self.overlap_state.grad_scale
 
-    def _launch(self, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
-        """Step 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
-
-        ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum
-        and the gradients, so it can run during backward; the dense momentum update of step() then
-        recomputes these entries and the average overwrites them.
-        """
-        ms = sel.take([self._m_views[i] for i in ids], ids)
-        weights = [1 - self.param_groups[self._layout.group_of[i]]["betas"][0] for i in ids]
-        if len(set(weights)) == 1:
-            new = torch._foreach_lerp(ms, gs, weights[0])
-        else:
-            new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
-        return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=self.ledger, group=self.process_group,
-                                     async_op=True, comm_dtype=self.comm_dtype)
-
-    def _drain(self) -> dict:
-        pending, self._pending = self._pending, {}
-        return pending
-
-    @staticmethod
-    def _discard(pending: dict) -> None:
-        """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
-        for _, work, _ in pending.values():
-            work.wait()
-
-    def _grads_changed(self, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
-        """Whether, on any rank, the gradients of the overlapped exchanges differ from those backward gave
-        them (clipping, an unscaling other than ``grad_scale``): a rank-agreed decision, one host read."""
-        seen = torch.cat([norms for _, _, norms in pending.values()])
-        now = torch.cat([torch.stack(torch._foreach_norm(sel.take([grads[i] for i in ids], ids))) for ids in pending])
-        changed = ((seen - now).abs() > 1e-5 * now).any()
-        return comm.agree_any(changed, ledger=self.ledger, group=self.process_group)
+    @grad_scale.setter
+    def grad_scale(self, scale: float) -> None:
+        self.overlap_state.grad_scale = float(scale)
 
     # -- state ----------------------------------------------------------------------
 
@@ -354,32 +597,20 @@ class SLAMB(LocalStateOptimizer):
             raise ValueError("SLAMB: no parameter has a gradient: nothing to optimize")
         layout = FlatLayout.of(self, ids)
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
-        age = _AGE[self.variant]
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
-                      age: (layout.adopt(self.state, age, fill=0, dtype=torch.int16) if age == "staleness"
-                            else layout.adopt(self.state, age, fill=1.0))}
+                      "staleness": layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)}
         # scratch for the update (not state): reused, since a fresh model-sized buffer each step costs
         # more in page faults than the arithmetic done in it
-        self._work = [layout.zeros() for _ in range(2 if self.variant == "v1" else 1)]
-        # per-parameter views of every flat buffer, made once: a model with hundreds of small tensors
-        # spends more on making views each step than on its arithmetic
-        self._views = {key: layout.views(buf) for key, buf in self._flat.items()}
-        self._work_views = [layout.views(w) for w in self._work]
-        self._m_views = self._views["exp_avg"]
+        self._work = ([layout.zeros() for _ in range(2)]
+                      if self.foreach and not self.fused else [])
         self._dense = [p.dim() == 1 or p.numel() < self.min_compress_numel for p in layout.params]
-        self._dense_t = torch.tensor(self._dense, device=layout.device)
-        self._one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+        self._plan = SlambLayout(layout, self._dense)
+        self._views = {key: self._plan.views(buf) for key, buf in self._flat.items()}
         compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
         self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
         self._bounds = Selection.bounds(layout, self._dense)
-        self._index = {id(p): i for i, p in enumerate(layout.params)}
-        # per group: its compressed tensors, and their places in the group (for _split_norms)
-        self._compressed_of = {}
-        for _, lo, hi in layout.groups:
-            compressed = [i for i in range(lo, hi) if not self._dense[i]]
-            self._compressed_of[lo] = (compressed, torch.tensor([i - lo for i in compressed], dtype=torch.long,
-                                                                device=layout.device))
+        self.overlap_state.bind(layout.params, self._views["exp_avg"], layout.group_of)
         self._names = param_labels(self, ids)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
@@ -413,9 +644,27 @@ class SLAMB(LocalStateOptimizer):
             )
 
     def _load_extra_state(self, extra: dict) -> None:
+        self._age_from_freshness()
         self.compress_ratio = extra["compress_ratio"]
         self.seed = int(extra["seed"])  # the masks are a function of it: resumed runs redraw the same ones
-        self._layout, self._last_draw, self._pending = None, None, {}
+        self._layout, self._last_draw = None, None
+        self.overlap_state.pending = {}
+
+    def _age_from_freshness(self) -> None:
+        """A v2 state saved with the freshness r itself (float, one word per element) holds r = b3^age:
+        its age, the int16 counter kept now. Exact where b3^age is above fp32's smallest normal number."""
+        for group in self.param_groups:
+            b3 = group["beta3"]
+            for p in group["params"]:
+                state = self.state.get(p, {})
+                if "freshness" not in state:
+                    continue
+                r = state.pop("freshness").double()
+                if b3 > 0:
+                    age = (r.log() / math.log(b3)).round().nan_to_num(posinf=_MAX_AGE).clamp(0, _MAX_AGE)
+                else:  # r = 0^age: 1 for age 0, else 0 for every age
+                    age = (r < 1).double()
+                state["staleness"] = torch.where(r >= 1, 0.0, age.clamp_min(1)).to(torch.int16)
 
     # -- the step -------------------------------------------------------------------
 
@@ -427,21 +676,21 @@ class SLAMB(LocalStateOptimizer):
         try:
             loss, grads = self._open_step(closure)  # step 1: local gradients
         except BaseException:
-            self._discard(self._drain())
+            discard(self.overlap_state.drain())
             raise
-        pending = self._drain()  # exchanges of the DDP buckets started during backward (overlap)
+        pending = self.overlap_state.drain()  # exchanges of the DDP buckets started during backward (overlap)
         if grads is None:  # skipped on every rank
-            self._discard(pending)
+            discard(pending)
             return loss
         layout = self._layout
         t, n = self._step + 1, comm.world_size(self.process_group)
         self._step = t
-        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", _AGE[self.variant]))
+        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", "staleness"))
         sel = self._selection(t)  # step 3
-        self._discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
+        discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
         pending = {key: e for key, e in pending.items() if e[0] is sel}
-        if pending and self._grads_changed(pending, grads, sel):
-            self._discard(pending)
+        if pending and grads_changed(self.overlap_state, pending, grads, sel):
+            discard(pending)
             pending = {}
             if not self._warned_fallback:
                 self._warned_fallback = True
@@ -455,7 +704,7 @@ class SLAMB(LocalStateOptimizer):
             covered = {i for key in pending for i in key}
             rest = [i for i in range(len(layout.params)) if i not in covered]
             if rest:
-                pending[tuple(rest)] = self._launch(sel, rest, sel.take([grads[i] for i in rest], rest))
+                pending[tuple(rest)] = launch(self.overlap_state, sel, rest, sel.take([grads[i] for i in rest], rest))
 
         for gi, lo, hi in layout.groups:  # step 2
             b1, b2 = self.param_groups[gi]["betas"]
@@ -467,48 +716,21 @@ class SLAMB(LocalStateOptimizer):
             mean = work.wait().to(m.dtype)
             if alike:
                 alike = self._same_as_local(sel, ids, mean)
-            sel.put_([self._m_views[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
+            sel.put_([self._views["exp_avg"][i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
         if self._alike_steps is not None and n > 1:
             self._count_alike(alike)
 
-        if self.variant == "v1":  # step 6
-            age.clamp_max_(_MAX_AGE - 1).add_(1)
-            sel.fill_(age, 0)
-        else:
-            for gi, lo, hi in layout.groups:
-                age[layout.span(lo, hi)].mul_(self.param_groups[gi]["beta3"])
-            sel.fill_(age, 1.0)
+        age.clamp_max_(_MAX_AGE - 1).add_(1)  # step 6
+        sel.fill_(age, 0)
 
-        mask = None if self.foreach else sel.bool_mask()  # the reference path's per-tensor masks
-        deferred = []  # the flat paths' per-tensor scalars of each group, and the update that takes them
-        for gi, lo, hi in layout.groups:  # steps 5 and 7
-            group, span = self.param_groups[gi], layout.span(lo, hi)
+        groups = []
+        for gi, lo, hi in layout.groups:
+            group = self.param_groups[gi]
             b1, b2 = group["betas"]
-            hyper = dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
-                         c_min=group["c_min"], c_max=group["c_max"], n=n)
-            if self.variant == "v1":
-                hyper["b3"] = group["beta3"]
-            if self.foreach:
-                work = [w[span] for w in self._work]
-                if self.variant == "v1":
-                    deferred.append(self._v1_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], age[span],
-                                                  *work, **hyper))
-                else:  # v2 reads its freshness through the per-parameter views
-                    deferred.append(self._v2_flat(lo, hi, sel, layout.params[lo:hi], m[span], v[span], *work,
-                                                  **hyper))
-            else:
-                for p, *views in zip(layout.params[lo:hi],
-                                     *(layout.views(x[span], lo, hi) for x in (m, v, age, mask))):
-                    if self.variant == "v1":
-                        v1_reference(p, *views, **hyper)
-                    else:
-                        v2_reference(p, *views[:3], **hyper)
-        if deferred:  # every group's scalars in one host read: a group's update changes nothing another reads
-            values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
-            for scalars, update in deferred:
-                rows, values = values[:scalars.numel()], values[scalars.numel():]
-                width = scalars.shape[1]
-                update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
+            groups.append((lo, hi, dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
+                                        b3=group["beta3"], c_min=group["c_min"], c_max=group["c_max"])))
+        slamb_update_(self._plan, sel, m, v, age, groups, variant=self.variant, n=n, work=self._work,
+                      impl="fused" if self.fused else "foreach" if self.foreach else "reference")  # steps 5, 7
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
@@ -523,7 +745,7 @@ class SLAMB(LocalStateOptimizer):
 
     def _same_as_local(self, sel: Selection, ids: list[int], mean: torch.Tensor) -> bool:
         """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
-        local = torch.cat(sel.take([self._m_views[i] for i in ids], ids))
+        local = torch.cat(sel.take([self._views["exp_avg"][i] for i in ids], ids))
         if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
             return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
         rtol = 8 * torch.finfo(self.comm_dtype or mean.dtype).eps
@@ -552,84 +774,3 @@ class SLAMB(LocalStateOptimizer):
         flat = self._layout.flatten(params)
         comm.all_reduce_mean_(flat, kind="params", ledger=self.ledger, group=self.process_group)
         torch._foreach_copy_(params, self._layout.views(flat))
-
-    def _split_norms(self, tensors, sel: Selection, lo: int, hi: int):
-        """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi).
-
-        The other entries' norm is sqrt(whole^2 - selected^2): a gather of k N entries instead of a
-        masked pass over all N; always-averaged tensors have no other entries.
-        """
-        whole = torch.stack(torch._foreach_norm(tensors))
-        ids, at = self._compressed_of[lo]
-        if not ids:
-            return whole, torch.zeros_like(whole)
-        selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(sel.take([tensors[i - lo] for i in ids],
-                                                                                    ids))))
-        rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
-        return selected, rest.masked_fill_(self._dense_t[lo:hi], 0.0)
-
-    # The flat paths fold each scalar factor (bias corrections, lr, the per-tensor trust ratios) into
-    # per-tensor scalars, so that the element-wise work is a few fused multi-tensor ops over the parameters
-    # and one reused scratch buffer. Each returns its scalars (rows of a 2-D tensor) and the update that
-    # takes them as numbers: step() reads those of every group to the host at once.
-
-    def _v1_flat(self, lo, hi, sel, params, m, v, age, work, r, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-        c, eps = bias_folding(t, b1, b2, eps)  # u = c * m / (sqrt(v) + eps') + wd * p
-        adam_direction_(m, v, eps, out=work)
-        u = self._work_views[0][lo:hi]  # u / c from here on
-        if wd != 0:
-            torch._foreach_add_(u, params, alpha=wd / c)
-        p_s, p_l = self._split_norms(params, sel, lo, hi)
-        u_s, u_l = self._split_norms(u, sel, lo, hi)
-        phi_s, phi_l = safe_ratio(p_s, u_s * c, 1.0), safe_ratio(p_l, u_l * c, 1.0)
-        # trust(r) = A + B r; always-averaged tensors have r = 1 (1-D ones are plain LAMB: no clamp)
-        dense, one_dim = self._dense_t[lo:hi], self._one_dim_t[lo:hi]
-        a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
-        b = torch.where(dense, 0.0, phi_s - phi_l)
-        # a linear blend between two ratios inside [c_min, c_max] stays inside: only other tensors clamp
-        clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
-        if b3 > 0:
-            r.copy_(age).mul_(math.log(b3)).exp_()  # r = b3^age
-        else:
-            r.copy_(age == 0)
-        # eta(r) = e0 + e1 r (lr for fresh entries, lr / sqrt(n) for stale): u *= 1 + (e1/e0) r
-        e0 = lr / math.sqrt(n)
-        e1 = lr - e0
-        if e1 != 0:
-            work.addcmul_(work, r, value=e1 / e0)
-        # p -= c e0 (A + B r) u
-        scale = -c * e0
-        rs = self._work_views[1][lo:hi]
-
-        def update(a, b, clamps):
-            keep = [i for i, x in enumerate(clamps) if not x]
-            if keep:
-                def sub(xs):
-                    return [xs[i] for i in keep]
-                torch._foreach_addcmul_(sub(params), sub(u), sub(rs), [scale * x for x in sub(b)])
-                _add_scaled_(sub(params), sub(u), [scale * x for x in sub(a)])
-            for i in (i for i, x in enumerate(clamps) if x):  # rare: the clamp binds for some r
-                trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
-                params[i].addcmul_(u[i], trust, value=scale)
-
-        return torch.stack([a, b, clamps.to(a.dtype)]), update
-
-    def _v2_flat(self, lo, hi, sel, params, m, v, work, *, t, lr, b1, b2, eps, wd, c_min, c_max, n):
-        c = bias_folding(t, b1, b2, eps)[0]  # a = c * m / (sqrt(v) + eps): v2 keeps eps unscaled
-        adam_direction_(m, v, eps, out=work)
-        a = self._work_views[0][lo:hi]  # a / c
-        p_s, p_l = self._split_norms(params, sel, lo, hi)
-        a_s, a_l = self._split_norms(a, sel, lo, hi)
-        phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
-        phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
-        if wd != 0:
-            torch._foreach_add_(a, params, alpha=wd / c)  # u / c
-        # p -= u (lr phi_s r + lr/sqrt(n) phi_l (1 - r)) = u (slope r + base)
-        base = phi_l * (lr / math.sqrt(n))
-        fresh = self._views["freshness"][lo:hi]
-
-        def update(slope, base):
-            torch._foreach_addcmul_(params, a, fresh, slope)
-            _add_scaled_(params, a, base)
-
-        return torch.stack([phi_s * lr - base, base]) * -c, update

@@ -1,0 +1,208 @@
+"""``fused=True``: SLAMB's steps 5-7 and LAMB's step compiled by ``torch.compile``, against the paths
+that run eagerly. The models are the small ones of tests/test_slamb.py (compressed, small always-averaged
+and 1-D tensors in two parameter groups of different hyper-parameters), in float32, so the compiled
+graphs are few and quick to build."""
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+import slamb
+from tests import distributed
+from tests.test_gpu_paths import host_reads
+from tests.test_slamb import grad_of, init_params, make_optimizer
+
+STEPS = 6
+CONFIGS = [
+    dict(variant="v1"),
+    dict(variant="v2"),
+    dict(variant="v1", mask="bernoulli"),
+    dict(variant="v2", mask="cyclic", comm_dtype=torch.float16),
+]
+
+
+def advance(params, opt, steps, rank=0):
+    for t in steps:
+        for i, p in enumerate(params):
+            p.grad = grad_of(p.detach().double(), rank, t, i).float()
+        opt.step()
+
+
+def fresh(**kw):
+    params = [torch.nn.Parameter(p.float()) for p in init_params()]
+    return params, make_optimizer(params, compress_ratio=0.3, sync_interval=4, **kw)
+
+
+def paths_worker(rank, world):
+    out = []
+    for cfg in CONFIGS:
+        run = {}
+        for path, kw in (("reference", dict(foreach=False)), ("fused", dict(fused=True))):
+            params, opt = fresh(**cfg, **kw)
+            advance(params, opt, range(1, STEPS + 1), rank)
+            run[path] = [p.detach().clone() for p in params]
+            run[path + "_bytes"] = opt.comm_stats()["total"]["momentum"]["payload"]
+        out.append(run)
+    return out
+
+
+def test_fused_equals_the_reference_on_two_ranks():
+    res = distributed.run(paths_worker, 2)
+    for rank, runs in enumerate(res):
+        for cfg, run in zip(CONFIGS, runs):
+            for i, (a, b) in enumerate(zip(run["fused"], run["reference"])):
+                where = f"{cfg} rank {rank} tensor {i}"
+                if "comm_dtype" in cfg:
+                    # an fp32 rounding apart before the exchange can round to fp16 values an fp16 ulp
+                    # (5e-4 relative) apart: a few entries differ by that, times the learning rate
+                    off = ~torch.isclose(a, b, rtol=1e-5, atol=1e-6)
+                    assert off.float().mean() < 1e-3, where
+                    torch.testing.assert_close(a, b, rtol=0, atol=1e-4, msg=where)
+                else:
+                    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=where)
+            assert run["fused_bytes"] == run["reference_bytes"]
+    start = [p.float() for p in init_params()]
+    assert all(not torch.equal(a, b) for a, b in zip(res[0][0]["fused"], start))  # every tensor moved
+    assert not torch.equal(res[0][0]["fused"][0], res[1][0]["fused"][0])  # ranks drift between syncs
+
+
+def test_changed_hyper_parameters_reuse_the_compiled_graph():
+    from torch._dynamo.utils import counters
+
+    params, opt = fresh(variant="v2", fused=True)
+    advance(params, opt, [1])
+    graphs = counters["stats"]["unique_graphs"]
+    for t in range(2, 6):
+        for g in opt.param_groups:
+            g["lr"] *= 0.7
+            g["weight_decay"] += 0.01
+        advance(params, opt, [t])
+    assert counters["stats"]["unique_graphs"] == graphs  # t, lr and wd changed every step
+
+    ref_params, ref = fresh(variant="v2", foreach=False)
+    advance(ref_params, ref, [1])
+    for t in range(2, 6):
+        for g in ref.param_groups:
+            g["lr"] *= 0.7
+            g["weight_decay"] += 0.01
+        advance(ref_params, ref, [t])
+    for a, b in zip(params, ref_params):  # and the new values were used
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["v1", "v2"])
+def test_resume_with_fused_is_bit_exact(variant):
+    params, opt = fresh(variant=variant, fused=True)
+    advance(params, opt, range(1, 9))
+    straight = [p.detach().clone() for p in params]
+
+    params, opt = fresh(variant=variant, fused=True)
+    advance(params, opt, range(1, 5))
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach() for p in params], "optim": opt.state_dict()}, buf)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    params, opt = fresh(variant=variant, fused=True)
+    with torch.no_grad():
+        for p, s in zip(params, saved["model"]):
+            p.copy_(s)
+    opt.load_state_dict(saved["optim"])
+    advance(params, opt, range(5, 9))
+    for a, b in zip(params, straight):
+        assert torch.equal(a, b)
+
+
+def test_fused_step_reads_less_from_the_host(monkeypatch):
+    """The foreach path reads its trust-ratio scalars to the host; the fused one keeps them on the device
+    and sends its hyper-parameters there instead (one non-blocking copy)."""
+    counts = {}
+    for path, kw in (("foreach", {}), ("fused", dict(fused=True))):
+        params, opt = fresh(variant="v2", nonfinite="ignore", **kw)
+        advance(params, opt, [1, 2])
+        for i, p in enumerate(params):
+            p.grad = grad_of(p.detach().double(), 0, 3, i).float()
+        counts[path] = host_reads(opt.step, monkeypatch)
+    assert counts["foreach"] == {"tolist": 2, "scalar": 1}
+    assert counts["fused"] == {"tolist": 1, "scalar": 1, "from_host": 1}
+
+
+def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatch):
+    def broken(fn, **kw):
+        def raise_(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+        return raise_
+
+    runs = {}
+    for path, kw in (("foreach", {}), ("fused", dict(fused=True))):
+        params, opt = fresh(variant="v1", **kw)
+        with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            m.setattr(torch, "compile", broken)
+            advance(params, opt, range(1, 4))
+        runs[path] = (params, [str(w.message) for w in caught if "fused=True" in str(w.message)])
+    assert len(runs["fused"][1]) == 1 and "no C++ compiler found" in runs["fused"][1][0]
+    for a, b in zip(runs["fused"][0], runs["foreach"][0]):
+        assert torch.equal(a, b)
+
+
+def test_fused_with_foreach_false_is_refused():
+    with pytest.raises(ValueError, match="fused=True with foreach=False"):
+        fresh(fused=True, foreach=False)
+    with pytest.raises(ValueError, match="fused=True with foreach=False"):
+        slamb.LAMB([torch.nn.Parameter(torch.ones(3))], fused=True, foreach=False)
+
+
+def test_lamb_fused_equals_lamb_foreach():
+    runs = {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(p.float()) for p in init_params()]
+        opt = slamb.LAMB([{"params": params[:2], "weight_decay": 0.01},
+                          {"params": params[2:], "lr": 0.02, "betas": (0.8, 0.99), "bias_correction": False,
+                           "trust_clamp": (0.01, 0.3)}], lr=0.01, fused=fused)
+        advance(params, opt, range(1, STEPS + 1))
+        runs[fused] = params
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(runs[True][0], init_params()[0].float())
+
+
+def test_runs_of_the_same_shapes_share_a_graph():
+    """30 tensors of one shape compile two graphs (runs of 12, 12 and 6 tensors), and match the reference."""
+    from torch._dynamo.utils import counters
+
+    from slamb.optim.slamb import _CHUNK
+
+    assert _CHUNK == 12
+    runs = {}
+    for kw in (dict(fused=True), dict(foreach=False)):
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(10, 10, generator=gen)) for _ in range(30)]
+        opt = slamb.SLAMB(params, lr=0.01, weight_decay=0.01, min_compress_numel=50, compress_ratio=0.3, **kw)
+        graphs = counters["stats"]["unique_graphs"]
+        for t in range(3):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
+    assert runs[True][1] == 2 and runs[False][1] == 0
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_each_compiled_graph_has_its_own_recompile_limit():
+    """A model with more distinct runs of shapes than dynamo's recompile limit (8 graphs per code object)
+    still compiles every one of them, rather than running the ninth on eagerly."""
+    from torch._dynamo.utils import counters
+
+    from slamb.optim._common import compile_once
+
+    def scale(x, *, k):
+        return x * k
+
+    graphs = counters["stats"]["unique_graphs"]
+    fns = [compile_once(scale, k=float(k)) for k in range(10)]
+    assert [float(f(torch.ones(3))[0]) for f in fns] == [float(k) for k in range(10)]
+    assert counters["stats"]["unique_graphs"] - graphs == 10
