@@ -618,7 +618,7 @@ def _rate(r):
 
 
 def target_checks(records: list[dict]) -> dict:
-    """The issue's targets, evaluated where they apply (reported, not asserted)."""
+    """The bench's targets, evaluated where they apply (reported, not asserted)."""
     ok = [r for r in records if r["status"] == "ok"]
     by = {(r["pipeline"], r["hosts"], r["rate_mbit"], r["optimizer"]): r for r in ok}
     speed = []
@@ -668,7 +668,7 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          "burst max(64 KiB, 2 ms of traffic), queue limit max(1 MiB, 100 ms). "
          + ("Link delay: `netem` " + f"{meta.get('delay_ms')} ms one way." if meta.get("delay_ms") else
             "**No link delay**: this kernel has no `netem` qdisc (CONFIG_NET_SCH_NETEM is not set: only tbf and htb "
-            "exist), so the 0.5 ms of the issue could not be emulated; the veth's own latency is tens of µs. "
+            "exist), so the default 0.5 ms could not be emulated; the veth's own latency is tens of µs. "
             "With 0.5 ms a ring all-reduce would add about 2(N-1) x 0.5 ms per collective."),
          f"- Models: CIFAR-10 pipeline on the digits demo data (ResNet-8, {CIFAR_BATCH} images per worker and step; "
          f"{TRAIN_IMAGES} training images, so {', '.join(f'{n} hosts: {cifar_steps_per_epoch(n * procs)}' for n in sorted({r['hosts'] for r in records if r['pipeline'] == 'cifar10'}))} steps per epoch); "
@@ -677,7 +677,12 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=cifar10/demo_lamb|demo_slamb`; BERT: "
          "`bert/phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
          "1-bit LAMB: LAMB's row settings (lr 0.01, wd 1e-4), freeze_step = 20% of the run's steps; DGC: the SGD-M "
-         "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up.",
+         "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up."
+         + ("" if procs == 1 else f" {HIER}: SLAMB's row with `optimizer.hierarchy=node optimizer.local_world_size="
+            f"{procs}` (a host is one SLAMB worker: its gradients averaged densely inside the host, the momentum "
+            "exchange and model syncs across hosts, local rank l carrying the l-th chunk); PowerSGD: the SGD-M demo "
+            "row's settings with rank-1 factors from the second epoch on (timing runs); DiLoCo: LAMB's row settings "
+            "for the inner optimizer, H = 10 local steps, outer Nesterov SGD (lr 0.7, momentum 0.9)."),
          "",
          "## How the numbers are measured", "",
          "- **Step time**: the pipeline's own training time (evaluation excluded) over the logged periods (epochs for "
@@ -738,11 +743,15 @@ def render(raw: dict, out_md: Path) -> list[Path]:
     if t["wire"]:
         shaped = [w for w in t["wire"] if w["rate_mbit"] is not None]
         within = [w for w in shaped if abs(w["payload"] - 1) <= 0.05]
-        L += [f"Bytes on the wire vs the ledger's ring wire bytes (shaped links): link payload / ledger wire within "
-              f"5% in {len(within)} of {len(shaped)} runs; range {_fmt(min((w['payload'] for w in shaped), default=None), '.4f')}"
-              f" .. {_fmt(max((w['payload'] for w in shaped), default=None), '.4f')} (raw frames: "
-              f"{_fmt(min((w['raw'] for w in shaped), default=None), '.4f')} .. "
-              f"{_fmt(max((w['raw'] for w in shaped), default=None), '.4f')}). Per run in the tables below.", ""]
+        if procs > 1:
+            L += ["Link bytes (per host) against the ledger's bytes of each level: see 'Hosts with several "
+                  "processes'. In the tables below the ledger columns are per process, the link columns per host.", ""]
+        else:
+            L += [f"Bytes on the wire vs the ledger's ring wire bytes (shaped links): link payload / ledger wire within "
+                  f"5% in {len(within)} of {len(shaped)} runs; range {_fmt(min((w['payload'] for w in shaped), default=None), '.4f')}"
+                  f" .. {_fmt(max((w['payload'] for w in shaped), default=None), '.4f')} (raw frames: "
+                  f"{_fmt(min((w['raw'] for w in shaped), default=None), '.4f')} .. "
+                  f"{_fmt(max((w['raw'] for w in shaped), default=None), '.4f')}). Per run in the tables below.", ""]
     if procs > 1:
         L += multi_proc_section(records, meta)
     failed = [r for r in records if r["status"] != "ok"]
@@ -838,7 +847,14 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
               if k[3] == HIER and (*k[:3], "SLAMB") in by]
     for (pipeline, n, rate, _), x in sorted(ratios, key=lambda t: (t[0][0], t[0][1], t[0][2] or math.inf)):
         L.append(f"- {pipeline}, {n} hosts x {by[(pipeline, n, rate, HIER)]['procs_per_host']} processes, "
-                 f"{_rate(rate)} Mbit/s: {HIER} / flat SLAMB step time = **{x:.3f}**.")
+                 f"{f'{rate:g} Mbit/s' if rate else 'unlimited link'}: {HIER} / flat SLAMB step time = **{x:.3f}**.")
+    silent = [r for r in ok if r["host_ledger_wire_bytes_per_step"] == 0]
+    if silent:
+        L += ["", "No collective in the measured steps (– in the ledger columns): "
+              + "; ".join(f"{r['optimizer']} on {r['hosts']} x {r['procs_per_host']}, {_rate(r['rate_mbit'])} "
+                          f"({r['measured_steps']} steps)"
+                          for r in silent)
+              + ". DiLoCo averages every 10 steps and a run of few steps per epoch may measure none of them."]
     L += ["", "With one process per host the veth carries what the ledger's world-level collectives send (the "
           "tables below). With several, a flat optimizer's world collectives run over every process, and how many "
           "of their bytes cross the hosts depends on gloo's algorithm (a ring over 2 x 2 processes crosses the "
