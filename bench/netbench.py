@@ -904,14 +904,29 @@ def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list
         if shaped:
             fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(shaped)), 4))
             x = range(len(shaped))
-            w = 0.27
-            ax.bar([i - w for i in x], [r["ledger_wire_bytes_per_step"] for r in shaped], w, label="ledger wire")
-            ax.bar(list(x), [r["link_tx_payload_bytes_per_step"] for r in shaped], w, label="link payload")
-            ax.bar([i + w for i in x], [r["link_tx_bytes_per_step"] for r in shaped], w, label="link raw")
+            if any((r.get("procs_per_host") or 1) > 1 for r in shaped):
+                # per host: what crosses the hosts (ledger levels inter + world, veth) and what stays inside
+                def level(r, *names):
+                    return sum(r["host_ledger_levels_per_step"].get(k, {}).get("wire", 0.0) for k in names)
+
+                bars = [("ledger inter + world", lambda r: level(r, "inter", "world")),
+                        ("veth payload", lambda r: r["link_tx_payload_bytes_per_step"]),
+                        ("ledger intra", lambda r: level(r, "intra")),
+                        ("loopback payload", lambda r: r["lo_tx_payload_bytes_per_step"])]
+            else:
+                bars = [("ledger wire", lambda r: r["ledger_wire_bytes_per_step"]),
+                        ("link payload", lambda r: r["link_tx_payload_bytes_per_step"]),
+                        ("link raw", lambda r: r["link_tx_bytes_per_step"])]
+            w = 0.8 / len(bars)
+            for j, (label, value) in enumerate(bars):
+                ax.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], [max(value(r), 1.0) for r in shaped], w,
+                       label=label)
             ax.set_xticks(list(x))
-            ax.set_xticklabels([f"{r['optimizer']} {r['hosts']}h {r['rate_mbit']:g}M" for r in shaped], rotation=75,
-                               fontsize=7)
+            ax.set_xticklabels([f"{r['optimizer']} {r['hosts']}h" + (f"x{r['procs_per_host']}" if (r.get('procs_per_host')
+                                or 1) > 1 else "") + f" {r['rate_mbit']:g}M" for r in shaped], rotation=75, fontsize=7)
             ax.set_yscale("log")
+            if len(bars) > 3:  # the zero levels (flat rows' intra) at the floor, room for the legend above the bars
+                ax.set_ylim(1e3, 30 * max(value(r) for _, value in bars for r in shaped))
             ax.set_ylabel("bytes per step and host")
             ax.set_title(f"{pipeline}: ledger vs link bytes (shaped links)")
             ax.legend(fontsize=8)
