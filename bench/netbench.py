@@ -857,9 +857,11 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
               + ". DiLoCo averages every 10 steps and a run of few steps per epoch may measure none of them."]
     L += ["", "With one process per host the veth carries what the ledger's world-level collectives send (the "
           "tables below). With several, a flat optimizer's world collectives run over every process, and how many "
-          "of their bytes cross the hosts depends on gloo's algorithm (a ring over 2 x 2 processes crosses the "
-          "hosts on 2 of its 4 edges); the hierarchical row sends across hosts only its `inter` level, which the "
-          "veth counters match.", ""]
+          "of their bytes cross the hosts depends on gloo's algorithm: a ring over hosts of 2 consecutive ranks "
+          "crosses the hosts on every second edge, so the veth carries about half the host's world-level bytes "
+          "(column `veth / (ledger inter + world)`, less where gloo's per-message framing of many small "
+          "collectives adds to it). The hierarchical row sends across hosts only its `inter` level, which the veth "
+          "counters match, and its dense gradient average stays on the loopback.", ""]
     return L
 
 
