@@ -859,7 +859,7 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
           "tables below). With several, a flat optimizer's world collectives run over every process, and how many "
           "of their bytes cross the hosts depends on gloo's algorithm: a ring over hosts of 2 consecutive ranks "
           "crosses the hosts on every second edge, so the veth carries about half the host's world-level bytes "
-          "(column `veth / (ledger inter + world)`, less where gloo's per-message framing of many small "
+          "(column `veth / (ledger inter + world)`, more where gloo's per-message framing of many small "
           "collectives adds to it). The hierarchical row sends across hosts only its `inter` level, which the veth "
           "counters match, and its dense gradient average stays on the loopback.", ""]
     return L
