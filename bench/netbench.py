@@ -4,10 +4,16 @@
     python -m bench.netbench --hosts 2 4 --rates 50 200 --epochs 8 --pipelines cifar10
     python -m bench.netbench --quick                           # 2 hosts, 10 Mbit/s, 2 epochs (~1 min)
     python -m bench.netbench --render-only                     # netbench.md and plots from the raw JSON
+    python -m bench.netbench --hosts 2 --procs-per-host 2 --rates 10 --pipelines cifar10 \
+        --out results/netbench_hierarchical.md                  # hosts of 2 processes: hierarchical SLAMB's rows
 
 Only the full matrix (every setting at its default) writes ``results/``; ``--quick`` and any other
 partial matrix write to ``runs/netbench/`` unless ``--out`` names a page, so that a quick check never
-replaces the committed results.
+replaces the committed results. The raw JSON and the plots are named after the page.
+
+With ``--procs-per-host P`` each host runs P processes (``--nproc-per-node P``): their traffic inside
+the host crosses the namespace's loopback, the traffic between hosts its shaped veth, and both
+interfaces' counters are recorded beside the ledger's bytes by level (``intra``, ``inter``, ``world``).
 
 For each host count N a :class:`bench.netns.Cluster` of N network namespaces
 on a switch namespace is created; for each link rate (and an unlimited link,
@@ -95,10 +101,14 @@ def _install_probes(dev: str) -> None:
 
     def record(loop, event: str) -> None:
         rank = int(os.environ.get("RANK", "0"))
-        ledger = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"])}
+        ledger = {k: {"payload": int(v["payload"]), "wire": float(v["wire"]), "calls": int(v["calls"]),
+                      "levels": {lv: {"payload": int(x["payload"]), "wire": float(x["wire"])}
+                                 for lv, x in v.get("levels", {}).items()}}
                   for k, v in loop.optimizer.comm_stats()["total"].items()}
+        # the loopback carries the traffic between the processes of one host (see launch_run)
+        loopback = {f"lo_{k}": v for k, v in interface_counters("lo").items()}
         line = {"event": event, "step": loop.step, "time": time.time(), "ledger": ledger,
-                **interface_counters(dev), **tcp_snmp()}
+                **interface_counters(dev), **loopback, **tcp_snmp()}
         out = Path(loop.run_dir) / "netbench"
         out.mkdir(parents=True, exist_ok=True)
         with open(out / f"rank{rank}.jsonl", "a") as f:
@@ -128,6 +138,7 @@ def worker_main(argv: list[str]) -> None:
 # optimizer rows: (pipeline -> Hydra overrides). The CIFAR-10 rows are the digits demo's; 1-bit LAMB takes
 # LAMB's row settings (its warm-up, freeze_step, is set per run to 20% of the steps as in bert.demo), DGC takes
 # the SGD-M demo row's (lr 0.03, momentum 0.9, wd 1e-4) with DGC's own density 0.001 and 4-epoch warm-up.
+HIER = "SLAMB hierarchical"
 ROWS = {
     "LAMB": {"cifar10": ["experiment=cifar10/demo_lamb"],
              "bert": ["experiment=bert/phase1_lamb"]},
@@ -144,7 +155,26 @@ ROWS = {
                         "optimizer.momentum=0.9", "optimizer.weight_decay=1.0e-4"],
             "bert": ["optimizer=dgc", "name=netbench_bert_dgc", "optimizer.momentum=0.9",
                      "optimizer.weight_decay=0.01"]},
+    # rows of hosts with several processes (--procs-per-host): SLAMB with a node as its worker (gradients
+    # averaged densely inside the host, the momentum exchange and model syncs across hosts), and two more
+    # communication-efficient baselines of the registry. PowerSGD takes the SGD-M demo row's settings (its
+    # rank-1 factors from the second epoch on, set per run); DiLoCo takes LAMB's row settings as its inner
+    # optimizer with H = 10 local steps, SLAMB's sync interval in the demo
+    HIER: {"cifar10": ["experiment=cifar10/demo_slamb", "optimizer.hierarchy=node"],
+           "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
+                    "optimizer.min_compress_numel=2000", "optimizer.hierarchy=node"]},
+    "PowerSGD": {"cifar10": ["+mixin=demo_digits", "optimizer=powersgd", "name=netbench_powersgd",
+                             "optimizer.lr=0.03", "optimizer.weight_decay=1.0e-4"],
+                 "bert": ["optimizer=powersgd", "name=netbench_bert_powersgd", "optimizer.weight_decay=0.01"]},
+    "DiLoCo": {"cifar10": ["+mixin=demo_digits", "optimizer=diloco", "name=netbench_diloco", "optimizer.inner=lamb",
+                           "optimizer.lr=0.01", "optimizer.weight_decay=1.0e-4", "optimizer.sync_interval=10"],
+               "bert": ["optimizer=diloco", "name=netbench_bert_diloco", "optimizer.inner=lamb",
+                        "optimizer.sync_interval=10", "optimizer.weight_decay=0.01"]},
 }
+# the rows of the default matrix (one process per host)
+DEFAULT_ROWS = ["LAMB", "SLAMB", "SLAMB+overlap", "1-bit LAMB", "DGC"]
+# the rows of --procs-per-host > 1 when --optimizers is not given
+MULTI_PROC_ROWS = ["LAMB", "SLAMB", HIER, "PowerSGD", "DiLoCo"]
 TRAIN_IMAGES = 1500        # digits demo: training images (cifar10.demo.TEST_SIZE of 1797 held out)
 CIFAR_BATCH = 64           # data.micro_batch of the demo rows
 BERT_MICRO = 16            # sequences per worker and step (one micro-batch: no accumulation)
@@ -172,14 +202,16 @@ class Settings:
     reduce_from: int = 1 << 30
     reduced_rates: list[float] = dataclasses.field(default_factory=list)
     reduced_rows: list[str] = dataclasses.field(default_factory=list)
+    procs_per_host: int = 1
 
 
-def cifar_steps_per_epoch(hosts: int) -> int:
-    return (TRAIN_IMAGES // hosts) // CIFAR_BATCH
+def cifar_steps_per_epoch(workers: int) -> int:
+    """Steps per epoch of the digits demo on ``workers`` processes (hosts x processes per host)."""
+    return (TRAIN_IMAGES // workers) // CIFAR_BATCH
 
 
 def run_overrides(pipeline: str, row: str, hosts: int, length: int, data_dir: Path, run_dir: Path,
-                  vocab_size: int | None = None, *, steady: bool = False) -> list[str]:
+                  vocab_size: int | None = None, *, steady: bool = False, procs: int = 1) -> list[str]:
     """Hydra overrides of one run (the row's settings, the bench's data and run directory, no checkpoints).
 
     ``steady``: a timing run (CIFAR-10), a few epochs of which only the first is left out of the
@@ -190,26 +222,34 @@ def run_overrides(pipeline: str, row: str, hosts: int, length: int, data_dir: Pa
     common = [f"hydra.run.dir={run_dir}", "trainer.device=cpu", "trainer.threads_per_worker=1",
               "trainer.resume=never", "trainer.checkpoint.enabled=false", "trainer.progress=false",
               "logger.wandb=false", f"data.dir={data_dir}"]
+    workers = hosts * procs
+    if row == HIER:
+        common.append(f"optimizer.local_world_size={procs}")
     if pipeline == "cifar10":
         e = length
+        spe = cifar_steps_per_epoch(workers)
         out = [*ROWS[row]["cifar10"], f"epochs={e}", f"schedule.milestones=[{max(1, e // 2)},{max(1, (23 * e) // 30)}]"]
         if row == "1-bit LAMB":
-            freeze = cifar_steps_per_epoch(hosts) if steady else max(1, cifar_steps_per_epoch(hosts) * e // 5)
+            freeze = spe if steady else max(1, spe * e // 5)
             out.append(f"optimizer.freeze_step={freeze}")
-        if steady and row.startswith("SLAMB"):
+        if row == "PowerSGD":  # torch's hook needs > 1 with error feedback and warm start
+            out.append(f"optimizer.start_powerSGD_iter={max(2, spe if steady else spe * e // 5)}")
+        if steady and row in ("SLAMB", "SLAMB+overlap", HIER):
             out.append("optimizer.compression_warmup=null")
         if steady and row == "DGC":
             out.append("optimizer.warmup_densities=[]")
         return out + common
     steps = length
     out = [*ROWS[row]["bert"], "model=bert_tiny", f"model.vocab_size={vocab_size}", "model.hidden_size=64",
-           "model.intermediate_size=256", f"data.global_batch={BERT_MICRO * hosts}", f"data.micro_batch={BERT_MICRO}",
+           "model.intermediate_size=256", f"data.global_batch={BERT_MICRO * workers}", f"data.micro_batch={BERT_MICRO}",
            f"steps={steps}", f"log_every={max(1, steps // 8)}", "schedule.warmup_steps=null",
            "+schedule.warmup_fraction=0.1", "optimizer.lr=0.01", "trainer.precision=fp32", "paper=null"]
     if row == "1-bit LAMB":
         out.append(f"optimizer.freeze_step={max(1, steps // 8)}")
     if row == "DGC":
         out.append("optimizer.warmup_densities=[]")  # BERT's steps are all in one "epoch"
+    if row == "PowerSGD":
+        out.append(f"optimizer.start_powerSGD_iter={max(2, steps // 8)}")
     return out + common
 
 
@@ -246,8 +286,15 @@ def _kill_group(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def launch_run(cluster, pipeline: str, overrides: list[str], run_dir: Path, port: int, timeout_s: float) -> dict:
-    """One torchrun per host; waits for all of them. Returns {'ok', 'error', 'wall_s'}."""
+def launch_run(cluster, pipeline: str, overrides: list[str], run_dir: Path, port: int, timeout_s: float,
+               procs_per_host: int = 1) -> dict:
+    """One torchrun per host with ``procs_per_host`` processes; waits for all of them. Returns {'ok', 'error', 'wall_s'}.
+
+    Every process binds gloo to its host's veth address (gloo takes one interface per process group, not
+    one per peer). Between two processes of one host that address is local, so the kernel routes their
+    pairs through the namespace's loopback: the veth counts only the traffic between hosts, and ``lo``
+    (recorded beside it) the traffic inside a host.
+    """
     run_dir.mkdir(parents=True, exist_ok=True)
     from .netns import kill_processes
 
@@ -258,7 +305,7 @@ def launch_run(cluster, pipeline: str, overrides: list[str], run_dir: Path, port
             env = {**os.environ, "GLOO_SOCKET_IFNAME": cluster.dev[i], IFNAME_ENV: cluster.dev[i],
                    "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             cmd = [*cluster.exec_prefix(i), sys.executable, "-m", "torch.distributed.run",
-                   "--nnodes", str(cluster.hosts), "--node-rank", str(i), "--nproc-per-node", "1",
+                   "--nnodes", str(cluster.hosts), "--node-rank", str(i), "--nproc-per-node", str(procs_per_host),
                    "--master-addr", cluster.addr[0], "--master-port", str(port), "--max-restarts", "0",
                    "-m", "bench.netbench", WORKER_FLAG, pipeline, *overrides]
             log = open(run_dir / f"host{i}.log", "w")
@@ -319,11 +366,16 @@ def _training_intervals(lines: list[dict]) -> list[tuple[dict, dict]]:
     return intervals
 
 
-def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | None) -> dict:
-    """Per-step numbers of a finished run from rank 0's metrics and every rank's probe lines."""
+def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | None, procs: int = 1) -> dict:
+    """Per-step numbers of a finished run from rank 0's metrics and every rank's probe lines.
+
+    Ledger figures are per rank (``ledger_*``) and per host (``host_ledger_*``: the sum over the host's
+    ``procs`` ranks, split by level); interface figures are per host (every rank of a host reads its
+    host's counters: the mean over ranks is the mean over hosts).
+    """
     history = _read_jsonl(run_dir / "metrics.jsonl")
     summary = json.loads((run_dir / "metrics.json").read_text())
-    probes = [_training_intervals(_read_jsonl(run_dir / "netbench" / f"rank{r}.jsonl")) for r in range(hosts)]
+    probes = [_training_intervals(_read_jsonl(run_dir / "netbench" / f"rank{r}.jsonl")) for r in range(hosts * procs)]
     if len(history) < 2 or any(len(p) != len(history) for p in probes):
         raise RuntimeError(f"{run_dir}: need >= 2 logged periods on every rank "
                            f"(metrics: {len(history)}, probes: {[len(p) for p in probes]})")
@@ -332,15 +384,30 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
     steps = history[-1]["step"] - history[0]["step"]
     per_rank = []
     for intervals in probes:
-        counters = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "out_segs", "retrans_segs")
+        counters = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "lo_tx_bytes", "lo_tx_packets", "out_segs",
+                    "retrans_segs")
         totals = {k: 0.0 for k in ("payload", "wire", "calls", *counters)}
+        levels: dict[str, dict[str, float]] = {}
         for first, last in intervals[1:]:  # training only: evaluation's traffic is not in the ledger
             kinds = set(last["ledger"]) - {"all"}
             for field in ("payload", "wire", "calls"):
                 totals[field] += sum(last["ledger"][k][field] - first["ledger"].get(k, {}).get(field, 0)
                                      for k in kinds)
+            for k in kinds:
+                for level, x in last["ledger"][k].get("levels", {}).items():
+                    before = first["ledger"].get(k, {}).get("levels", {}).get(level, {})
+                    acc = levels.setdefault(level, {"payload": 0.0, "wire": 0.0})
+                    for field in ("payload", "wire"):
+                        acc[field] += x[field] - before.get(field, 0)
             for k in counters:
-                totals[k] += last[k] - first[k]
+                totals[k] += last.get(k, 0) - first.get(k, 0)  # probes of older runs have no loopback counters
+        # a collective without a level ran over the whole process group
+        labelled = {f: sum(x[f] for x in levels.values()) for f in ("payload", "wire")}
+        if totals["wire"] - labelled["wire"] > 0.5:
+            world = levels.setdefault("world", {"payload": 0.0, "wire": 0.0})
+            for field in ("payload", "wire"):
+                world[field] += totals[field] - labelled[field]
+        totals["levels"] = levels
         per_rank.append(totals)
 
     def mean(key):
@@ -356,7 +423,16 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
                 time_to_target = elapsed
                 break
     tx_payload = statistics.fmean(r["tx_bytes"] - 66 * r["tx_packets"] for r in per_rank) / steps
+    host_levels = {}
+    for level in sorted({lv for r in per_rank for lv in r["levels"]}):
+        host_levels[level] = {f: sum(r["levels"].get(level, {}).get(f, 0.0) for r in per_rank) / hosts / steps
+                              for f in ("payload", "wire")}
     return {
+        "procs_per_host": procs,
+        "host_ledger_wire_bytes_per_step": sum(r["wire"] for r in per_rank) / hosts / steps,
+        "host_ledger_levels_per_step": host_levels,
+        "lo_tx_payload_bytes_per_step": statistics.fmean(r["lo_tx_bytes"] - 66 * r["lo_tx_packets"]
+                                                         for r in per_rank) / steps,
         # mean over the measured periods, weighted by their steps: SLAMB's model sync every H steps and 1-bit
         # LAMB's periodic costs are part of the steady state, and a period may hold one or none of them
         "step_time_s": sum(h["step_time_s"] * (h["step"] - g["step"]) for g, h in zip(history, measured)) / steps,
@@ -400,7 +476,8 @@ def plan(s: Settings) -> list[dict]:
                     full = pipeline == "cifar10" and n in s.tta_hosts and rate in s.tta_rates
                     length = s.bert_steps if pipeline == "bert" else s.epochs if full else s.timing_epochs
                     jobs.append({"pipeline": pipeline, "hosts": n, "rate_mbit": rate, "optimizer": row,
-                                 "length": length, "steady": pipeline == "cifar10" and not full})
+                                 "length": length, "steady": pipeline == "cifar10" and not full,
+                                 "procs_per_host": s.procs_per_host})
     return jobs
 
 
@@ -446,7 +523,9 @@ def run_tag(job: dict) -> str:
     """The run directory's name of a job (or of its record)."""
     rate = job["rate_mbit"]
     row = job["optimizer"].replace(" ", "").replace("+", "_")
-    return f"{job['pipeline']}_{job['hosts']}h_{'unl' if rate is None else f'{rate:g}m'}_{row}"
+    procs = job.get("procs_per_host") or 1
+    hosts = f"{job['hosts']}h" + (f"{procs}p" if procs > 1 else "")
+    return f"{job['pipeline']}_{hosts}_{'unl' if rate is None else f'{rate:g}m'}_{row}"
 
 
 # the keys every record has (another bench's scaling model reads them); None where a run failed
@@ -467,7 +546,7 @@ def reanalyse(records: list[dict], workdir: Path, target_top1: float | None) -> 
     for r in records:
         run_dir = workdir / "runs" / run_tag(r)
         if r["status"] == "ok" and run_dir.is_dir():
-            r.update(analyse_run(run_dir, r["pipeline"], r["hosts"], target_top1))
+            r.update(analyse_run(run_dir, r["pipeline"], r["hosts"], target_top1, r.get("procs_per_host") or 1))
             done += 1
     fill_compute_times(records)
     for r in records:
@@ -481,16 +560,21 @@ def _one(job: dict, cluster, s: Settings, data: dict, port: int, log) -> dict:
     run_dir = s.workdir / "runs" / tag
     if run_dir.exists():
         shutil.rmtree(run_dir)
+    procs = job["procs_per_host"]
     overrides = run_overrides(pipeline, row, n, job["length"], data[pipeline]["dir"], run_dir,
-                              data[pipeline].get("vocab_size"), steady=job["steady"])
-    record = {"pipeline": pipeline, "model": model_name(pipeline), "hosts": n, "rate_mbit": rate,
+                              data[pipeline].get("vocab_size"), steady=job["steady"], procs=procs)
+    record = {"pipeline": pipeline, "model": model_name(pipeline), "hosts": n, "procs_per_host": procs,
+              "rate_mbit": rate,
               "delay_ms": cluster.delay_ms, "optimizer": row, "length": job["length"],
               "recipe": "steady" if job["steady"] else "full", "length_unit": "epochs" if pipeline == "cifar10" else "steps"}
-    res = launch_run(cluster, pipeline, overrides, run_dir, port, s.run_timeout_s)
+    # the machine's load: timings of runs that shared the cores with other jobs are indicative only
+    load_before = os.getloadavg()[0]
+    res = launch_run(cluster, pipeline, overrides, run_dir, port, s.run_timeout_s, procs_per_host=procs)
     record["wall_s"] = res["wall_s"]
+    record["load_avg_1m"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
     if res["ok"]:
         try:
-            record.update(status="ok", **analyse_run(run_dir, pipeline, n, s.target_top1))
+            record.update(status="ok", **analyse_run(run_dir, pipeline, n, s.target_top1, procs))
         except Exception as e:  # one unreadable run must not cost the matrix its other results
             record.update(status="failed", error=f"analysis: {type(e).__name__}: {e}")
     else:
@@ -507,10 +591,12 @@ def _one(job: dict, cluster, s: Settings, data: dict, port: int, log) -> dict:
 
 def fill_compute_times(records: list[dict]) -> None:
     """compute_time_s of each run: its row's step time on the same hosts with the unlimited link."""
-    ref = {(r["pipeline"], r["hosts"], r["optimizer"]): r["step_time_s"] for r in records
-           if r["rate_mbit"] is None and r["status"] == "ok"}
+    def key(r):
+        return r["pipeline"], r["hosts"], r.get("procs_per_host") or 1, r["optimizer"]
+
+    ref = {key(r): r["step_time_s"] for r in records if r["rate_mbit"] is None and r["status"] == "ok"}
     for r in records:
-        c = ref.get((r["pipeline"], r["hosts"], r["optimizer"])) if r["status"] == "ok" else None
+        c = ref.get(key(r)) if r["status"] == "ok" else None
         r["compute_time_s"] = c
         r["comm_time_s"] = None if c is None else r["step_time_s"] - c
 
@@ -532,7 +618,7 @@ def _rate(r):
 
 
 def target_checks(records: list[dict]) -> dict:
-    """The issue's targets, evaluated where they apply (reported, not asserted)."""
+    """The bench's targets, evaluated where they apply (reported, not asserted)."""
     ok = [r for r in records if r["status"] == "ok"]
     by = {(r["pipeline"], r["hosts"], r["rate_mbit"], r["optimizer"]): r for r in ok}
     speed = []
@@ -560,6 +646,7 @@ def target_checks(records: list[dict]) -> dict:
 def render(raw: dict, out_md: Path) -> list[Path]:
     """netbench.md and the plots from the raw results."""
     records, checks, meta = raw["records"], raw.get("link_checks", []), raw.get("meta", {})
+    procs = max((r.get("procs_per_host") or 1 for r in records), default=1)
     plots = _plots(records, out_md.parent, out_md.stem)  # the page's name prefixes its plots
     t = target_checks(records)
     L = ["# Multi-host bandwidth bench", "",
@@ -571,22 +658,31 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          "## Set-up", "",
          "- Hosts: one network namespace per host, each with a veth whose peer is a port of a bridge in a separate "
          "switch namespace (no traffic touches the machine's interfaces). One `torchrun` per host "
-         "(`--nnodes N --node-rank i --nproc-per-node 1`, static rendezvous on host 0's address), gloo over the veth "
-         "(`GLOO_SOCKET_IFNAME`), 1 CPU thread per worker, all workers sharing this machine's cores.",
+         f"(`--nnodes N --node-rank i --nproc-per-node {procs}`, static rendezvous on host 0's address), gloo over "
+         "the veth (`GLOO_SOCKET_IFNAME`), 1 CPU thread per worker, all workers sharing this machine's cores."
+         + ("" if procs == 1 else " Every process binds gloo to its host's veth address (gloo takes one interface "
+            "per process group); between two processes of one host that address is local, so the kernel carries "
+            "their traffic over the namespace's loopback `lo`: the veth counts the traffic between hosts only, "
+            "`lo` (recorded beside it) the traffic inside a host."),
          "- Links: `tc tbf` on both ends of every host link (host end egress = upload, switch end egress = download), "
          "burst max(64 KiB, 2 ms of traffic), queue limit max(1 MiB, 100 ms). "
          + ("Link delay: `netem` " + f"{meta.get('delay_ms')} ms one way." if meta.get("delay_ms") else
             "**No link delay**: this kernel has no `netem` qdisc (CONFIG_NET_SCH_NETEM is not set: only tbf and htb "
-            "exist), so the 0.5 ms of the issue could not be emulated; the veth's own latency is tens of µs. "
+            "exist), so the default 0.5 ms could not be emulated; the veth's own latency is tens of µs. "
             "With 0.5 ms a ring all-reduce would add about 2(N-1) x 0.5 ms per collective."),
          f"- Models: CIFAR-10 pipeline on the digits demo data (ResNet-8, {CIFAR_BATCH} images per worker and step; "
-         f"{TRAIN_IMAGES} training images, so {', '.join(f'{n} hosts: {cifar_steps_per_epoch(n)}' for n in sorted({r['hosts'] for r in records if r['pipeline'] == 'cifar10'}))} steps per epoch); "
+         f"{TRAIN_IMAGES} training images, so {', '.join(f'{n} hosts: {cifar_steps_per_epoch(n * procs)}' for n in sorted({r['hosts'] for r in records if r['pipeline'] == 'cifar10'}))} steps per epoch); "
          f"BERT pipeline with the tiny BERT (2 layers, hidden 64) on the offline docstring corpus, "
          f"{BERT_MICRO} sequences of 128 tokens per worker and step, fp32.",
          "- Rows: LAMB and SLAMB with the demo rows' settings (`experiment=cifar10/demo_lamb|demo_slamb`; BERT: "
          "`bert/phase1_*` with H=10, T=2000 as in `bert.demo`); SLAMB+overlap = SLAMB with `optimizer.overlap=true`; "
          "1-bit LAMB: LAMB's row settings (lr 0.01, wd 1e-4), freeze_step = 20% of the run's steps; DGC: the SGD-M "
-         "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up.",
+         "demo row's settings (lr 0.03, momentum 0.9, wd 1e-4) with DGC's density 0.001 and 4-epoch warm-up."
+         + ("" if procs == 1 else f" {HIER}: SLAMB's row with `optimizer.hierarchy=node optimizer.local_world_size="
+            f"{procs}` (a host is one SLAMB worker: its gradients averaged densely inside the host, the momentum "
+            "exchange and model syncs across hosts, local rank l carrying the l-th chunk); PowerSGD: the SGD-M demo "
+            "row's settings with rank-1 factors from the second epoch on (timing runs); DiLoCo: LAMB's row settings "
+            "for the inner optimizer, H = 10 local steps, outer Nesterov SGD (lr 0.7, momentum 0.9)."),
          "",
          "## How the numbers are measured", "",
          "- **Step time**: the pipeline's own training time (evaluation excluded) over the logged periods (epochs for "
@@ -647,11 +743,17 @@ def render(raw: dict, out_md: Path) -> list[Path]:
     if t["wire"]:
         shaped = [w for w in t["wire"] if w["rate_mbit"] is not None]
         within = [w for w in shaped if abs(w["payload"] - 1) <= 0.05]
-        L += [f"Bytes on the wire vs the ledger's ring wire bytes (shaped links): link payload / ledger wire within "
-              f"5% in {len(within)} of {len(shaped)} runs; range {_fmt(min((w['payload'] for w in shaped), default=None), '.4f')}"
-              f" .. {_fmt(max((w['payload'] for w in shaped), default=None), '.4f')} (raw frames: "
-              f"{_fmt(min((w['raw'] for w in shaped), default=None), '.4f')} .. "
-              f"{_fmt(max((w['raw'] for w in shaped), default=None), '.4f')}). Per run in the tables below.", ""]
+        if procs > 1:
+            L += ["Link bytes (per host) against the ledger's bytes of each level: see 'Hosts with several "
+                  "processes'. In the tables below the ledger columns are per process, the link columns per host.", ""]
+        else:
+            L += [f"Bytes on the wire vs the ledger's ring wire bytes (shaped links): link payload / ledger wire within "
+                  f"5% in {len(within)} of {len(shaped)} runs; range {_fmt(min((w['payload'] for w in shaped), default=None), '.4f')}"
+                  f" .. {_fmt(max((w['payload'] for w in shaped), default=None), '.4f')} (raw frames: "
+                  f"{_fmt(min((w['raw'] for w in shaped), default=None), '.4f')} .. "
+                  f"{_fmt(max((w['raw'] for w in shaped), default=None), '.4f')}). Per run in the tables below.", ""]
+    if procs > 1:
+        L += multi_proc_section(records, meta)
     failed = [r for r in records if r["status"] != "ok"]
     if failed:
         L += ["## Failed runs", "", "| pipeline | hosts | rate | optimizer | error |", "|---|---|---|---|---|"]
@@ -696,6 +798,73 @@ def render(raw: dict, out_md: Path) -> list[Path]:
     return [out_md, *plots]
 
 
+def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
+    """Hosts with several processes: step times against flat SLAMB's, inter-host bytes against the ledger."""
+    ok = [r for r in records if r["status"] == "ok" and (r.get("procs_per_host") or 1) > 1]
+    by = {(r["pipeline"], r["hosts"], r["rate_mbit"], r["optimizer"]): r for r in ok}
+    load = meta.get("load_avg", {})
+    loads = [x for r in ok for x in r.get("load_avg_1m", [])]
+    L = ["## Hosts with several processes", "",
+         f"Machine load (1-minute load average on {meta.get('cpus', '?')} cores): "
+         f"{_fmt((load.get('start') or [None])[0], '.2f')} at the start, {_fmt((load.get('end') or [None])[0], '.2f')} "
+         f"at the end, {_fmt(min(loads, default=None), '.2f')} .. {_fmt(max(loads, default=None), '.2f')} at the runs' "
+         "starts and ends (column `load`). The bench's workers shared the cores with other jobs, so the absolute "
+         "timings are indicative; the ratios between rows of one run (same hosts, same link, measured back to back) "
+         "are the figures to read.", "",
+         "Bytes per host and step: `ledger inter` / `intra` / `world` = the ledger's wire bytes of the host's "
+         "processes by level (`inter`: across hosts, one process per host in each group; `intra`: inside the "
+         "host; `world`: collectives over every process, which cross the hosts in part, as gloo's algorithm "
+         "routes them); `veth payload` = the TCP payload the host's link sent (the inter-host bytes, measured); "
+         "`lo payload` = the same on the host's loopback (the intra-host bytes, measured; the rendezvous store's "
+         "few bytes included).", ""]
+    head = ("| pipeline | hosts x procs | rate (Mbit/s) | optimizer | step (ms) | compute-only (ms) | comm (ms) | "
+            "step / flat SLAMB step | ledger inter (kB) | ledger world (kB) | ledger intra (kB) | veth payload (kB) | "
+            "veth / (ledger inter + world) | lo payload (kB) | lo / ledger intra | final acc | time to target (s) | "
+            "load |")
+    L += [head, "|" + "---|" * (head.count("|") - 1)]
+
+    def kb(v):
+        return _fmt(None if v is None else v / 1e3, ".1f")
+
+    for r in sorted(ok, key=lambda r: (r["pipeline"], r["hosts"], r["rate_mbit"] or math.inf,
+                                       list(ROWS).index(r["optimizer"]))):
+        lv = r.get("host_ledger_levels_per_step", {})
+        inter, world, intra = (lv.get(k, {}).get("wire") for k in ("inter", "world", "intra"))
+        flat = by.get((r["pipeline"], r["hosts"], r["rate_mbit"], "SLAMB"))
+        cross = (inter or 0) + (world or 0)
+        L.append(f"| {r['pipeline']} | {r['hosts']} x {r['procs_per_host']} | {_rate(r['rate_mbit'])} | "
+                 f"{r['optimizer']} | {r['step_time_s'] * 1e3:.1f} ± {_fmt(_ms(r.get('step_time_spread_s')), '.0f')} | "
+                 f"{_fmt(_ms(r['compute_time_s']), '.1f')} | {_fmt(_ms(r['comm_time_s']), '.1f')} | "
+                 f"{_fmt(r['step_time_s'] / flat['step_time_s'] if flat else None, '.3f')} | "
+                 f"{kb(inter)} | {kb(world)} | {kb(intra)} | {kb(r['link_tx_payload_bytes_per_step'])} | "
+                 f"{_fmt(r['link_tx_payload_bytes_per_step'] / cross if cross > 0 else None, '.3f')} | "
+                 f"{kb(r.get('lo_tx_payload_bytes_per_step'))} | "
+                 f"{_fmt(r['lo_tx_payload_bytes_per_step'] / intra if intra else None, '.3f')} | "
+                 f"{r['final_top1']:.1f} | {_fmt(r['time_to_target_s'], '.0f')} | "
+                 f"{' → '.join(f'{x:.1f}' for x in r.get('load_avg_1m', []))} |")
+    L.append("")
+    ratios = [(k, by[k]["step_time_s"] / by[(*k[:3], "SLAMB")]["step_time_s"]) for k in by
+              if k[3] == HIER and (*k[:3], "SLAMB") in by]
+    for (pipeline, n, rate, _), x in sorted(ratios, key=lambda t: (t[0][0], t[0][1], t[0][2] or math.inf)):
+        L.append(f"- {pipeline}, {n} hosts x {by[(pipeline, n, rate, HIER)]['procs_per_host']} processes, "
+                 f"{f'{rate:g} Mbit/s' if rate else 'unlimited link'}: {HIER} / flat SLAMB step time = **{x:.3f}**.")
+    silent = [r for r in ok if r["host_ledger_wire_bytes_per_step"] == 0]
+    if silent:
+        L += ["", "No collective in the measured steps (– in the ledger columns): "
+              + "; ".join(f"{r['optimizer']} on {r['hosts']} x {r['procs_per_host']}, {_rate(r['rate_mbit'])} "
+                          f"({r['measured_steps']} steps)"
+                          for r in silent)
+              + ". DiLoCo averages every 10 steps and a run of few steps per epoch may measure none of them."]
+    L += ["", "With one process per host the veth carries what the ledger's world-level collectives send (the "
+          "tables below). With several, a flat optimizer's world collectives run over every process, and how many "
+          "of their bytes cross the hosts depends on gloo's algorithm: a ring over hosts of 2 consecutive ranks "
+          "crosses the hosts on every second edge, so the veth carries about half the host's world-level bytes "
+          "(column `veth / (ledger inter + world)`, more where gloo's per-message framing of many small "
+          "collectives adds to it). The hierarchical row sends across hosts only its `inter` level, which the veth "
+          "counters match, and its dense gradient average stays on the loopback.", ""]
+    return L
+
+
 def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list[Path]:
     import matplotlib
 
@@ -737,14 +906,29 @@ def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list
         if shaped:
             fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * len(shaped)), 4))
             x = range(len(shaped))
-            w = 0.27
-            ax.bar([i - w for i in x], [r["ledger_wire_bytes_per_step"] for r in shaped], w, label="ledger wire")
-            ax.bar(list(x), [r["link_tx_payload_bytes_per_step"] for r in shaped], w, label="link payload")
-            ax.bar([i + w for i in x], [r["link_tx_bytes_per_step"] for r in shaped], w, label="link raw")
+            if any((r.get("procs_per_host") or 1) > 1 for r in shaped):
+                # per host: what crosses the hosts (ledger levels inter + world, veth) and what stays inside
+                def level(r, *names):
+                    return sum(r["host_ledger_levels_per_step"].get(k, {}).get("wire", 0.0) for k in names)
+
+                bars = [("ledger inter + world", lambda r: level(r, "inter", "world")),
+                        ("veth payload", lambda r: r["link_tx_payload_bytes_per_step"]),
+                        ("ledger intra", lambda r: level(r, "intra")),
+                        ("loopback payload", lambda r: r["lo_tx_payload_bytes_per_step"])]
+            else:
+                bars = [("ledger wire", lambda r: r["ledger_wire_bytes_per_step"]),
+                        ("link payload", lambda r: r["link_tx_payload_bytes_per_step"]),
+                        ("link raw", lambda r: r["link_tx_bytes_per_step"])]
+            w = 0.8 / len(bars)
+            for j, (label, value) in enumerate(bars):
+                ax.bar([i + (j - (len(bars) - 1) / 2) * w for i in x], [max(value(r), 1.0) for r in shaped], w,
+                       label=label)
             ax.set_xticks(list(x))
-            ax.set_xticklabels([f"{r['optimizer']} {r['hosts']}h {r['rate_mbit']:g}M" for r in shaped], rotation=75,
-                               fontsize=7)
+            ax.set_xticklabels([f"{r['optimizer']} {r['hosts']}h" + (f"x{r['procs_per_host']}" if (r.get('procs_per_host')
+                                or 1) > 1 else "") + f" {r['rate_mbit']:g}M" for r in shaped], rotation=75, fontsize=7)
             ax.set_yscale("log")
+            if len(bars) > 3:  # the zero levels (flat rows' intra) at the floor, room for the legend above the bars
+                ax.set_ylim(1e3, 30 * max(value(r) for _, value in bars for r in shaped))
             ax.set_ylabel("bytes per step and host")
             ax.set_title(f"{pipeline}: ledger vs link bytes (shaped links)")
             ax.legend(fontsize=8)
@@ -800,8 +984,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hosts", type=int, nargs="+", default=[2, 4, 8], help="host counts (CIFAR-10)")
     p.add_argument("--rates", type=float, nargs="+", default=[10, 50, 200], help="link rates, Mbit/s (CIFAR-10)")
+    p.add_argument("--procs-per-host", type=int, default=1,
+                   help="processes per host (torchrun --nproc-per-node): they talk over the host's loopback, "
+                        "the hosts over the shaped links")
     p.add_argument("--optimizers", nargs="+", default=None, choices=list(ROWS), metavar="ROW",
-                   help=f"rows: {', '.join(ROWS)} (default: all; --quick: LAMB SLAMB)")
+                   help=f"rows: {', '.join(repr(r) for r in ROWS)} (default: {', '.join(DEFAULT_ROWS)}; with "
+                        f"--procs-per-host > 1: {', '.join(MULTI_PROC_ROWS)}; --quick: LAMB SLAMB)")
     p.add_argument("--epochs", type=int, default=20, help="epochs of the time-to-accuracy runs (CIFAR-10)")
     p.add_argument("--timing-epochs", type=int, default=3, help="epochs of the other (step time and bytes) runs")
     p.add_argument("--tta-hosts", type=int, nargs="*", default=[2], help="hosts of the time-to-accuracy runs")
@@ -831,7 +1019,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None,
                    help=f"the page (raw JSON and plots beside it); default {FULL_OUT.relative_to(ROOT)} for the full "
                         f"matrix or --render-only, {SCRATCH_OUT.relative_to(ROOT)} for --quick and partial matrices")
-    p.add_argument("--raw", default=None, help="raw JSON (default: netbench_raw.json beside --out)")
+    p.add_argument("--raw", default=None, help="raw JSON (default: <page name>_raw.json beside --out)")
     p.add_argument("--render-only", action="store_true", help="rebuild the page and plots from the raw JSON")
     p.add_argument("--reanalyse", metavar="WORKDIR", default=None,
                    help="with --render-only: first recompute the raw JSON's numbers from the run directories of a "
@@ -844,7 +1032,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         a.hosts, a.rates, a.pipelines, a.check_rates = [2], [10], ["cifar10"], []
         a.optimizers = a.optimizers or ["LAMB", "SLAMB"]
         a.timing_epochs, a.tta_hosts, a.tta_rates = 2, [], []
-    a.optimizers = a.optimizers or list(ROWS)
+    a.optimizers = a.optimizers or list(MULTI_PROC_ROWS if a.procs_per_host > 1 else DEFAULT_ROWS)
+    if not 1 <= a.procs_per_host <= 16:
+        p.error(f"--procs-per-host {a.procs_per_host}: must be in [1, 16]")
+    rows = {*a.optimizers, *(a.bert_optimizers if "bert" in a.pipelines else []), *(a.reduced_optimizers if max(a.hosts) >= a.reduce_from else [])}
+    if HIER in rows and a.procs_per_host < 2:
+        p.error(f"--optimizers '{HIER}' needs --procs-per-host >= 2 (with one process per host it is flat SLAMB)")
     for name in ("hosts", "bert_hosts", "tta_hosts"):
         bad = [n for n in getattr(a, name) if not 2 <= n <= 64]
         if bad:
@@ -867,7 +1060,7 @@ def main(argv=None) -> int:
         return 0
     a = parse_args(argv)
     out = Path(a.out)
-    raw_path = Path(a.raw) if a.raw else out.with_name("netbench_raw.json")
+    raw_path = Path(a.raw) if a.raw else out.with_name(out.stem + "_raw.json")
     if a.render_only:
         records = json.loads(raw_path.read_text())
         if a.reanalyse:
@@ -894,8 +1087,9 @@ def main(argv=None) -> int:
                  bert_steps=a.bert_steps, bert_hosts=a.bert_hosts, bert_rates=a.bert_rates, bert_rows=a.bert_optimizers,
                  delay_ms=delay, target_top1=a.target_top1, tta_hosts=a.tta_hosts, tta_rates=a.tta_rates,
                  timing_epochs=a.timing_epochs, run_timeout_s=a.run_timeout, workdir=workdir, check_rates=a.check_rates,
-                 reduce_from=a.reduce_from, reduced_rates=a.reduced_rates, reduced_rows=a.reduced_optimizers)
-    started, tic = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter()
+                 reduce_from=a.reduce_from, reduced_rates=a.reduced_rates, reduced_rows=a.reduced_optimizers,
+                 procs_per_host=a.procs_per_host)
+    started, tic, load_start = time.strftime("%Y-%m-%d %H:%M"), time.perf_counter(), os.getloadavg()
     try:
         records, checks = run_matrix(s)
     finally:
@@ -903,7 +1097,8 @@ def main(argv=None) -> int:
             shutil.rmtree(tmp, ignore_errors=True)
     meta = {"command": "python -m bench.netbench " + " ".join(argv), "started": started,
             "wall_s": time.perf_counter() - tic, "cpus": os.cpu_count(), "git": _git(), "delay_ms": delay,
-            "netem": delay > 0, "note": a.note, "plan": [{k: j[k] for k in ("pipeline", "hosts", "rate_mbit", "optimizer",
+            "netem": delay > 0, "note": a.note, "procs_per_host": a.procs_per_host,
+            "load_avg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}, "plan": [{k: j[k] for k in ("pipeline", "hosts", "rate_mbit", "optimizer",
                                                                           "length")} for j in plan(s)]}
     out.parent.mkdir(parents=True, exist_ok=True)
     raw_path.write_text(json.dumps(records, indent=1))

@@ -131,3 +131,49 @@ def test_quick_bench_measures_link_bytes_against_the_ledger(tmp_path):
                    check=True, capture_output=True, timeout=120)
     assert out.read_text() == md
     assert time.perf_counter() - tic < 150
+
+
+def test_hosts_with_several_processes_settings():
+    a = netbench.parse_args(["--procs-per-host", "2"])
+    assert a.optimizers == netbench.MULTI_PROC_ROWS and Path(a.out).parent == ROOT / "runs" / "netbench"
+    assert netbench.parse_args([]).optimizers == netbench.DEFAULT_ROWS  # the default matrix is unchanged
+    with pytest.raises(SystemExit):  # hierarchical SLAMB with one process per host is flat SLAMB
+        netbench.parse_args(["--optimizers", netbench.HIER])
+    with pytest.raises(SystemExit):
+        netbench.parse_args(["--procs-per-host", "0"])
+    ov = netbench.run_overrides("cifar10", netbench.HIER, 2, 3, Path("d"), Path("r"), steady=True, procs=2)
+    assert {"optimizer.hierarchy=node", "optimizer.local_world_size=2", "optimizer.compression_warmup=null"} <= set(ov)
+    ov = netbench.run_overrides("cifar10", "PowerSGD", 2, 3, Path("d"), Path("r"), steady=True, procs=2)
+    assert f"optimizer.start_powerSGD_iter={netbench.cifar_steps_per_epoch(4)}" in ov
+    job = {"pipeline": "cifar10", "hosts": 2, "rate_mbit": 10.0, "optimizer": netbench.HIER, "procs_per_host": 2}
+    assert netbench.run_tag(job) == "cifar10_2h2p_10m_SLAMBhierarchical"
+
+
+@needs_netns
+def test_hierarchical_slamb_on_hosts_with_two_processes(tmp_path):
+    """2 hosts x 2 processes: the dense gradient stays on each host's loopback, the veth carries the
+    ledger's inter-level bytes."""
+    before = set(list_namespaces())
+    out = tmp_path / "hier.md"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "bench.netbench", "--hosts", "2", "--procs-per-host", "2", "--rates",
+                          "50", "--optimizers", netbench.HIER, "--pipelines", "cifar10", "--timing-epochs", "2",
+                          "--tta-hosts", "--check-rates", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=420, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert set(list_namespaces()) == before
+    records = json.loads((tmp_path / "hier_raw.json").read_text())  # the raw JSON is named after the page
+    assert {(r["hosts"], r["procs_per_host"], r["rate_mbit"]) for r in records} == {(2, 2, None), (2, 2, 50)}
+    for r in records:
+        assert r["status"] == "ok" and r["measured_steps"] == netbench.cifar_steps_per_epoch(4)
+        levels = r["host_ledger_levels_per_step"]
+        inter, intra = levels["inter"]["wire"], levels["intra"]["wire"]
+        world = levels.get("world", {}).get("wire", 0.0)
+        # the ledger keeps the levels apart: the dense gradient average (and the all-gather of the chunks)
+        # inside the host, only the momentum chunks and model syncs across; over all ranks, a few scalars
+        assert intra > 5 * inter > 0 and world < 0.01 * inter
+        assert r["host_ledger_wire_bytes_per_step"] == pytest.approx(inter + intra + world, rel=1e-9)
+        # the veth carries the inter-level bytes, the loopback the intra-level ones (payload within 5%)
+        assert r["link_tx_payload_bytes_per_step"] == pytest.approx(inter + world, rel=0.05)
+        assert r["lo_tx_payload_bytes_per_step"] == pytest.approx(intra, rel=0.05)
+    assert "| cifar10 | 2 x 2 | 50 | SLAMB hierarchical |" in out.read_text()
