@@ -147,16 +147,21 @@ class Net(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
+def overlap_setup(overlap: bool):
+    """The same model and SLAMB on every rank, under DDP with small buckets (several exchanges per step)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
+                      overlap=overlap)
+    return model, opt, slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
+
+
 def overlap_worker(rank, world, mode, steps=5):
     import warnings
 
     out = {}
     for overlap in (False, True):
-        torch.manual_seed(0)
-        model = Net()
-        opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
-                          overlap=overlap)
-        ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
+        model, opt, ddp = overlap_setup(overlap)
         scale = 1024.0
         if mode == "told":
             opt.grad_scale = scale
@@ -207,11 +212,7 @@ def harness_fp16_worker(rank, world, steps=4):
 
     out = {}
     for overlap in (False, True):
-        torch.manual_seed(0)
-        model = Net()
-        opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
-                          overlap=overlap)
-        ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
+        model, opt, ddp = overlap_setup(overlap)
         # growth every 2 steps: the scale the optimizer is told must follow the scaler's
         amp = MixedPrecision("fp16", torch.device("cpu"), init_scale=1024.0, growth_interval=2, optimizer=opt)
         momentum, scales = [], []
