@@ -121,3 +121,46 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     assert f"at {slamb_bytes / lamb_bytes:.3f}x LAMB's bytes" in line
     assert (out / "study_bert_curves.png").stat().st_size > 0 and (out / "study_digits_resnet8_curves.png").exists()
     assert {r["metric"] for r in record["runs"]["bert"]} == {b["summary"]["final_val_mlm_loss"] for b in bert.values()}
+
+
+def test_validation_loss_is_the_mean_over_every_masked_token(tmp_path):
+    """bert.train's validation: the ranks' strided shares cover every held-out example once, and the loss is
+    the cross-entropy averaged over all masked tokens (not over batches), which the model's own MLM loss is
+    on one batch holding them all."""
+    from types import SimpleNamespace
+
+    import torch
+    from omegaconf import OmegaConf
+
+    from bert.model import build_model
+    from bert.prepare_data import Settings, prepare
+    from bert.train import validation_batches, validation_metrics
+    from bert.vocab import train_vocab
+    from harness.amp import MixedPrecision
+
+    study = load_study()
+    _, docs = study.stdlib_documents(limit_files=30)
+    files = study.write_documents(docs, tmp_path / "text", 2, "valid")
+    vocab = train_vocab(files, tmp_path / "vocab", 300)
+    prepare(files, vocab, tmp_path / "valid", Settings(max_seq_length=32, max_predictions_per_seq=5, dupe_factor=1))
+    cfg = OmegaConf.create({"validation": {"dir": str(tmp_path / "valid"), "pattern": "*.hdf5"},
+                            "data": {"seq_len": 32, "micro_batch": 7}})
+    env = lambda rank, world: SimpleNamespace(rank=rank, world_size=world, device=torch.device("cpu"))  # noqa: E731
+    whole = validation_batches(cfg, env(0, 1))
+    shares = [validation_batches(cfg, env(r, 3)) for r in range(3)]
+    ids = lambda batches: sorted(map(tuple, torch.cat([b["input_ids"] for b in batches]).tolist()))  # noqa: E731
+    assert ids(whole) == ids([b for share in shares for b in share]) and len(whole) > 2
+
+    torch.manual_seed(0)
+    model = build_model({"vocab_size": len(vocab.read_text().splitlines()), "hidden_size": 16,
+                         "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32,
+                         "max_position_embeddings": 64, "type_vocab_size": 2, "hidden_act": "gelu",
+                         "hidden_dropout_prob": 0.1, "attention_probs_dropout_prob": 0.1})
+    metrics = validation_metrics(model, whole, MixedPrecision("fp32", torch.device("cpu")))
+    assert model.training  # restored after evaluation (dropout off during it)
+    everything = {k: torch.cat([b[k] for b in whole]) for k in whole[0]}
+    model.eval()
+    with torch.no_grad():
+        out = model(**everything)
+        nsp = torch.nn.functional.cross_entropy(out.seq_relationship_logits, everything["next_sentence_label"])
+    assert metrics["val_mlm_loss"] == pytest.approx((out.loss - nsp).item(), rel=1e-5)
