@@ -211,7 +211,8 @@ def _metric_values(row: dict, task: str) -> list[float]:
 
 
 def bert_curves(rows_: list[dict], out: Path) -> Path:
-    """Validation MLM loss of the averaged model vs step and vs bytes sent, each row's mean over its seeds."""
+    """Validation MLM loss of the averaged model vs step and vs bytes sent: each row's mean over its seeds,
+    shaded ± one standard deviation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -222,12 +223,16 @@ def bert_curves(rows_: list[dict], out: Path) -> Path:
         hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
         length = min(len(h) for h in hists)
         steps = [hists[0][i]["step"] for i in range(length)]
-        loss = [statistics.fmean(h[i]["val_mlm_loss"] for h in hists) for i in range(length)]
+        loss = [stat(h[i]["val_mlm_loss"] for h in hists) for i in range(length)]
+        mean = [m for m, _, _ in loss]
+        low, high = ([m + sign * (sd if len(hists) > 1 else 0.0) for m, sd, _ in loss] for sign in (-1, 1))
         mb = [statistics.fmean(h[i]["bytes_cum/all"] for h in hists) / 1e6 for i in range(length)]
         label = f"{r['optimizer']}, n={len(hists)}"
-        ax1.plot(steps, loss, label=label)
-        ax2.plot(mb, loss, label=label)
-    ax1.set(xlabel="step", ylabel="validation MLM loss", title="study_bert: validation MLM loss vs step")
+        for ax, x in ((ax1, steps), (ax2, mb)):
+            (line,) = ax.plot(x, mean, label=label)
+            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax1.set(xlabel="step", ylabel="validation MLM loss",
+            title="study_bert: validation MLM loss vs step (mean ± sd over seeds)")
     ax2.set(xlabel="MB sent per worker (cumulative)", ylabel="validation MLM loss", xscale="log",
             title="validation MLM loss vs bytes sent")
     for ax in (ax1, ax2):
