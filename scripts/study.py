@@ -420,8 +420,9 @@ def main(argv=None) -> int:
         parts["bert"] = bert_section(runs, out, data)
         record["bert"] = per_run(runs, "bert")
 
-    times_path.parent.mkdir(parents=True, exist_ok=True)
-    times_path.write_text(json.dumps(times))
+    if not args.report_only:
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        times_path.write_text(json.dumps(times))
     text = page(parts, args, times)
     (out / "README.md").write_text(text)
     (out / "study.json").write_text(json.dumps({"runs": record, "verdicts": {k: v[1] for k, v in parts.items()},
