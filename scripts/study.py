@@ -310,7 +310,15 @@ def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str
              "masked tokens) and accuracy of the ranks' averaged model at the last step, mean ± standard deviation "
              "over the n seeds; training loss of the last logged period; bytes = payload each worker handed to "
              "the collectives.")
-    text = "\n".join([f"### {TABLES['bert']}", "", intro, "", bert_table(rows_), bytes_markdown(rows_),
+    falling = []
+    for r in rows_:
+        hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
+        if min(len(h) for h in hists) > 2:
+            drop = statistics.fmean(h[-3]["val_mlm_loss"] - h[-1]["val_mlm_loss"] for h in hists)
+            falling.append(f"{r['optimizer']} {drop:.3f} over steps {hists[0][-3]['step']}-{hists[0][-1]['step']}")
+    still = ("Validation loss still falling at the end (mean drop over the last two logged periods): "
+             + ", ".join(falling) + ": the runs compare the optimizers early in pre-training.\n") if falling else ""
+    text = "\n".join([f"### {TABLES['bert']}", "", intro, "", bert_table(rows_), still, bytes_markdown(rows_),
                       other_kinds(rows_),
                       f"![validation MLM loss vs step and vs bytes]({curves.name})", ""])
     return text, verdicts(rows_, "bert")
@@ -318,9 +326,14 @@ def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str
 
 def page(parts: dict, args, times: dict) -> str:
     cmd = "make study" if not args.quick else "python scripts/study.py --quick"
+    run_args = [a for a in args.argv if a != "--report-only"]
+    if "--machine" in run_args:  # a description of where it ran, not part of the command
+        i = run_args.index("--machine")
+        del run_args[i:i + 2]
     lines = ["# SLAMB vs LAMB, reproduced in kind on a CPU", "",
-             "Written by `scripts/study.py` from the runs it started; nothing here is typed by hand.", "",
-             f"Command: `{cmd}` (`python scripts/study.py {' '.join(args.argv)}`)".rstrip() + ". "
+             "Written by `scripts/study.py` from the runs it started: every table, curve and verdict is computed from them.", "",
+             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', *run_args])}`)"
+             + ("; this page rebuilt from its runs with `--report-only`" if args.report_only else "") + ". "
              f"Wall time: {sum(times.values()) / 60:.1f} min in all ("
              + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()) + f") on {args.machine}.", "",
              "## Verdicts", ""]
@@ -374,6 +387,8 @@ def main(argv=None) -> int:
     parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="default 0..4 (quick: 0 1)")
     parser.add_argument("--bert-seeds", type=int, nargs="+", default=None, help="default 0..2 (quick: 0)")
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the existing runs")
+    parser.add_argument("--machine", default=None, help="where the runs ran, for the page's wall time "
+                        "(default: the number of CPU cores)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     scratch = ROOT / "runs" / ("study-quick" if args.quick else "study")
@@ -381,7 +396,7 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (scratch / "results" if args.quick else ROOT / "results" / "study")
     seeds = {"digits": args.digits_seeds or ([0, 1] if args.quick else [0, 1, 2, 3, 4]),
              "bert": args.bert_seeds or ([0] if args.quick else [0, 1, 2])}
-    args.machine = f"{os.cpu_count()} CPU cores"
+    args.machine = args.machine or f"{os.cpu_count()} CPU cores"
     out.mkdir(parents=True, exist_ok=True)
     times_path = runs_root / "times.json"
     times = json.loads(times_path.read_text()) if times_path.exists() else {}  # the shown runs' times
