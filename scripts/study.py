@@ -178,7 +178,11 @@ METRIC = {"digits": "final_test_top1", "bert": "final_val_mlm_loss"}
 
 def per_run(runs: list[dict], task: str) -> list[dict]:
     """The numbers the page is made of, one entry per run."""
-    return [{"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": str(r["dir"]),
+    def where(folder) -> str:  # relative to the repository where it can be
+        folder = Path(folder).resolve()
+        return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+
+    return [{"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
              "metric": r["summary"][METRIC[task]], "bytes": r["summary"]["bytes_total"].get("all", 0),
              "bytes_by_kind": r["summary"]["bytes_total"], "wall_time_s": r["summary"]["wall_time_s"]}
             for r in runs]
