@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo test test-quick bench comm-volume tables clean
+.PHONY: demo study test test-quick bench comm-volume tables clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,6 +15,11 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(PY) -m cifar10.demo
+
+# the paper's two comparisons in kind (digits / ResNet-8, BERT validation MLM loss), seeds and intervals,
+# into results/study/; not part of `make test`
+study: $(STAMP)
+	$(PY) scripts/study.py
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

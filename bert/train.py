@@ -20,7 +20,11 @@ compression warm-up) advance. Every ``log_every`` steps a line goes to
 ``metrics.jsonl`` (``epoch`` there is the step count, so that a resume
 truncates it at the checkpoint): loss (MLM + NSP), MLM and NSP accuracy over
 the period's micro-batches of all ranks, sequences/s, LR, loss scale, skipped
-steps, the optimizer's scheduled settings and the ledger's bytes. At the end
+steps, the optimizer's scheduled settings and the ledger's bytes. With
+``validation.dir`` set, each line also carries the MLM loss and accuracy of
+held-out shards (``val_mlm_loss``: mean over their masked tokens, the paper's
+Table 2 metric) of the ranks' averaged model, and of the local models beside it
+(``val_mlm_loss_local``) where the ranks' parameters differ. At the end
 the model is the ranks' average (:func:`slamb.average_model`: SLAMB's ranks
 differ between model syncs) and rank 0 writes it in Hugging Face format to
 ``<run_dir>/model``, with the data's ``vocab.txt``: phase 2's ``init_from``
@@ -33,7 +37,9 @@ import shutil
 from pathlib import Path
 
 import hydra
+import numpy as np
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
@@ -42,7 +48,7 @@ from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 
-from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards
+from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards, load_shard, to_batch
 from .model import build_model, load_pretrained
 
 # per-period sums, kept on the device (no host sync per step)
@@ -77,6 +83,37 @@ def period_metrics(sums: torch.Tensor) -> dict:
     s = ex.rank_sums(sums)
     return {"loss": s[LOSS] / max(s[MICRO], 1), "mlm_acc": 100.0 * s[MLM_CORRECT] / max(s[MLM_COUNT], 1),
             "nsp_acc": 100.0 * s[NSP_CORRECT] / max(s[NSP_COUNT], 1)}
+
+
+def validation_batches(cfg, env) -> list[dict]:
+    """This rank's strided share of every example of the held-out shards, in micro-batches on the device."""
+    v, d = cfg.validation, cfg.data
+    batches = []
+    for path in find_shards(v.dir, v.pattern):
+        arrays = load_shard(path, d.seq_len)
+        rows = np.arange(len(arrays["next_sentence_labels"]))[env.rank::env.world_size]
+        batches += [{k: t.to(env.device) for k, t in to_batch(arrays, rows[i:i + d.micro_batch]).items()}
+                    for i in range(0, len(rows), d.micro_batch)]
+    return batches
+
+
+@torch.no_grad()
+def validation_metrics(model, batches: list[dict], amp) -> dict:
+    """MLM loss (mean over all ranks' masked tokens) and MLM accuracy (%) of ``batches``; collective."""
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=next(model.parameters()).device)
+    for batch in batches:
+        with amp.autocast():
+            logits = model(**batch).prediction_logits
+        labels = batch["labels"].reshape(-1)
+        logits = logits.reshape(labels.numel(), -1).float()
+        masked = labels != IGNORE_INDEX
+        sums += torch.stack([F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").double(),
+                             masked.sum().double(), ((logits.argmax(-1) == labels) & masked).sum().double()])
+    model.train(was_training)
+    loss, count, hits = ex.rank_sums(sums)
+    return {"val_mlm_loss": loss / max(count, 1), "val_mlm_acc": 100.0 * hits / max(count, 1)}
 
 
 @torch.no_grad()
@@ -127,6 +164,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
     micro_batches = Prefetcher(stream.micro_batches(start=start * accum), env.device, d.prefetch)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
+    valid = validation_batches(cfg, env) if (cfg.get("validation") or {}).get("dir") else None
     model.train()
     for step in run.steps(range(start, cfg.steps), total=cfg.steps - start, desc=d.phase):
         if step % steps_per_epoch == 0 or step == start:
@@ -144,7 +182,10 @@ def train(cfg: dict, run_dir: str) -> dict:
         amp.step(optimizer, params, clip_grad=cfg.clip_grad)
         scheduler.step()
         if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            run.log_period(step + 1, period_metrics(sums), steps=step + 1 - period_start)
+            metrics = period_metrics(sums)
+            if valid is not None:
+                metrics.update(run.evaluate(lambda: validation_metrics(model, valid, amp)))
+            run.log_period(step + 1, metrics, steps=step + 1 - period_start)
             sums.zero_()
             period_start = step + 1
         run.save_if_due(step + 1)
@@ -154,7 +195,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     return run.finish(phase=d.phase, micro_batch=d.micro_batch, accumulation_steps=accum, seq_len=d.seq_len,
                       steps_per_epoch=steps_per_epoch, precision=t.precision, skipped_steps=amp.skipped_steps,
                       final_loss=run.last("loss"), final_mlm_acc=run.last("mlm_acc"),
-                      final_nsp_acc=run.last("nsp_acc"), init_from=cfg.get("init_from"),
+                      final_nsp_acc=run.last("nsp_acc"), final_val_mlm_loss=run.last("val_mlm_loss"),
+                      init_from=cfg.get("init_from"),
                       model_dir=str(Path(run_dir) / "model"))
 
 

@@ -337,26 +337,35 @@ def pretrain_rows(runs: list[dict]) -> list[dict]:
                      "loss_stat": stat(x["final_loss"] for x in s),
                      "mlm_acc_stat": stat(x["final_mlm_acc"] for x in s),
                      "nsp_acc_stat": stat(x["final_nsp_acc"] for x in s),
+                     "val_mlm_loss_stat": stat(x.get("final_val_mlm_loss") for x in s),
                      "seqs_per_s": stat(x["mean_seqs_per_s"] for x in s)[0],
-                     "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0], "runs": len(s),
+                     "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0],
+                     "bytes_by_kind": {k: stat(x["bytes_total"].get(k, 0) for x in s)[0]
+                                       for k in sorted({k for x in s for k in x["bytes_total"]})},
+                     "compressed_share": s[0].get("compressed_share"), "runs": len(s),
                      "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
-                     "global_batch": s[0]["global_batch"], "params": s[0]["params"], "settings": g["settings"]})
+                     "global_batch": s[0]["global_batch"], "params": s[0]["params"], "settings": g["settings"],
+                     "members": g["runs"]})
     return add_bytes_vs_lamb(rows)
 
 
 def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> str:
     shared = label_groups([{"settings": r["settings"]} for r in rows])
     head = rows[0]
+    valid = any(r["val_mlm_loss_stat"][2] for r in rows)
     lines = [f"### {table}", "",
              (f"BERT pre-training, seq {head['seq_len']}, global batch {head['global_batch']}, {head['params']:,} "
-              f"parameters; every row: {shared}. Loss (MLM + NSP) and accuracies (%) of the last logged period, "
-              "mean ± standard deviation over the n runs of a configuration; bytes = payload each worker handed to "
-              "the collectives."), "",
-             "| Optimizer | loss | MLM acc | NSP acc | sequences/s | bytes sent / worker | vs LAMB | configuration | n |",
-             "|---|---|---|---|---|---|---|---|---|"]
+              f"parameters; every row: {shared}. Loss (MLM + NSP) and accuracies (%) of the last logged period"
+              + (", validation MLM loss of the ranks' averaged model on the held-out shards at the last step"
+                 if valid else "") + ", mean ± standard deviation over the n runs of a configuration; bytes = "
+              "payload each worker handed to the collectives."), "",
+             "| Optimizer | loss |" + (" validation MLM loss |" if valid else "")
+             + " MLM acc | NSP acc | sequences/s | bytes sent / worker | vs LAMB | configuration | n |",
+             "|---|---|" + ("---|" if valid else "") + "---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = "-" if math.isnan(r["bytes_vs_lamb"]) else f"{r['bytes_vs_lamb']:.3f}x"
-        lines.append(f"| {r['optimizer']} | {pm(r['loss_stat'], 4)} | {pm(r['mlm_acc_stat'])} | "
+        lines.append(f"| {r['optimizer']} | {pm(r['loss_stat'], 4)} | "
+                     + (f"{pm(r['val_mlm_loss_stat'], 4)} | " if valid else "") + f"{pm(r['mlm_acc_stat'])} | "
                      f"{pm(r['nsp_acc_stat'])} | {r['seqs_per_s']:.1f} | {fmt_bytes(r['bytes_per_worker'])} | "
                      f"{ratio} | {r['configuration']} | {r['runs']} |")
     if note:

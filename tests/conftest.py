@@ -20,7 +20,7 @@ import torch
 
 # what a test's body (or a module-level helper it calls) contains when it starts processes / runs a pipeline
 MULTIPROCESS = re.compile(r"distributed\.run\(|(?<![\w.])run\(|run_local\(|subprocess\.|mp\.spawn\(|torchrun|launch\(")
-E2E = re.compile(r"\btrain\(|\bmain\(|demo|bench\.|netbench|run_job\(|compose_and_run")
+E2E = re.compile(r"\btrain\(|\bmain\(|demo|scripts/study|bench\.|netbench|run_job\(|compose_and_run")
 
 
 def _reachable_source(funcs, module, depth: int = 3) -> str:

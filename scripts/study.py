@@ -1,0 +1,454 @@
+"""``make study``: the paper's two comparisons reproduced in kind, offline, on a CPU, with seeds and intervals.
+
+    python scripts/study.py                  # the full study into results/study/ (about 45 minutes on 2 cores)
+    python scripts/study.py --quick          # tiny sizes, written to runs/study-quick/ (the test's mode)
+
+Two tasks, each a set of rows (``configs/experiment/study/<task>_*.yaml``, one
+file per row: adding a row is adding a file) run as one Hydra ``--multirun``
+per task through the pipeline's own entry point, every row with every seed:
+
+* ``digits``: the CIFAR-10 pipeline (``cifar10.train``) on scikit-learn's
+  digits in the CIFAR-10 layout (:func:`cifar10.demo.write_digits_dataset`),
+  ResNet-8, 4 gloo workers, global batch 256; the metric is the test top-1 of
+  the ranks' averaged model, ``final_test_top1``.
+* ``bert``: phase-1 pre-training (``bert.train``) of a small BERT on the
+  docstrings of the Python standard library's source files, a held-out tenth
+  of the files as validation shards (both through ``bert.prepare_data``, the
+  vocabulary through ``bert.vocab``); the metric is the paper's Table 2 one,
+  the validation MLM loss of the ranks' averaged model, ``final_val_mlm_loss``.
+
+For each task the page (``README.md`` in the output folder) gives the table
+(rows grouped by full configuration, mean ± sd and n, :mod:`harness.tables`),
+the bytes each worker sent by kind (the ledger), the curves, and a verdict per
+SLAMB row: its difference to LAMB with a 95% Welch t-interval over the seeds
+and its bytes over LAMB's. ``study.json`` beside it holds every run's metric
+and bytes, the numbers the page is computed from.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repository's packages are importable
+    sys.path.insert(0, str(ROOT))
+
+from harness.tables import (build_tables, comparison_rows, fmt_bytes, load_runs, pm,  # noqa: E402
+                            pretrain_rows, stat)
+
+ROWS_DIR = ROOT / "configs" / "experiment" / "study"
+TABLES = {"digits": "study_digits_resnet8", "bert": "study_bert"}
+SEQ_LEN = 128
+HELD_OUT_EVERY = 10  # every 10th standard-library file (sorted by path) is validation text
+
+
+def rows(task: str) -> list[str]:
+    """The experiment names of a task's rows: every ``configs/experiment/study/<task>_*.yaml``."""
+    found = [f"study/{p.stem}" for p in sorted(ROWS_DIR.glob(f"{task}_*.yaml"))]
+    if not found:
+        raise SystemExit(f"no rows for task {task!r}: add configs/experiment/study/{task}_<row>.yaml")
+    return found
+
+
+# ------------------------------------------------------------------------------------------- statistics
+
+
+def welch_interval(a, b, level: float = 0.95) -> tuple[float, float, float]:
+    """mean(a) - mean(b) and its ``level`` Welch t-interval (unequal variances) over the two samples."""
+    from scipy import stats
+
+    a, b = [float(x) for x in a], [float(x) for x in b]
+    diff = statistics.fmean(a) - statistics.fmean(b)
+    if len(a) < 2 or len(b) < 2:
+        return diff, math.nan, math.nan
+    ci = stats.ttest_ind(a, b, equal_var=False).confidence_interval(level)
+    return diff, float(ci.low), float(ci.high)
+
+
+def verdict(row: str, values: list[float], lamb: list[float], bytes_ratio: float, *, unit: str, metric: str,
+            higher_is_better: bool) -> str:
+    """One sentence: ``row`` against LAMB (difference, its 95% interval over the seeds) and the bytes ratio."""
+    d, lo, hi = welch_interval(values, lamb)
+    word = ("above" if d > 0 else "below") if d != 0 else "level with"
+    better = (d > 0) == higher_is_better
+    ci = f"95% CI {lo:+.{unit_digits(unit)}f} to {hi:+.{unit_digits(unit)}f}" if not math.isnan(lo) else "one seed"
+    if not math.isnan(lo):
+        clear = lo > 0 or hi < 0
+        judged = (("better" if better else "worse") + " than LAMB beyond the seeds' spread") if clear else \
+            "the seeds cannot tell it from LAMB"
+    else:
+        judged = "no interval"
+    return (f"{row}'s averaged model is {abs(d):.{unit_digits(unit)}f} {unit} {word} LAMB's {metric} "
+            f"({ci}, n = {len(values)} and {len(lamb)}; {judged}) at {bytes_ratio:.3f}x LAMB's bytes per worker.")
+
+
+def unit_digits(unit: str) -> int:
+    return 2 if unit == "points" else 4
+
+
+# ------------------------------------------------------------------------------------------- data
+
+
+def stdlib_documents(limit_files: int | None = None) -> tuple[list[str], list[str]]:
+    """(training, validation) documents: the docstrings of the standard library's source files, a sentence
+    per line; files in sorted order, every :data:`HELD_OUT_EVERY`-th one held out. Parsed, never imported."""
+    from bert.demo import SENTENCE_END
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "test", "tests", "idlelib", "__pycache__"}
+    files = sorted(p for p in stdlib.rglob("*.py") if not skip & set(p.relative_to(stdlib).parts))
+    files = files[:limit_files] if limit_files else files
+    train, valid, seen = [], [], set()
+    for i, path in enumerate(files):
+        try:
+            tree = ast.parse(path.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or len(doc) <= 80 or doc in seen:
+                continue
+            seen.add(doc)
+            sentences = [s for s in SENTENCE_END.split(" ".join(doc.split())) if len(s.split()) >= 3]
+            if len(sentences) >= 2:
+                (valid if i % HELD_OUT_EVERY == HELD_OUT_EVERY - 1 else train).append("\n".join(sentences))
+    return train, valid
+
+
+def write_documents(docs: list[str], folder: Path, shards: int, stem: str) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    paths = [folder / f"{stem}{i}.txt" for i in range(shards)]
+    for i, path in enumerate(paths):
+        path.write_text("\n\n".join(docs[i::shards]) + "\n")
+    return paths
+
+
+def bert_data(root: Path, *, vocab_size: int, dupe_factor: int, limit_files: int | None) -> dict:
+    """Corpus, WordPiece vocabulary, training and validation shards under ``root``; their description."""
+    from bert.prepare_data import Settings, default_max_predictions, prepare
+    from bert.vocab import train_vocab
+
+    train_docs, valid_docs = stdlib_documents(limit_files)
+    train_files = write_documents(train_docs, root / "text" / "train", 4, "stdlib")
+    valid_files = write_documents(valid_docs, root / "text" / "valid", 1, "stdlib_valid")
+    vocab = train_vocab(train_files, root / "vocab", vocab_size)
+    settings = dict(max_seq_length=SEQ_LEN, max_predictions_per_seq=default_max_predictions(SEQ_LEN))
+    train = prepare(train_files, vocab, root / "train", Settings(**settings, dupe_factor=dupe_factor), workers=2)
+    valid = prepare(valid_files, vocab, root / "valid", Settings(**settings, dupe_factor=1, seed=54321))
+    return {"vocab": str(vocab), "vocab_size": len(vocab.read_text().splitlines()),
+            "train_dir": str(root / "train"), "valid_dir": str(root / "valid"),
+            "train_documents": len(train_docs), "valid_documents": len(valid_docs),
+            "train_words": sum(len(d.split()) for d in train_docs), "valid_words": sum(len(d.split()) for d in valid_docs),
+            "train_examples": sum(s["examples"] for s in train), "valid_examples": sum(s["examples"] for s in valid),
+            "dupe_factor": dupe_factor}
+
+
+# ------------------------------------------------------------------------------------------- runs
+
+
+def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path, overrides: list[str]) -> float:
+    """Every row with every seed through ``module``'s Hydra entry point; returns the wall time (s)."""
+    cmd = [sys.executable, "-m", module, "--multirun", f"experiment={','.join(experiments)}",
+           f"seed={','.join(str(s) for s in seeds)}", f"hydra.sweep.dir={sweep}",
+           "hydra.sweep.subdir=${name}_seed${seed}", "trainer.resume=never", *overrides]
+    print("+", " ".join(cmd), flush=True)
+    tic = time.perf_counter()
+    subprocess.run(cmd, cwd=ROOT, check=True)
+    return time.perf_counter() - tic
+
+
+def task_runs(sweep: Path, task: str, seeds: list[int]) -> list[dict]:
+    return [r for r in load_runs(sweep)
+            if (r["config"].get("paper") or {}).get("table") == TABLES[task] and r["config"].get("seed") in seeds]
+
+
+METRIC = {"digits": "final_test_top1", "bert": "final_val_mlm_loss"}
+
+
+def per_run(runs: list[dict], task: str) -> list[dict]:
+    """The numbers the page is made of, one entry per run."""
+    def where(folder) -> str:  # relative to the repository where it can be
+        folder = Path(folder).resolve()
+        return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+
+    return [{"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
+             "metric": r["summary"][METRIC[task]], "bytes": r["summary"]["bytes_total"].get("all", 0),
+             "bytes_by_kind": r["summary"]["bytes_total"], "wall_time_s": r["summary"]["wall_time_s"]}
+            for r in runs]
+
+
+def verdicts(rows_: list[dict], task: str) -> list[str]:
+    """A verdict per SLAMB row of the table, from its runs' metrics and LAMB's."""
+    lamb = next((r for r in rows_ if r["optimizer"] == "LAMB"), None)
+    if lamb is None:
+        return ["No LAMB row to compare with."]
+    out = []
+    for r in rows_:
+        if r["settings"].get("optimizer.name") != "slamb":
+            continue
+        values, ref = (_metric_values(x, task) for x in (r, lamb))
+        if task == "digits":
+            out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="points",
+                               metric="test top-1", higher_is_better=True))
+        else:
+            out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="nats",
+                               metric="validation MLM loss", higher_is_better=False))
+    return out
+
+
+def _metric_values(row: dict, task: str) -> list[float]:
+    return [m["summary"][METRIC[task]] for m in row["members"]]
+
+
+# ------------------------------------------------------------------------------------------- pages
+
+
+def bert_curves(rows_: list[dict], out: Path) -> Path:
+    """Validation MLM loss of the averaged model vs step and vs bytes sent: each row's mean over its seeds,
+    shaded ± one standard deviation."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows_:
+        hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
+        length = min(len(h) for h in hists)
+        steps = [hists[0][i]["step"] for i in range(length)]
+        loss = [stat(h[i]["val_mlm_loss"] for h in hists) for i in range(length)]
+        mean = [m for m, _, _ in loss]
+        low, high = ([m + sign * (sd if len(hists) > 1 else 0.0) for m, sd, _ in loss] for sign in (-1, 1))
+        mb = [statistics.fmean(h[i]["bytes_cum/all"] for h in hists) / 1e6 for i in range(length)]
+        label = f"{r['optimizer']}, n={len(hists)}"
+        for ax, x in ((ax1, steps), (ax2, mb)):
+            (line,) = ax.plot(x, mean, label=label)
+            ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+    ax1.set(xlabel="step", ylabel="validation MLM loss",
+            title="study_bert: validation MLM loss vs step (mean ± sd over seeds)")
+    ax2.set(xlabel="MB sent per worker (cumulative)", ylabel="validation MLM loss", xscale="log",
+            title="validation MLM loss vs bytes sent")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "study_bert_curves.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bert_table(rows_: list[dict]) -> str:
+    lines = ["| Optimizer | validation MLM loss | validation MLM acc (%) | training loss (MLM + NSP) | "
+             "bytes sent / worker | vs LAMB | configuration | n |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows_:
+        acc = [m["history"][-1].get("val_mlm_acc") for m in r["members"]]
+        lines.append(f"| {r['optimizer']} | {pm(r['val_mlm_loss_stat'], 4)} | {pm(stat(acc))} | "
+                     f"{pm(r['loss_stat'], 4)} | {fmt_bytes(r['bytes_per_worker'])} | {r['bytes_vs_lamb']:.3f}x | "
+                     f"{r['configuration']} | {r['runs']} |")
+    return "\n".join(lines) + "\n"
+
+
+def other_kinds(rows_: list[dict]) -> str:
+    """What the bytes table's "other" column holds, row by row: the ledger's kinds outside the demo's split."""
+    from cifar10.demo import KINDS
+
+    known = {k for k, _ in KINDS} | {"all"}
+    parts = [f"{r['optimizer']}: " + ", ".join(k for k in sorted(r["bytes_by_kind"]) if k not in known)
+             for r in rows_ if set(r["bytes_by_kind"]) - known]
+    return ("\"other\" is the ledger's kinds of the compressed exchanges (" + "; ".join(parts) + ").\n") if parts else ""
+
+
+def still_improving(rows_: list[dict], epochs: int = 2, points: float = 1.0) -> str:
+    """The rows whose mean test top-1 rose by more than ``points`` over the last ``epochs`` epochs."""
+    rising = []
+    for r in rows_:
+        hists = [m["history"] for m in r["members"]]
+        if min(len(h) for h in hists) > epochs:
+            gain = statistics.fmean(h[-1]["test_top1"] - h[-1 - epochs]["test_top1"] for h in hists)
+            if gain > points:
+                rising.append(f"{r['optimizer']} (+{gain:.1f})")
+    return (f"Still improving at the end (mean top-1 up by more than {points:g} point over the last {epochs} "
+            f"epochs): {', '.join(rising)}.\n") if rising else ""
+
+
+def digits_section(runs: list[dict], out: Path) -> tuple[str, list[str]]:
+    from cifar10.demo import bytes_markdown
+
+    build_tables(runs, out)
+    rows_ = comparison_rows(runs)
+    lines = verdicts(rows_, "digits")
+    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), still_improving(rows_), bytes_markdown(rows_),
+                      other_kinds(rows_),
+                      f"![accuracy vs epoch and vs bytes]({TABLES['digits']}_curves.png)", ""])
+    return text, lines
+
+
+def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str]]:
+    from cifar10.demo import bytes_markdown
+
+    build_tables(runs, out)  # the pipeline's own pre-training table, study_bert_phase1.md / .csv
+    rows_ = pretrain_rows(runs)
+    for r in rows_:
+        r["compressed_share"] = r["members"][0]["summary"].get("compressed_share")
+    head = rows_[0]
+    curves = bert_curves(rows_, out)
+    intro = (f"Phase-1 pre-training (seq {head['seq_len']}, global batch {head['global_batch']} = {head['workers']} "
+             f"workers x {head['members'][0]['summary']['micro_batch']} x "
+             f"{head['members'][0]['summary']['accumulation_steps']} micro-batches, {head['steps']} steps, "
+             f"{head['params']:,} parameters) on {data['train_words']:,} words of standard-library docstrings "
+             f"({data['train_examples']:,} sequences, {data['dupe_factor']} maskings); validation: "
+             f"{data['valid_words']:,} words of held-out files ({data['valid_examples']:,} sequences, one fixed "
+             f"masking), vocabulary {data['vocab_size']:,} WordPiece tokens. Validation MLM loss (mean over the "
+             "masked tokens) and accuracy of the ranks' averaged model at the last step, mean ± standard deviation "
+             "over the n seeds; training loss of the last logged period; bytes = payload each worker handed to "
+             "the collectives.")
+    falling = []
+    for r in rows_:
+        hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
+        if min(len(h) for h in hists) > 2:
+            drop = statistics.fmean(h[-3]["val_mlm_loss"] - h[-1]["val_mlm_loss"] for h in hists)
+            falling.append(f"{r['optimizer']} {drop:.3f} over steps {hists[0][-3]['step']}-{hists[0][-1]['step']}")
+    still = ("Validation loss still falling at the end (mean drop over the last two logged periods): "
+             + ", ".join(falling) + ": the runs compare the optimizers early in pre-training.\n") if falling else ""
+    text = "\n".join([f"### {TABLES['bert']}", "", intro, "", bert_table(rows_), still, bytes_markdown(rows_),
+                      other_kinds(rows_),
+                      f"![validation MLM loss vs step and vs bytes]({curves.name})", ""])
+    return text, verdicts(rows_, "bert")
+
+
+def page(parts: dict, args, times: dict) -> str:
+    cmd = "make study" if not args.quick else "python scripts/study.py --quick"
+    run_args = [a for a in args.argv if a != "--report-only"]
+    if "--machine" in run_args:  # a description of where it ran, not part of the command
+        i = run_args.index("--machine")
+        del run_args[i:i + 2]
+    lines = ["# SLAMB vs LAMB, reproduced in kind on a CPU", "",
+             "Written by `scripts/study.py` from the runs it started: every table, curve and verdict is computed from them.", "",
+             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', *run_args])}`)"
+             + ("; this page rebuilt from its runs with `--report-only`" if args.report_only else "") + ". "
+             f"Wall time: {sum(times.values()) / 60:.1f} min in all ("
+             + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()) + f") on {args.machine}.", "",
+             "## Verdicts", ""]
+    for task, (_, verdict_lines) in parts.items():
+        lines += [f"- **{task}**: {v}" for v in verdict_lines]
+    lines += ["", "95% CI: Welch t-interval over the seeds of the difference SLAMB − LAMB (scipy.stats.ttest_ind, "
+              "unequal variances); bytes: each worker's payload over the whole run, ratio of the rows' means.", "",
+              "## What differs from the paper", ""]
+    differs = {
+        "digits": "- Images: the paper trains ResNet-110 on CIFAR-10 for 200 epochs on 4 GPUs (global batch 1,024); "
+                  "here ResNet-8 on scikit-learn's 1,797 digits (upsampled to 32x32 RGB) for the epochs in the table, "
+                  "4 CPU workers x 64 (global batch 256, 17% of the training set per step: a large batch for the "
+                  "data, as in the paper's setting). SLAMB's H and the warm-up stages of DGC and 1-bit LAMB are "
+                  "scaled to the run (the note under the table). The runs are short: rows still improving at the "
+                  "last epoch (named under the table) are compared before convergence, where the paper compares "
+                  "final accuracies.",
+        "bert": "- Text: the paper pre-trains BERT-Large on Wikipedia + BookCorpus (phase 1: 7,038 steps at global "
+                "batch 65,536, fp16, 128 GPUs) and reports the validation MLM loss; here a 2-layer BERT with hidden "
+                "size 64 on standard-library docstrings, fp32, 4 CPU workers, with SLAMB's H and 1-bit LAMB's "
+                "full-precision stage scaled to the run, and SLAMB's momentum exchanged in fp32 like LAMB's "
+                "gradients (the paper exchanges fp16 in both).",
+    }
+    lines += [differs[task] for task in parts]
+    lines += ["- Every row uses the published hyper-parameters of its optimizer, not ones tuned on these tasks.", ""]
+    for task, (text, _) in parts.items():
+        lines += [f"## {'Images: digits, ResNet-8' if task == 'digits' else 'Text: BERT pre-training'}", "", text]
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------- main
+
+QUICK = {  # tiny sizes: every step of the study once, in about a minute (tests/test_study.py)
+    "digits_rows": ["study/digits_lamb", "study/digits_slamb_v1"],
+    "digits": ["epochs=1", "schedule.milestones=[1]", "trainer.nproc_per_node=2", "data.micro_batch=128"],
+    "bert_rows": ["study/bert_lamb", "study/bert_slamb"],
+    "bert": ["steps=4", "log_every=2", "data.global_batch=32", "data.micro_batch=16", "trainer.nproc_per_node=2",
+             "trainer.checkpoint.every=4", "model.hidden_size=32", "model.intermediate_size=64",
+             "model.num_attention_heads=2"],
+}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (2 rows per task, 2 seeds of "
+                        "digits and 1 of BERT, 2 workers), "
+                        "written to runs/study-quick unless --out is given")
+    parser.add_argument("--tasks", nargs="+", default=list(TABLES), choices=list(TABLES))
+    parser.add_argument("--out", default=None, help="where the page, tables and plots go (default: results/study, "
+                        "or runs/study-quick/results with --quick)")
+    parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick])")
+    parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="default 0..4 (quick: 0 1)")
+    parser.add_argument("--bert-seeds", type=int, nargs="+", default=None, help="default 0..2 (quick: 0)")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the page from the existing runs")
+    parser.add_argument("--machine", default=None, help="where the runs ran, for the page's wall time "
+                        "(default: the number of CPU cores)")
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    scratch = ROOT / "runs" / ("study-quick" if args.quick else "study")
+    runs_root = Path(args.runs) if args.runs else scratch
+    out = Path(args.out) if args.out else (scratch / "results" if args.quick else ROOT / "results" / "study")
+    seeds = {"digits": args.digits_seeds or ([0, 1] if args.quick else [0, 1, 2, 3, 4]),
+             "bert": args.bert_seeds or ([0] if args.quick else [0, 1, 2])}
+    args.machine = args.machine or f"{os.cpu_count()} CPU cores"
+    out.mkdir(parents=True, exist_ok=True)
+    times_path = runs_root / "times.json"
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}  # the shown runs' times
+    parts, data, record = {}, None, {}
+    data_root = runs_root / "data"
+
+    if "digits" in args.tasks:
+        from cifar10.demo import write_digits_dataset
+
+        digits_dir = data_root / "digits-cifar10-layout"
+        sweep = runs_root / "digits"
+        if not args.report_only:
+            write_digits_dataset(digits_dir)
+            times["digits"] = multirun("cifar10.train", QUICK["digits_rows"] if args.quick else rows("digits"),
+                                       seeds["digits"], sweep,
+                                       [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])])
+        runs = task_runs(sweep, "digits", seeds["digits"])
+        parts["digits"] = digits_section(runs, out)
+        record["digits"] = per_run(runs, "digits")
+
+    if "bert" in args.tasks:
+        sweep, bert_root = runs_root / "bert", data_root / "bert"
+        data_json = bert_root / "data.json"
+        if not args.report_only:
+            tic = time.perf_counter()
+            data = bert_data(bert_root, vocab_size=400 if args.quick else 2000, dupe_factor=1 if args.quick else 3,
+                             limit_files=60 if args.quick else None)
+            data_json.write_text(json.dumps(data, indent=1))
+            prep = time.perf_counter() - tic
+            times["bert"] = prep + multirun(
+                "bert.train", QUICK["bert_rows"] if args.quick else rows("bert"), seeds["bert"], sweep,
+                [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
+                 f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])])
+        data = json.loads(data_json.read_text())
+        runs = task_runs(sweep, "bert", seeds["bert"])
+        parts["bert"] = bert_section(runs, out, data)
+        record["bert"] = per_run(runs, "bert")
+
+    if not args.report_only:
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        times_path.write_text(json.dumps(times))
+    text = page(parts, args, times)
+    (out / "README.md").write_text(text)
+    (out / "study.json").write_text(json.dumps({"runs": record, "verdicts": {k: v[1] for k, v in parts.items()},
+                                                "wall_time_s": times, "bert_data": data}, indent=1))
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
