@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import gc
 import json
 import math
 import os
@@ -85,6 +86,8 @@ def measure_worker(rank, world, shapes, names):
         if hasattr(opt, "unfreeze"):
             opt.unfreeze()
         out[label] = steps
+        del model, opt, wrapped
+        gc.collect()  # DDP's reducer holds reference cycles: free each optimizer's model before the next one
     return out
 
 
