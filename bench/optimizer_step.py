@@ -30,6 +30,7 @@ targets of the fused steps computed as met or missed from the measured rows.
 from __future__ import annotations
 
 import argparse
+import queue as queue_module
 import importlib.util
 import inspect
 import math
@@ -223,19 +224,60 @@ def _spawn(target, args, env: dict):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
-    result = queue.get()
+    while True:  # a child killed (for memory, say) puts nothing: fail instead of waiting for ever
+        try:
+            result = queue.get(timeout=5)
+            break
+        except queue_module.Empty:
+            if not proc.is_alive():
+                raise RuntimeError(f"{target.__name__}{args} ended with exit code {proc.exitcode} and no result "
+                                   "(a negative code is the signal that killed it: -9, out of memory?)") from None
     proc.join()
     return result
 
 
+# each optimizer in the paired run holds its own parameters, gradients, state and scratch: at most this
+# many fp32 words per parameter
+WORDS_PER_ROW = 8
+# rows that every group of a paired run holds, so that each row is timed beside the one it is compared with
+ANCHORS = ("lamb", "lamb_fused")
+
+
+def paired_groups(names: list[str], numel: int, available_bytes: int) -> list[list[str]]:
+    """``names`` cut into groups that fit ``available_bytes`` together, each group with the anchors it is
+    compared against (LAMB; fused LAMB for fused rows), so that every ratio stays a paired one."""
+    per_group = max(2, available_bytes // (WORDS_PER_ROW * 4 * numel))
+    groups = []
+    for fused in (False, True):
+        anchors = [a for a in ANCHORS if a in names and (fused or a == "lamb")]
+        rest = [n for n in names if n not in ANCHORS and n.endswith("_fused") == fused]
+        if fused and "lamb_fused" in names and not rest:
+            rest = ["lamb_fused"]  # fused LAMB alone still gets its own row
+            anchors = ["lamb"]
+        size = max(1, per_group - len(anchors))
+        groups += [anchors + rest[i:i + size] for i in range(0, len(rest), size)]
+    return groups or [[n for n in names]]
+
+
+def _available_bytes() -> int:
+    """What the machine can give the paired run: 70% of MemAvailable (the rest for the OS and the parent)."""
+    with open("/proc/meminfo") as f:
+        info = dict(line.split(":", 1) for line in f)
+    return int(0.7 * int(info["MemAvailable"].split()[0]) * 1024)
+
+
 def run_model(model: str, names: list[str], steps: int, device: str) -> list[dict]:
     """Rows of one model: step times from the interleaved run, memory from one process per optimizer."""
-    times = _spawn(_times_in_child, (model, names, steps, device), {})
     numel = sum(math.prod(s) for s in MODELS[model]())
+    summary = {}  # each row from the first group that timed it
+    for group in paired_groups(names, numel, _available_bytes() if device == "cpu" else 1 << 62):
+        times = _spawn(_times_in_child, (model, group, steps, device), {})
+        for row in summarize(times, numel):
+            summary.setdefault(row["optimizer"], row)
     # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here)
     env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if device == "cpu" else {}
     rows = []
-    for row in summarize(times, numel):
+    for row in summary.values():
         mem = {} if row["optimizer"] == FLOOR else _spawn(measure_memory, (model, row["optimizer"], device), env)
         rows.append({"model": model, "steps": steps, **row, **mem})
     return rows

@@ -80,3 +80,22 @@ def test_quick_run_writes_to_runs_not_results(monkeypatch, tmp_path):
     page = (tmp_path / "runs" / "optimizer_step.md").read_text()
     assert "| resnet110 |" in page and "| floor |" in page and "## Targets" in page
     assert math.isfinite(float(page.split("| slamb_v2 | ")[1].split(" |")[0]))
+
+
+def test_paired_groups_fit_the_memory_and_keep_every_ratio_paired():
+    from bench.optimizer_step import WORDS_PER_ROW, paired_groups
+
+    names = ["lamb", "lamb_fused", "adamw_foreach", "adamw_fused", "timm_lamb", "slamb_v1", "slamb_v2",
+             "slamb_v2_nocheck", "slamb_v1_fused", "slamb_v2_fused"]
+    numel = 110_000_000
+    budget = 4 * WORDS_PER_ROW * 4 * numel  # four rows at a time
+    groups = paired_groups(names, numel, budget)
+    assert len(groups) > 1 and all(len(g) <= 4 for g in groups)
+    assert {n for g in groups for n in g} == set(names)
+    assert all(g[0] == "lamb" for g in groups)  # every row beside LAMB
+    assert all("lamb_fused" in g for g in groups if any(n.endswith("_fused") and n.startswith("slamb") for n in g))
+    # room for every row: the plain rows in one group, the fused ones beside both LAMBs in another
+    assert paired_groups(names, numel, 100 * budget) == [names[:1] + [n for n in names if not n.endswith("_fused")
+                                                                       and n != "lamb"],
+                                                         ["lamb", "lamb_fused", "adamw_fused", "slamb_v1_fused",
+                                                          "slamb_v2_fused"]]
