@@ -51,11 +51,19 @@ SEQ_LEN = 128
 HELD_OUT_EVERY = 10  # every 10th standard-library file (sorted by path) is validation text
 
 
-def rows(task: str) -> list[str]:
-    """The experiment names of a task's rows: every ``configs/experiment/study/<task>_*.yaml``."""
+def rows(task: str, only: list[str] | None = None) -> list[str]:
+    """The experiment names of a task's rows: every ``configs/experiment/study/<task>_*.yaml`` (``only``:
+    those of these file names)."""
     found = [f"study/{p.stem}" for p in sorted(ROWS_DIR.glob(f"{task}_*.yaml"))]
     if not found:
         raise SystemExit(f"no rows for task {task!r}: add configs/experiment/study/{task}_<row>.yaml")
+    if only is not None:  # a task whose rows are not named runs none
+        mine = [o for o in only if o.startswith(f"{task}_")]
+        missing = [o for o in mine if f"study/{o}" not in found]
+        if missing:
+            raise SystemExit(f"error: --rows {' '.join(missing)}: no such file in configs/experiment/study/; fix: "
+                             "name row files without .yaml")
+        found = [f"study/{o}" for o in mine]
     return found
 
 
@@ -390,6 +398,9 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick])")
     parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="default 0..4 (quick: 0 1)")
     parser.add_argument("--bert-seeds", type=int, nargs="+", default=None, help="default 0..2 (quick: 0)")
+    parser.add_argument("--rows", nargs="+", default=None, help="run only these rows (file names in "
+                        "configs/experiment/study/, without .yaml) beside the runs already under --runs; their time "
+                        "is added to the task's")
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the existing runs")
     parser.add_argument("--machine", default=None, help="where the runs ran, for the page's wall time "
                         "(default: the number of CPU cores)")
@@ -412,11 +423,13 @@ def main(argv=None) -> int:
 
         digits_dir = data_root / "digits-cifar10-layout"
         sweep = runs_root / "digits"
-        if not args.report_only:
+        todo = QUICK["digits_rows"] if args.quick else rows("digits", args.rows)
+        if not args.report_only and todo:
             write_digits_dataset(digits_dir)
-            times["digits"] = multirun("cifar10.train", QUICK["digits_rows"] if args.quick else rows("digits"),
-                                       seeds["digits"], sweep,
-                                       [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])])
+            took = multirun("cifar10.train", todo, seeds["digits"], sweep,
+                            [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])])
+            # rows run beside recorded ones add their time to the task's
+            times["digits"] = times.get("digits", 0.0) + took if args.rows else took
         runs = task_runs(sweep, "digits", seeds["digits"])
         parts["digits"] = digits_section(runs, out)
         record["digits"] = per_run(runs, "digits")
@@ -424,16 +437,18 @@ def main(argv=None) -> int:
     if "bert" in args.tasks:
         sweep, bert_root = runs_root / "bert", data_root / "bert"
         data_json = bert_root / "data.json"
-        if not args.report_only:
+        todo = QUICK["bert_rows"] if args.quick else rows("bert", args.rows)
+        if not args.report_only and todo:
             tic = time.perf_counter()
             data = bert_data(bert_root, vocab_size=400 if args.quick else 2000, dupe_factor=1 if args.quick else 3,
                              limit_files=60 if args.quick else None)
             data_json.write_text(json.dumps(data, indent=1))
             prep = time.perf_counter() - tic
-            times["bert"] = prep + multirun(
-                "bert.train", QUICK["bert_rows"] if args.quick else rows("bert"), seeds["bert"], sweep,
+            took = prep + multirun(
+                "bert.train", todo, seeds["bert"], sweep,
                 [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
                  f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])])
+            times["bert"] = times.get("bert", 0.0) + took if args.rows else took
         data = json.loads(data_json.read_text())
         runs = task_runs(sweep, "bert", seeds["bert"])
         parts["bert"] = bert_section(runs, out, data)

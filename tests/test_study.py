@@ -57,8 +57,15 @@ def test_rows_are_the_config_files():
     study = load_study()
     found = {task: study.rows(task) for task in study.TABLES}
     assert found["digits"] == ["study/digits_dgc", "study/digits_lamb", "study/digits_onebit_lamb",
-                               "study/digits_sgd", "study/digits_slamb_v1", "study/digits_slamb_v2"]
+                               "study/digits_sgd", "study/digits_slamb_hierarchical", "study/digits_slamb_int8",
+                               "study/digits_slamb_v1", "study/digits_slamb_v2"]
     assert found["bert"] == ["study/bert_lamb", "study/bert_onebit_lamb", "study/bert_slamb"]
+    # --rows: only the named rows of each task run; a name that is no file is refused
+    named = ["digits_slamb_int8", "digits_slamb_hierarchical"]
+    assert study.rows("digits", named) == ["study/digits_slamb_int8", "study/digits_slamb_hierarchical"]
+    assert study.rows("bert", named) == []
+    with pytest.raises(SystemExit, match="digits_slamb_v9"):
+        study.rows("digits", ["digits_slamb_v9"])
 
 
 def test_validation_split_is_disjoint_and_deterministic():
