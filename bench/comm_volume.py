@@ -44,6 +44,9 @@ OPTIMIZERS = {
                                             "comm_dtype": torch.float16}),
     "SLAMB int8 (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100,
                                             "comm_dtype": torch.int8}),
+    # 4 workers as 2 nodes x 2: the bytes that cross the nodes (the node's dense gradient average stays inside)
+    "SLAMB fp32, 2 nodes x 2, across nodes (k=0.1, H=100)": ("slamb", {"compress_ratio": 0.1, "sync_interval": 100,
+                                                                       "hierarchy": "node", "local_world_size": 2}),
     "DGC (density 0.001)": ("dgc", {"density": 0.001, "warmup_densities": ()}),
     "JointSpar-LARS": ("jointspar_lars", {}),
     "PowerSGD (r=2)": ("powersgd", {"matrix_approximation_rank": 2, "start_powerSGD_iter": 2}),
@@ -82,13 +85,19 @@ def measure_worker(rank, world, shapes, names):
             opt.step()
             opt.zero_grad(set_to_none=True)
             last = opt.comm_stats()["last_step"]
-            steps.append({k: (v["payload"], v["wire"]) for k, v in last.items() if k != "all"})
+            steps.append({k: across_nodes(v) for k, v in last.items() if k != "all"})
         if hasattr(opt, "unfreeze"):
             opt.unfreeze()
         out[label] = steps
         del model, opt, wrapped
         gc.collect()  # DDP's reducer holds reference cycles: free each optimizer's model before the next one
     return out
+
+
+def across_nodes(tally: dict) -> tuple[int, float]:
+    """(payload, wire) of a kind's bytes, less those that stay inside a node (the ledger's ``intra`` level)."""
+    intra = tally.get("levels", {}).get("intra", {"payload": 0, "wire": 0.0})
+    return tally["payload"] - intra["payload"], tally["wire"] - intra["wire"]
 
 
 def per_step_figures(label: str, steps: list[dict]) -> dict:
