@@ -209,6 +209,10 @@ def verdicts(rows_: list[dict], task: str) -> list[str]:
         if task == "digits":
             out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="points",
                                metric="test top-1", higher_is_better=True))
+            if r["settings"].get("optimizer.hierarchy") == "node":
+                out[-1] += (" Its bytes are every collective of a process, the dense gradient average inside each "
+                            "node included; what crosses the nodes is in results/comm_volume.md and "
+                            "results/netbench_hierarchical.md.")
         else:
             out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="nats",
                                metric="validation MLM loss", higher_is_better=False))
