@@ -404,7 +404,10 @@ class SLAMB(LocalStateOptimizer):
     are the reference path's to rounding. ``torch.compile(opt.step)`` runs the
     step eagerly (it decides on the host and communicates between its kernels):
     use ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the
-    step warns once and runs the multi-tensor path.
+    step warns once and runs the multi-tensor path. On a CPU the compiled step
+    is several times slower than the multi-tensor one, and it has never run on
+    a GPU (``results/bench/optimizer_step.md``): keep the default unless a
+    measurement on your device says otherwise.
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
