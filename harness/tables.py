@@ -419,14 +419,20 @@ def _plots(table: str, rows: list[dict], out: Path) -> list[Path]:
     ax1.set(xlabel="epoch", ylabel="test top-1 (%)", title=f"{table}: accuracy vs epoch (mean over seeds)")
     ax2.set(xlabel="MB sent per worker (cumulative)", ylabel="test top-1 (%)", xscale="symlog",
             title="accuracy vs bytes sent")
-    for ax in (ax1, ax2):
+    return [save_figure(fig, (ax1, ax2), out / f"{table}_curves.png", legend_size=7)]
+
+
+def save_figure(fig, axes, path: Path, *, legend_size: int = 8) -> Path:
+    """Every page's two-panel curves finish alike: grid, legend, tight layout, 120 dpi PNG."""
+    import matplotlib.pyplot as plt
+
+    for ax in axes:
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=legend_size)
     fig.tight_layout()
-    path = out / f"{table}_curves.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return [path]
+    return path
 
 
 def _heatmap(name: str, betas, ks, grid, out: Path) -> Path:

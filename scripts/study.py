@@ -43,7 +43,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repositor
     sys.path.insert(0, str(ROOT))
 
 from harness.tables import (build_tables, comparison_rows, fmt_bytes, load_runs, pm,  # noqa: E402
-                            pretrain_rows, stat)
+                            pretrain_rows, save_figure, stat)
 
 ROWS_DIR = ROOT / "configs" / "experiment" / "study"
 TABLES = {"digits": "study_digits_resnet8", "bert": "study_bert"}
@@ -251,14 +251,7 @@ def bert_curves(rows_: list[dict], out: Path) -> Path:
             title="study_bert: validation MLM loss vs step (mean ± sd over seeds)")
     ax2.set(xlabel="MB sent per worker (cumulative)", ylabel="validation MLM loss", xscale="log",
             title="validation MLM loss vs bytes sent")
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "study_bert_curves.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, (ax1, ax2), out / "study_bert_curves.png")
 
 
 def bert_table(rows_: list[dict]) -> str:
