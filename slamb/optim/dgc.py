@@ -68,7 +68,7 @@ from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
 from ._common import check_lr, check_range
 from .base import LocalStateOptimizer
-from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
+from .flat import FlatLayout, check_layouts_agree, params_with_grad
 
 DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
 _FP16_MAX = torch.finfo(torch.float16).max
@@ -259,7 +259,6 @@ class DGC(LocalStateOptimizer):
         if self._sparse is not None:
             self._avg = self._sparse.zeros()
             self._mask = self._sparse.zeros(torch.bool)
-        self._names = param_labels(self, sparse_ids + dense_ids)
         self._layout_ids = ids
 
     def _layout_params(self) -> list[torch.Tensor]:

@@ -208,7 +208,6 @@ class OnebitLamb(LocalStateOptimizer):
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="OnebitLamb")
         self._flat = {key: layout.adopt(self.state, key, fill) for key, fill in _FLAT.items()}
         self._scalar = {key: layout.adopt(self.state, key, fill, per_tensor=True) for key, fill in _SCALAR.items()}
-        self._names = param_labels(self, ids)
         self._layout, self._layout_ids = layout, ids
 
     def _check_growth(self, new: list[int]) -> None:

@@ -75,7 +75,7 @@ from ..ddp import no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
                       compile_once, safe_ratio)
 from .base import LocalStateOptimizer
-from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
+from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
 from .overlap import OverlapState, discard, grads_changed, launch, overlap_hook
 
@@ -614,7 +614,6 @@ class SLAMB(LocalStateOptimizer):
         self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
         self._bounds = Selection.bounds(layout, self._dense)
         self.overlap_state.bind(layout.params, self._views["exp_avg"], layout.group_of)
-        self._names = param_labels(self, ids)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
         self._check_counts_agree()
