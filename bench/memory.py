@@ -2,9 +2,12 @@
 
     python -m bench.memory [--out results/bench/memory.md]
 
-Computed, not measured on a GPU. The bytes per parameter of each optimizer
-come from the real optimizer objects, run on a small BERT (the pre-training
-model's layer types at hidden size 256) in a gloo group of 2 processes:
+Computed, not measured on a GPU. The bytes of each optimizer come from the
+real optimizer objects, run on BERTs of two sizes (the pre-training model's
+layer types; 52M and 107M parameters) in a gloo group of 2 processes, and the
+line through the two sizes (a fixed part and a part per parameter) carries
+them to BERT-Large and BERT-XL: a buffer of bounded size (the mask's scratch)
+is not charged per parameter. What is measured:
 
 * counted from the objects: the bytes of the tensors in ``state_dict()``
   (state) and of the other tensors the optimizer keeps as attributes between
@@ -17,11 +20,14 @@ model's layer types at hidden size 256) in a gloo group of 2 processes:
   optimizer's state and, for SLAMB, averages the parameters: a sync step), of
   a later step, and of a resume (``load_state_dict`` of a saved state, then a
   step), each as the process's peak resident memory (``VmHWM``, reset before
-  the step) above its resident memory after it. Freed blocks of 1 MiB or more
+  the step) above its resident memory after it. The loaded state dict is read
+  to the CPU (``map_location="cpu"``, as the harness does), where it stays on a
+  GPU run: the optimizers copy it into their device buffers, so its bytes are
+  subtracted from the load's peak. Freed blocks of 1 MiB or more
   go back to the OS (``MALLOC_MMAP_THRESHOLD_``), so the peak shows
   temporaries as a GPU's allocator peak would.
 
-These are scaled by the models' parameter counts (built from
+These are carried to the models' parameter counts (built from
 ``configs/model/*.yaml`` on the meta device) and added to the parameters and
 gradients of fp16 mixed precision with fp32 master weights (the harness's:
 fp32 parameters and gradients, autocast's fp16 weight copies live from the
@@ -48,9 +54,12 @@ OUT = ROOT / "results" / "bench" / "memory.md"
 GPU_BYTES = 80e9  # an 80 GB A100 (81,920 MiB; the rest is left for the context and fragmentation)
 WORD = 4
 AUTOCAST_COPY = 2  # bytes per parameter: autocast's fp16 copy of each fp32 weight, forward to end of backward
-# the small BERT the optimizers run on: the pre-training model's layer types, ~11M parameters
-SMALL_BERT = dict(vocab_size=30528, hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-                  intermediate_size=1024, max_position_embeddings=512, type_vocab_size=2)
+# the BERTs the optimizers run on: the pre-training model's layer types at two sizes (52M and 107M
+# parameters), both large enough that every buffer with a size cap (the mask's scratch) has reached it
+BERTS = tuple(dict(vocab_size=30528, hidden_size=h, num_hidden_layers=layers, num_attention_heads=h // 64,
+                   intermediate_size=4 * h, max_position_embeddings=512, type_vocab_size=2)
+              for h, layers in ((768, 4), (1024, 6)))
+PHASES = ("state", "scratch", "first", "later", "resume")
 
 
 def rows() -> dict:
@@ -124,7 +133,7 @@ class Resident:
         return self._read()["VmHWM"]
 
 
-def _small_bert(config: dict):
+def _bert(config: dict):
     from transformers import BertConfig, BertForPreTraining
 
     torch.manual_seed(0)
@@ -138,13 +147,13 @@ def _backward(model, vocab_size: int, rank: int, step: int) -> None:
     out.loss.backward()
 
 
-def measure(rank: int, world: int, row: str, folder: str, config: dict = SMALL_BERT) -> dict:
+def measure(rank: int, world: int, row: str, folder: str, config: dict) -> dict:
     """One row on one rank of a gloo group: counted bytes, DDP's buckets, and the measured transients."""
     import slamb
 
     name, settings = rows()[row]
     res = Resident()
-    model = _small_bert(config)
+    model = _bert(config)
     params = [p for p in model.parameters() if p.requires_grad]
     numel = sum(p.numel() for p in params)
     build = lambda: slamb.create_optimizer(name, model.parameters(), lr=1e-3, weight_decay=0.01,  # noqa: E731
@@ -175,16 +184,26 @@ def measure(rank: int, world: int, row: str, folder: str, config: dict = SMALL_B
     del opt
     gc.collect()
     opt = build()
+    loaded = torch.load(path, map_location="cpu", weights_only=False)
+    host = sum(_storages(_tensors(loaded)).values())  # in host memory on a GPU run, as loaded here
     res.reset()
-    opt.load_state_dict(torch.load(path, map_location="cpu", weights_only=False))
+    opt.load_state_dict(loaded)
+    del loaded
+    gc.collect()
+    load = res.peak() - res.now() - host
+    opt.zero_grad(set_to_none=False)
+    _backward(ddp, config["vocab_size"], rank, 6)
+    res.reset()
     opt.step()
     gc.collect()
-    out["resume"] = res.peak() - res.now()
+    out["resume"] = max(load, res.peak() - res.now())
     return out
 
 
-def measure_rows(names=None, config: dict = SMALL_BERT) -> dict[str, dict]:
-    """Every row, each in a fresh gloo group of 2 processes; bytes per parameter averaged over the ranks."""
+def measure_rows(names=None, configs=BERTS) -> dict[str, dict]:
+    """Every row at every size of ``configs``, each in a fresh gloo group of 2 processes, averaged over the
+    ranks. Per phase: bytes per parameter, and with two sizes the line through them, bytes = fixed +
+    per parameter x parameters (``<phase>_fixed``): buffers of a bounded size are not per-parameter costs."""
     from harness.local import run_local
 
     saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
@@ -192,12 +211,18 @@ def measure_rows(names=None, config: dict = SMALL_BERT) -> dict[str, dict]:
     try:
         out = {}
         for row in names or rows():
-            with tempfile.TemporaryDirectory() as folder:
-                ranks = run_local(measure, 2, row, folder, config)
-            numel = ranks[0]["numel"]
-            per = {k: sum(r[k] for r in ranks) / len(ranks) / numel
-                   for k in ("state", "scratch", "first", "later", "resume")}
-            out[row] = {**per, "ddp": ranks[0]["ddp"], "bucket_view": ranks[0]["bucket_view"], "numel": numel}
+            points = []
+            for config in configs:
+                with tempfile.TemporaryDirectory() as folder:
+                    ranks = run_local(measure, 2, row, folder, config)
+                points.append((ranks[0]["numel"], {k: sum(r[k] for r in ranks) / len(ranks) for k in PHASES}))
+            (n0, b0), (n1, b1) = points[0], points[-1]
+            per = {}
+            for k in PHASES:
+                per[k] = (b1[k] - b0[k]) / (n1 - n0) if n1 != n0 else b0[k] / n0
+                per[k + "_fixed"] = b0[k] - per[k] * n0
+            out[row] = {**per, "ddp": ranks[0]["ddp"], "bucket_view": ranks[0]["bucket_view"],
+                        "numel": [n for n, _ in points], "measured": [b for _, b in points]}
         return out
     finally:
         if saved is None:
@@ -208,14 +233,17 @@ def measure_rows(names=None, config: dict = SMALL_BERT) -> dict[str, dict]:
 
 def model_bytes(per: dict, params: int) -> dict:
     """Per-GPU bytes of one optimizer row for a model of ``params`` parameters (see the module docstring)."""
+    def of(k):
+        return per[k] * params + per.get(k + "_fixed", 0.0)
+
     b = {"params": WORD * params, "grads": WORD * params,
          "buckets": WORD * params if per["ddp"] and not per["bucket_view"] else 0,
-         "state": per["state"] * params, "scratch": per["scratch"] * params}
+         "state": of("state"), "scratch": of("scratch")}
     b["resident"] = sum(b.values())
     b["fwd_bwd"] = b["resident"] + AUTOCAST_COPY * params
-    b["first"] = b["resident"] + per["first"] * params
-    b["later"] = b["resident"] + per["later"] * params
-    b["resume"] = b["resident"] + per["resume"] * params
+    b["first"] = b["resident"] + of("first")
+    b["later"] = b["resident"] + of("later")
+    b["resume"] = b["resident"] + of("resume")
     b["peak"] = max(b["fwd_bwd"], b["first"], b["later"], b["resume"])
     b["fits"] = b["peak"] <= GPU_BYTES
     return b
@@ -223,15 +251,16 @@ def model_bytes(per: dict, params: int) -> dict:
 
 def render(per_row: dict, models: dict[str, int]) -> str:
     gb = lambda x: f"{x / 1e9:.1f}"  # noqa: E731
-    small = next(iter(per_row.values()))["numel"]
+    sizes = " and ".join(f"{n / 1e6:.0f}M" for n in next(iter(per_row.values()))["numel"])
     out = [
         "# Per-GPU memory of BERT pre-training (computed)",
         "",
         "Generated by `python -m bench.memory`. Not measured on a GPU. Bytes per parameter of each optimizer "
-        f"from the real optimizer objects on a small BERT ({small / 1e6:.1f}M parameters, the pre-training "
-        "model's layer types at hidden size 256) in a gloo group of 2 CPU processes, scaled by each model's "
-        "parameter count; fp16 mixed precision with fp32 master weights (fp32 parameters and gradients, "
-        f"autocast's fp16 weight copies, {AUTOCAST_COPY} bytes per parameter, from the forward to the end of "
+        f"from the real optimizer objects on BERTs of {sizes} parameters (the pre-training model's layer "
+        "types) in a gloo group of 2 CPU processes, carried to each model's parameter count by the line "
+        "through the two sizes (bytes = fixed + per parameter x parameters: buffers of bounded size, such as "
+        "the mask's scratch, are not charged per parameter); fp16 mixed precision with fp32 master weights "
+        f"(fp32 parameters and gradients, autocast's fp16 weight copies, {AUTOCAST_COPY} bytes per parameter, from the forward to the end of "
         "backward). Activations (micro-batch and sequence length), the CUDA context, NCCL's buffers and "
         "allocator fragmentation are excluded: the tables bound what the weights and the optimizer leave for "
         f"activations on an 80 GB A100 ({GPU_BYTES / 1e9:.0f}e9 bytes).",
@@ -246,11 +275,12 @@ def render(per_row: dict, models: dict[str, int]) -> str:
         "not measured: the buckets' pages are not resident until backward writes them). The transients are "
         "measured on the CPU: the peak resident memory during the step above the resident memory after it "
         "(first: the step that builds the state and, for SLAMB, averages the parameters; later: the fifth "
-        "step; resume: `load_state_dict` of the saved state, loaded to the CPU as the harness loads "
-        "checkpoints, then a step), averaged over the 2 ranks. On a GPU the loaded state is copied to the device by "
-        "`load_state_dict`, so the device holds what the CPU process holds here; gloo's collectives may stage "
-        "copies that NCCL's in-place ones do not make, so the transients of steps that communicate are upper "
-        "bounds.",
+        "step; resume: the larger of `load_state_dict` of the saved state and the step after it), averaged over "
+        "the 2 ranks. The saved state is loaded to the CPU, as the harness loads checkpoints; on a GPU run it "
+        "stays in host memory while the optimizers copy it into their device buffers, so its bytes are "
+        "subtracted from the load's peak. gloo's collectives may stage copies that NCCL's in-place ones do not "
+        "make, so the transients of steps that communicate are upper bounds. Each cell: bytes per parameter "
+        "+ the fixed part (MB), from the two sizes.",
         "",
         "| optimizer | state | scratch | DDP buckets (bucket view) | first step | later step | resume |",
         "|---|---:|---:|---|---:|---:|---:|",
@@ -258,8 +288,9 @@ def render(per_row: dict, models: dict[str, int]) -> str:
     for name, p in per_row.items():
         buckets = ("no DDP" if not p["ddp"] else
                    f"{0 if p['bucket_view'] else WORD} ({'yes' if p['bucket_view'] else 'no'})")
-        out.append(f"| {name} | {p['state']:.2f} | {p['scratch']:.2f} | {buckets} | {p['first']:.2f} | "
-                   f"{p['later']:.2f} | {p['resume']:.2f} |")
+        cell = {k: f"{p[k]:.2f} + {p.get(k + '_fixed', 0.0) / 1e6:.0f} MB" for k in PHASES}
+        out.append(f"| {name} | {cell['state']} | {cell['scratch']} | {buckets} | {cell['first']} | "
+                   f"{cell['later']} | {cell['resume']} |")
     for model, params in models.items():
         out += ["", f"## {model} ({params / 1e6:,.0f}M parameters), GB per GPU", "",
                 "| optimizer | parameters | gradients | DDP buckets | state | scratch | resident | forward/backward "

@@ -145,6 +145,12 @@ ROWS = {
     "SLAMB": {"cifar10": ["experiment=cifar10/demo_slamb"],
               "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
                        "optimizer.min_compress_numel=2000"]},
+    # the fused step (torch.compile'd passes): its optimizer time beside the multi-tensor step's
+    "LAMB fused": {"cifar10": ["experiment=cifar10/demo_lamb", "optimizer.fused=true"],
+                   "bert": ["experiment=bert/phase1_lamb", "optimizer.fused=true"]},
+    "SLAMB fused": {"cifar10": ["experiment=cifar10/demo_slamb", "optimizer.fused=true"],
+                    "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
+                             "optimizer.min_compress_numel=2000", "optimizer.fused=true"]},
     "SLAMB+overlap": {"cifar10": ["experiment=cifar10/demo_slamb", "optimizer.overlap=true"],
                       "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
                                "optimizer.min_compress_numel=2000", "optimizer.overlap=true"]},
@@ -234,7 +240,7 @@ def run_overrides(pipeline: str, row: str, hosts: int, length: int, data_dir: Pa
             out.append(f"optimizer.freeze_step={freeze}")
         if row == "PowerSGD":  # torch's hook needs > 1 with error feedback and warm start
             out.append(f"optimizer.start_powerSGD_iter={max(2, spe if steady else spe * e // 5)}")
-        if steady and row in ("SLAMB", "SLAMB+overlap", HIER):
+        if steady and row in ("SLAMB", "SLAMB fused", "SLAMB+overlap", HIER):
             out.append("optimizer.compression_warmup=null")
         if steady and row == "DGC":
             out.append("optimizer.warmup_densities=[]")
@@ -438,6 +444,9 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
         "step_time_s": sum(h["step_time_s"] * (h["step"] - g["step"]) for g, h in zip(history, measured)) / steps,
         # spread of the per-period step times: how far one period's figure can be trusted on a shared machine
         "step_time_spread_s": statistics.stdev([h["step_time_s"] for h in measured]) if len(measured) > 1 else None,
+        # the optimizer's share of step_time_s (its step, communication included), where the pipeline logs it
+        "optimizer_time_s": (sum(h["optimizer_time_s"] * (h["step"] - g["step"]) for g, h in zip(history, measured))
+                             / steps if all("optimizer_time_s" in h for h in measured) else None),
         "ledger_payload_bytes_per_step": mean("payload"),
         "ledger_wire_bytes_per_step": mean("wire"),
         "ledger_calls_per_step": mean("calls"),
@@ -690,6 +699,11 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          "model sync every H steps is counted at its share whether or not a period holds one. '± x' is the standard "
          "deviation of the per-period step times: the machine's 2 cores are shared with other jobs, so differences "
          "smaller than that (negative communication times included) are noise.",
+         "- **Optimizer step**: the time in the pipeline's optimizer step (`amp.step`: unscaling, the "
+         "non-finite check, `optimizer.step()` with every collective it makes: SLAMB's momentum exchange and "
+         "parameter syncs, 1-bit LAMB's compressed all-reduce), per step, as logged by the pipeline "
+         "(`optimizer_time_s`); on the unlimited link it is the step's computation, the rest of compute-only is "
+         "forward and backward (DDP's gradient all-reduce, for the rows that send gradients, included).",
          "- **Timing runs** (recipe `steady`, CIFAR-10): a few epochs with the communication schedules at their final "
          "value from the start (SLAMB k = 0.1 without the compression warm-up, DGC density 0.001 without its "
          "warm-up, 1-bit LAMB compressed after epoch 1, which is not measured). **Full runs** (recipe `full`): the "
@@ -766,11 +780,12 @@ def render(raw: dict, out_md: Path) -> list[Path]:
         if not rows:
             continue
         L += [f"## {pipeline} ({rows[0]['model']}, {rows[0]['params']:,} parameters)", "",
-              "| hosts | rate (Mbit/s) | optimizer | run | step (ms) | compute-only (ms) | comm (ms) | "
+              "| hosts | rate (Mbit/s) | optimizer | run | step (ms) | compute-only (ms) | optimizer step (ms) | "
+              "comm (ms) | "
               "ledger payload (kB/step) | ledger wire (kB/step) | link raw (kB/step) | link payload (kB/step) | "
               "payload / ledger wire | collectives per step | extra bytes per collective | TCP retrans | final acc | "
               "time to target (s) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in sorted(rows, key=lambda r: (r["hosts"], r["rate_mbit"] or math.inf, list(ROWS).index(r["optimizer"]))):
             ratio = (r["link_tx_payload_bytes_per_step"] / r["ledger_wire_bytes_per_step"]
                      if r["ledger_wire_bytes_per_step"] > 0 else None)
@@ -778,7 +793,8 @@ def render(raw: dict, out_md: Path) -> list[Path]:
             extra = ((r["link_tx_payload_bytes_per_step"] - r["ledger_wire_bytes_per_step"]) / calls
                      if calls else None)
             L.append(f"| {r['hosts']} | {_rate(r['rate_mbit'])} | {r['optimizer']} | {r['recipe']}, {r['length']} {r['length_unit']} | "
-                     f"{r['step_time_s'] * 1e3:.1f} ± {_fmt(_ms(r.get('step_time_spread_s')), '.0f')} | {_fmt(_ms(r['compute_time_s']), '.1f')} | {_fmt(_ms(r['comm_time_s']), '.1f')} | "
+                     f"{r['step_time_s'] * 1e3:.1f} ± {_fmt(_ms(r.get('step_time_spread_s')), '.0f')} | {_fmt(_ms(r['compute_time_s']), '.1f')} | "
+                     f"{_fmt(_ms(r.get('optimizer_time_s')), '.1f')} | {_fmt(_ms(r['comm_time_s']), '.1f')} | "
                      f"{r['ledger_payload_bytes_per_step'] / 1e3:.1f} | {r['ledger_wire_bytes_per_step'] / 1e3:.1f} | "
                      f"{r['link_tx_bytes_per_step'] / 1e3:.1f} | {r['link_tx_payload_bytes_per_step'] / 1e3:.1f} | "
                      f"{_fmt(ratio, '.4f')} | {_fmt(calls, '.1f')} | {_fmt(extra, '.0f')} | "

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 
@@ -55,7 +56,7 @@ class MixedPrecision:
 
     def __init__(self, precision: str, device: torch.device, *, init_scale: float = 2.0 ** 16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
-                 optimizer=None):
+                 optimizer=None, time_steps: bool | None = None):
         check_choice("trainer.precision", precision, PRECISIONS)
         check_range("init_scale", init_scale, 0.0, lo_open=True)
         check_range("growth_factor", growth_factor, 1.0, lo_open=True)
@@ -70,6 +71,11 @@ class MixedPrecision:
         # told the scale before backward: an optimizer whose DDP hook sends what backward gives (SLAMB's overlap)
         self.told = optimizer if self.scaling and getattr(optimizer, "overlap", False) else None
         self._told_scale: float | None = None  # the scale it was told; None: read it at the next backward
+        # seconds in step() (the optimizer's share of the step time, logged as optimizer_time_s): free on the
+        # CPU, where every op has finished when it returns; elsewhere only with time_steps=True, which waits
+        # for the device before and after each step
+        self.time_steps = self.device.type == "cpu" if time_steps is None else bool(time_steps)
+        self.step_seconds = 0.0
 
     @property
     def scale(self) -> float:
@@ -92,8 +98,23 @@ class MixedPrecision:
     def step(self, optimizer, params, *, clip_grad: float | None = None) -> tuple[bool, torch.Tensor | None]:
         """Unscale, agree on skipping, clip, ``optimizer.step()``; returns (skipped, gradient norm or None).
 
-        No host sync unless loss scaling is on (the agreed decision needs one).
+        No host sync unless loss scaling is on (the agreed decision needs one) or ``time_steps`` waits for
+        an accelerator.
         """
+        if not self.time_steps:
+            return self._step(optimizer, params, clip_grad)
+        wait = self.device.type != "cpu"
+        if wait:
+            torch.accelerator.synchronize()
+        tic = time.perf_counter()
+        try:
+            return self._step(optimizer, params, clip_grad)
+        finally:
+            if wait:
+                torch.accelerator.synchronize()
+            self.step_seconds += time.perf_counter() - tic
+
+    def _step(self, optimizer, params, clip_grad):
         params = list(params)
         if self.scaling:
             # the decision precedes every collective of optimizer.step(): all ranks enter it, or none

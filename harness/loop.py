@@ -106,6 +106,7 @@ class Loop:
         self.tic = time.perf_counter()
         self.train_time: float | None = None
         self.skipped_before = self.amp.skipped_steps if self.amp is not None else 0
+        self.optimizer_before = self.amp.step_seconds if self.amp is not None else 0.0
         for hook in PERIOD_HOOKS:
             hook(self, "begin")
 
@@ -140,6 +141,8 @@ class Loop:
                "lr": opt.param_groups[0]["lr"], **{k: getattr(opt, k) for k in SCHEDULED if hasattr(opt, k)}}
         if self.amp is not None:
             row.update(loss_scale=self.amp.scale, skipped_steps=self.amp.skipped_steps - self.skipped_before)
+            if self.amp.time_steps:  # the optimizer's share of step_time_s (its communication included)
+                row["optimizer_time_s"] = (self.amp.step_seconds - self.optimizer_before) / steps
         per_s = steps * self.global_batch / self.train_time
         row.update({**comm_metrics(bytes_now, self.bytes_before), "period_steps": steps,
                     "step_time_s": self.train_time / steps, self.throughput: per_s,
@@ -180,6 +183,7 @@ class Loop:
         """Write and return the run summary: the common fields, then the pipeline's ``fields``."""
         history = self.history()
         seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
+        steps = sum(h["period_steps"] for h in history)
         model = unwrap(self.model)
         summary = {
             "name": self.cfg.name, "optimizer": self.cfg.optimizer.name, "world_size": self.env.world_size,
@@ -188,10 +192,14 @@ class Loop:
             "compressed_share": compressed_share(self.optimizer, model), **fields,
             # over every logged period of the run, resumed attempts included; a name of its own, as wandb's
             # run summary keeps the last logged value of a history column over an update of the same key
-            f"mean_{self.throughput}": sum(h["period_steps"] for h in history) * self.global_batch / seconds
+            f"mean_{self.throughput}": steps * self.global_batch / seconds
             if seconds > 0 else math.nan,
             "bytes_total": comm_totals(self.optimizer),
             "wall_time_s": sum(h["epoch_time_s"] for h in history),
+            # per training step over the logged periods: the whole step, and the optimizer's share of it
+            "mean_step_time_s": seconds / steps if steps else math.nan,
+            "mean_optimizer_time_s": (sum(h["period_steps"] * h["optimizer_time_s"] for h in history) / steps
+                                      if steps and all("optimizer_time_s" in h for h in history) else None),
             "resumed_from": self.resumed_from, "run_dir": self.run_dir, "paper": self.plain.get("paper"),
         }
         self.log.finish(summary)

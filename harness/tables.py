@@ -218,6 +218,8 @@ def comparison_rows(runs: list[dict]) -> list[dict]:
             "bytes_by_kind": {k: stat(x["bytes_total"].get(k, 0) for x in s)[0]
                               for k in sorted({k for x in s for k in x["bytes_total"]})},
             "wall_time_s": stat(x.get("wall_time_s") for x in s)[0],
+            "step_time_s": stat(x.get("mean_step_time_s") for x in s)[0],
+            "optimizer_time_s": stat(x.get("mean_optimizer_time_s") for x in s)[0],
             "runs": len(members), "seeds": sorted(m["config"].get("seed") for m in members),
             "epochs": s[0].get("epochs"), "workers": s[0].get("world_size"), "global_batch": s[0].get("global_batch"),
             "params": s[0].get("params"), "compressed_share": s[0].get("compressed_share"),

@@ -17,20 +17,42 @@ def _floating(tensors) -> list[torch.Tensor]:
     return [t for t in tensors if t is not None and t.is_floating_point()]
 
 
+# bytes staged per all-reduce: one flat copy of a whole model would be a second copy of it in memory
+BUCKET_BYTES = 64 << 20
+
+
+def _buckets(tensors, cap: int):
+    bucket, size = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        if bucket and size + nbytes > cap:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(t)
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
 @torch.no_grad()
 def average_tensors_(tensors, *, process_group=None, ledger: comm.CommLedger | None = None,
-                     kind: str = "params") -> None:
-    """Replace every tensor by its mean over the ranks: one flat all-reduce per (device, dtype)."""
+                     kind: str = "params", bucket_bytes: int = BUCKET_BYTES) -> None:
+    """Replace every tensor by its mean over the ranks: per (device, dtype), one all-reduce per bucket of at
+    most ``bucket_bytes`` (a larger tensor is reduced in place, alone)."""
     if comm.world_size(process_group) == 1:
         return
     by_key: dict[tuple, list[torch.Tensor]] = {}
     for t in tensors:
         by_key.setdefault((t.device, t.dtype), []).append(t)
     for members in by_key.values():
-        flat = torch.cat([t.reshape(-1) for t in members])
-        comm.all_reduce_mean_(flat, kind=kind, ledger=ledger, group=process_group)
-        torch._foreach_copy_(members, [v.view_as(t) for v, t in
-                                       zip(flat.split([t.numel() for t in members]), members)])
+        for bucket in _buckets(members, bucket_bytes):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                comm.all_reduce_mean_(bucket[0].view(-1), kind=kind, ledger=ledger, group=process_group)
+                continue
+            flat = torch.cat([t.reshape(-1) for t in bucket])
+            comm.all_reduce_mean_(flat, kind=kind, ledger=ledger, group=process_group)
+            torch._foreach_copy_(bucket, [v.view_as(t) for v, t in zip(flat.split([t.numel() for t in bucket]),
+                                                                        bucket)])
 
 
 def model_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[torch.Tensor]:

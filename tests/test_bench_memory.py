@@ -87,11 +87,20 @@ def test_two_rank_measurement_of_the_real_optimizers():
     tiny_bert = dict(vocab_size=512, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
                      intermediate_size=64, max_position_embeddings=64, type_vocab_size=2)
     tensors = len(list(BertForPreTraining(BertConfig(**tiny_bert)).parameters()))
-    got = memory.measure_rows(["lamb", "slamb_v2"], tiny_bert)
-    numel = got["lamb"]["numel"]
-    assert got["lamb"]["state"] * numel == pytest.approx(2 * 4 * numel + 4 * tensors)  # m, v; step counters
-    assert got["slamb_v2"]["state"] == 10.0  # m, v and an int16 age
+    wider = {**tiny_bert, "hidden_size": 64, "intermediate_size": 128}
+    wider_tensors = len(list(BertForPreTraining(BertConfig(**wider)).parameters()))
+    assert wider_tensors == tensors
+    got = memory.measure_rows(["lamb", "slamb_v2"], (tiny_bert, wider))
+    assert got["lamb"]["state"] == pytest.approx(8.0)  # m, v per parameter ...
+    assert got["lamb"]["state_fixed"] == pytest.approx(4 * tensors)  # ... and a step counter per tensor
+    assert got["slamb_v2"]["state"] == pytest.approx(10.0)  # m, v and an int16 age
+    assert got["slamb_v2"]["state_fixed"] == pytest.approx(0.0, abs=1e-6)
     assert got["slamb_v2"]["scratch"] >= 8.0  # its update buffers at least
+    for row in got.values():  # the line goes through what was measured at both sizes
+        for n, measured in zip(row["numel"], row["measured"]):
+            b = memory.model_bytes(row, n)
+            assert b["state"] == pytest.approx(measured["state"]) and b["scratch"] == pytest.approx(measured["scratch"])
+            assert b["resume"] - b["resident"] == pytest.approx(measured["resume"])
     assert got["slamb_v2"]["bucket_view"] is True  # DDP sends nothing for SLAMB: no bucket copy of the gradients
     for row in got.values():
         assert row["ddp"] is True and isinstance(row["bucket_view"], bool)

@@ -1,5 +1,5 @@
-"""``fused=True``: SLAMB's steps 5-7 and LAMB's step compiled by ``torch.compile``, against the paths
-that run eagerly. The models are the small ones of tests/test_slamb.py (compressed, small always-averaged
+"""``fused=True``: SLAMB's and LAMB's steps as the two compiled passes of ``slamb.optim.fused``, against
+the paths that run eagerly. The models are the small ones of tests/test_slamb.py (compressed, small always-averaged
 and 1-D tensors in two parameter groups of different hyper-parameters), in float32, so the compiled
 graphs are few and quick to build."""
 from __future__ import annotations
@@ -21,6 +21,7 @@ CONFIGS = [
     dict(variant="v2"),
     dict(variant="v1", mask="bernoulli"),
     dict(variant="v2", mask="cyclic", comm_dtype=torch.float16),
+    dict(variant="v2", beta3=0.0),  # r = 0^age: 1 where averaged now, else 0
 ]
 
 
@@ -129,22 +130,54 @@ def test_fused_step_reads_less_from_the_host(monkeypatch):
     assert counts["fused"] == {"tolist": 1, "scalar": 1, "from_host": 1}
 
 
+def fused_worker(rank, world):
+    """Two steps on two ranks with the host reads of the second counted (its exchange included)."""
+    import pytest as _pytest
+
+    params, opt = fresh(variant="v1", nonfinite="ignore", fused=True)
+    advance(params, opt, [1, 2], rank)
+    for i, p in enumerate(params):
+        p.grad = grad_of(p.detach().double(), rank, 3, i).float()
+    with _pytest.MonkeyPatch.context() as m:
+        return host_reads(opt.step, m)
+
+
+def test_fused_step_with_an_exchange_copies_nothing_from_the_host():
+    for counts in distributed.run(fused_worker, 2):
+        assert counts == {"tolist": 1, "scalar": 1, "from_host": 1}
+
+
 def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatch):
     def broken(fn, **kw):
         def raise_(*args, **kwargs):
             raise RuntimeError("no C++ compiler found")
         return raise_
 
-    runs = {}
-    for path, kw in (("foreach", {}), ("fused", dict(fused=True))):
-        params, opt = fresh(variant="v1", **kw)
-        with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            m.setattr(torch, "compile", broken)
-            advance(params, opt, range(1, 4))
-        runs[path] = (params, [str(w.message) for w in caught if "fused=True" in str(w.message)])
-    assert len(runs["fused"][1]) == 1 and "no C++ compiler found" in runs["fused"][1][0]
-    for a, b in zip(runs["fused"][0], runs["foreach"][0]):
+    for variant in ("v1", "v2"):
+        runs = {}
+        for path, kw in (("foreach", {}), ("fused", dict(fused=True))):
+            params, opt = fresh(variant=variant, **kw)
+            with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                m.setattr(torch, "compile", broken)
+                advance(params, opt, range(1, 4))
+            runs[path] = (params, [str(w.message) for w in caught if "fused=True" in str(w.message)], opt)
+        assert len(runs["fused"][1]) == 1 and "no C++ compiler found" in runs["fused"][1][0]
+        assert runs["fused"][2].fused is False  # it said so, and runs the multi-tensor path
+        for a, b in zip(runs["fused"][0], runs["foreach"][0]):
+            assert torch.equal(a, b)
+        ages = [[s["staleness"] for s in r[2].state_dict()["state"].values()] for r in (runs["fused"], runs["foreach"])]
+        assert all(torch.equal(a, b) for a, b in zip(*ages))
+
+    params, opt = fresh_lamb(fused=True)
+    ref_params, ref = fresh_lamb()
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.setattr(torch, "compile", broken)
+        advance(params, opt, range(1, 4))
+    advance(ref_params, ref, range(1, 4))
+    assert len([w for w in caught if "LAMB(fused=True)" in str(w.message)]) == 1
+    for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
 
 
@@ -155,13 +188,17 @@ def test_fused_with_foreach_false_is_refused():
         slamb.LAMB([torch.nn.Parameter(torch.ones(3))], fused=True, foreach=False)
 
 
+def fresh_lamb(**kw):
+    params = [torch.nn.Parameter(p.float()) for p in init_params()]
+    return params, slamb.LAMB([{"params": params[:2], "weight_decay": 0.01},
+                               {"params": params[2:], "lr": 0.02, "betas": (0.8, 0.99), "bias_correction": False,
+                                "trust_clamp": (0.01, 0.3)}], lr=0.01, **kw)
+
+
 def test_lamb_fused_equals_lamb_foreach():
     runs = {}
     for fused in (False, True):
-        params = [torch.nn.Parameter(p.float()) for p in init_params()]
-        opt = slamb.LAMB([{"params": params[:2], "weight_decay": 0.01},
-                          {"params": params[2:], "lr": 0.02, "betas": (0.8, 0.99), "bias_correction": False,
-                           "trust_clamp": (0.01, 0.3)}], lr=0.01, fused=fused)
+        params, opt = fresh_lamb(fused=fused)
         advance(params, opt, range(1, STEPS + 1))
         runs[fused] = params
     for a, b in zip(runs[True], runs[False]):
@@ -170,12 +207,13 @@ def test_lamb_fused_equals_lamb_foreach():
 
 
 def test_runs_of_the_same_shapes_share_a_graph():
-    """30 tensors of one shape compile two graphs (runs of 12, 12 and 6 tensors), and match the reference."""
+    """30 tensors of one shape compile two graphs per pass (runs of 12, 12 and 6 tensors), and match the
+    reference."""
     from torch._dynamo.utils import counters
 
-    from slamb.optim.slamb import _CHUNK
+    from slamb.optim.fused import CHUNK
 
-    assert _CHUNK == 12
+    assert CHUNK == 12
     runs = {}
     for kw in (dict(fused=True), dict(foreach=False)):
         gen = torch.Generator().manual_seed(0)
@@ -187,7 +225,7 @@ def test_runs_of_the_same_shapes_share_a_graph():
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
         runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
-    assert runs[True][1] == 2 and runs[False][1] == 0
+    assert runs[True][1] == 4 and runs[False][1] == 0
     for a, b in zip(runs[True][0], runs[False][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -206,3 +244,33 @@ def test_each_compiled_graph_has_its_own_recompile_limit():
     fns = [compile_once(scale, k=float(k)) for k in range(10)]
     assert [float(f(torch.ones(3))[0]) for f in fns] == [float(k) for k in range(10)]
     assert counters["stats"]["unique_graphs"] - graphs == 10
+
+
+@pytest.mark.parametrize("first, then", [(dict(fused=True), {}), ({}, dict(fused=True))])
+def test_a_checkpoint_moves_between_the_fused_and_the_multi_tensor_paths(first, then):
+    """The fused path keeps its age in two byte planes and saves the int16 counter: a checkpoint of
+    either path resumes on the other, and ages near the counter's end (high byte 127) stay exact."""
+    params, opt = fresh(variant="v2", **first)
+    advance(params, opt, range(1, 4))
+    saved = opt.state_dict()
+    for s in saved["state"].values():
+        assert s["staleness"].dtype == torch.int16
+        s["staleness"] = torch.where(s["staleness"] > 0, fused_max_age() - 2 - s["staleness"], 0).to(torch.int16)
+    ends = {}
+    for kw in (first, then):
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt2 = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw)
+        opt2.load_state_dict(saved)
+        advance(resumed, opt2, range(4, 8))
+        ends[str(kw)] = (resumed, [s["staleness"] for s in opt2.state_dict()["state"].values()])
+    (a_params, a_ages), (b_params, b_ages) = ends.values()
+    for a, b in zip(a_params, b_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert all(torch.equal(a, b) for a, b in zip(a_ages, b_ages))
+    assert max(int(a.max()) for a in a_ages) == fused_max_age()  # some entries reached the end and stayed
+
+
+def fused_max_age():
+    from slamb.optim.fused import MAX_AGE
+
+    return MAX_AGE

@@ -9,15 +9,16 @@ biases and LayerNorm in a group with ``weight_decay=0``.
 """
 from __future__ import annotations
 
-import warnings
+import math
 
 import torch
 from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
+from . import fused as fused_passes
 from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
-                      compile_once, nonfinite_skip, safe_ratio)
+                      nonfinite_skip, safe_ratio)
 
 
 def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:
@@ -58,62 +59,44 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
-_HYPER = ("t", "lr", "b1", "b2", "eps", "wd")
-# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and runs of
-# the same shapes (a network's repeated blocks) share one graph
-_CHUNK = 12
-
-
-def _fused_body(params, grads, ms, vs, hyper, *, bias_correction, trust_clamp):
-    """:func:`lamb_reference` over a run of tensors of one group, traced by ``torch.compile``; ``hyper``: the
-    group's row of ``_HYPER``."""
-    h = dict(zip(_HYPER, hyper.unbind()))
-    for p, g, m, v in zip(params, grads, ms, vs):
-        lamb_reference(p, g, m, v, bias_correction=bias_correction, trust_clamp=trust_clamp, **h)
-
-
-def lamb_fused(fused: dict, todo) -> bool:
-    """The step of every group (``todo``: per group its params, grads, moments and hyper-parameters) as
-    compiled graphs over runs of at most ``_CHUNK`` tensors, one graph per distinct run of shapes and group
-    options, each compiled once; the hyper-parameters travel in a tensor, so a new lr or t reuses them.
-    ``fused``: the optimizer's cache. Returns False where ``torch.compile`` failed before any tensor
-    changed (warned once): the caller runs the multi-tensor path."""
-    if fused.get("failed"):
+def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
+    """The step of every group (``todo``: per group its params, grads, moments and hyper-parameters) as the
+    two compiled passes of :mod:`slamb.optim.fused`. Returns False where ``torch.compile`` failed before any
+    tensor changed: the caller runs the multi-tensor path."""
+    if passes.failed is not None:
         return False
-    graphs, compiled = fused.setdefault("graphs", {}), fused.setdefault("compiled", set())
-    hyper = fused.get("hyper")
-    if hyper is None or hyper.shape[0] != len(todo):
-        hyper = fused["hyper"] = torch.zeros(len(todo), len(_HYPER), dtype=torch.float64, device=todo[0][0][0].device)
-    rows = torch.tensor([[float(h[k]) for k in _HYPER] for *_, h in todo], dtype=torch.float64)
-    hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
-    first = True
-    for gi, (params, gs, ms, vs, h) in enumerate(todo):
-        for a in range(0, len(params), _CHUNK):
-            b = min(a + _CHUNK, len(params))
-            key = (tuple(p.shape for p in params[a:b]), h["bias_correction"], h["trust_clamp"])
-            if key not in graphs:
-                graphs[key] = compile_once(_fused_body, bias_correction=key[1], trust_clamp=key[2])
-            args = (params[a:b], gs[a:b], ms[a:b], vs[a:b], hyper[gi])
-            try:  # the compile runs in the first call, before the graph touches any tensor
-                graphs[key](*args)
-            except Exception as e:
-                if key in compiled:
-                    raise
-                fused["failed"] = True
-                warnings.warn(f"LAMB(fused=True): torch.compile failed ({type(e).__name__}: "
-                              f"{str(e).splitlines()[0] if str(e) else ''}); this optimizer runs the multi-tensor "
-                              "path instead (the same numbers, more kernel launches). Install a C++ compiler (CPU) "
-                              "or Triton (GPU), or construct it with fused=False.", stacklevel=3)
-                if first:
-                    return False
-                for p, g, m, v in zip(params[a:], gs[a:], ms[a:], vs[a:]):  # finish this step's others
-                    lamb_reference(p, g, m, v, **h)
-                for params2, gs2, ms2, vs2, h2 in todo[gi + 1:]:
-                    for p, g, m, v in zip(params2, gs2, ms2, vs2):
-                        lamb_reference(p, g, m, v, **h2)
-                return True
-            compiled.add(key)
-            first = False
+    params, grads, ms, vs, rows, index = [], [], [], [], [], []
+    for g, (ps, gs, m, v, h) in enumerate(todo):
+        params += ps
+        grads += gs
+        ms += m
+        vs += v
+        index += [g] * len(ps)
+        c, eps = bias_folding(h["t"], h["b1"], h["b2"], h["eps"]) if h["bias_correction"] else (1.0, h["eps"])
+        lo, hi = h["trust_clamp"] or (0.0, math.inf)
+        rows.append([1 - h["b1"], h["b2"], 1 - h["b2"], c, eps, h["wd"], h["lr"], lo, hi])
+    device = params[0].device
+    cols = fused_passes.table(rows, torch.tensor(index, device=device), device).unbind(1)
+    bounds, first = [], 0
+    for ps, *_ in todo:
+        bounds.append((first, first + len(ps)))
+        first += len(ps)
+    runs = fused_passes.runs(bounds)
+    moment_table = torch.stack(cols[:6], 1)
+
+    passes.begin_step()
+    try:
+        sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], None, None,
+                                 moment_table[a:b]) for a, b in runs])
+    except fused_passes.CompileFailed:
+        return False
+    p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
+    ratio = safe_ratio(p_norm, u_norm, 1.0)
+    trust = torch.where((p_norm > 0) & (u_norm > 0), ratio.clamp(cols[7], cols[8]), ratio)  # as trust_ratio
+    zeros, inf = torch.zeros_like(trust), torch.full_like(trust, math.inf)
+    table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
+    for a, b in runs:
+        passes(fused_passes.update_pass, params[a:b], ms[a:b], vs[a:b], None, None, table[a:b])
     return True
 
 
@@ -124,9 +107,9 @@ class LAMB(ContractDefaults, Optimizer):
     Gradients must already be averaged (use :func:`slamb.wrap_model`, whose DDP
     hook records the gradient bytes in ``self.ledger``). ``nonfinite`` as in
     :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
-    the decision is too. ``fused=True`` compiles the step of every group into one graph
-    (``torch.compile``, once): the same numbers to rounding, fewer kernels; it warns once and runs the
-    multi-tensor path where ``torch.compile`` fails.
+    the decision is too. ``fused=True`` runs the step as two compiled passes
+    (:mod:`slamb.optim.fused`, ``torch.compile``): the same numbers to rounding, no model-sized temporary;
+    it warns once and runs the multi-tensor path where ``torch.compile`` fails.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
@@ -143,7 +126,7 @@ class LAMB(ContractDefaults, Optimizer):
         super().__init__(params, defaults)
         self.foreach = True if foreach is None else foreach
         self.fused = fused
-        self._fused: dict = {}  # the compiled graphs
+        self._passes = fused_passes.Passes("LAMB")  # the compiled graphs of fused=True
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
@@ -189,7 +172,7 @@ class LAMB(ContractDefaults, Optimizer):
                          trust_clamp=group["trust_clamp"])
             todo.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
                          [s["exp_avg_sq"] for s in states], hyper))
-        if self.fused and lamb_fused(self._fused, todo):
+        if self.fused and lamb_fused(self._passes, todo):
             todo = []
         for params, gs, ms, vs, hyper in todo:
             if self.foreach:

@@ -73,16 +73,16 @@ from ..schedules import check_compression_warmup, compression_ratio
 from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from ._common import (adam_direction_, adam_moments_, bias_folding, check_adam_group, check_choice, check_range,
-                      compile_once, safe_ratio)
+                      safe_ratio)
+from . import fused as fused_passes
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
 from .overlap import OverlapState, discard, grads_changed, launch, overlap_hook
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
-# the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
-# age, where b3^age is 0 in fp32 for b3 <= 0.997
-_MAX_AGE = 2**15 - 1
+# the per-element state of step 6: steps since the last average (int16, or two bytes in the fused path)
+_MAX_AGE = fused_passes.MAX_AGE
 # first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
 _ALIKE_STEPS = 3
 
@@ -121,6 +121,18 @@ def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max,
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
+def _planes_of_age(age: torch.Tensor) -> torch.Tensor:
+    """The fused path's (low, high) byte planes of an int16 age."""
+    age = age.to(torch.int32)
+    return torch.stack([age & 255, age >> 8]).to(torch.uint8)
+
+
+def _age_of_planes(planes: torch.Tensor) -> torch.Tensor:
+    """The int16 age of the fused path's byte planes; an entry marked for averaging is 0."""
+    low, high = planes.to(torch.int16).unbind(0)
+    return torch.where(high == fused_passes.SELECTED, 0, low + (high << 8)).to(torch.int16)
+
+
 class SlambLayout:
     """The flat layout with what steps 5-7 read of it besides the step's buffers: which tensors are always
     averaged, and per-parameter views of the long-lived flat buffers (made once: a model with hundreds of
@@ -137,8 +149,19 @@ class SlambLayout:
             self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
                                                         device=layout.device))
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self.fused: dict[tuple[str, int], _Fused] = {}
-        self.fallback_work: list[torch.Tensor] | None = None  # the multi-tensor scratch, where compiling failed
+        self._index: dict[tuple[int, ...], torch.Tensor] = {}
+        # the fused path's runs of tensors, their compiled passes, and each tensor's group (in ``layout.groups``)
+        self.runs = fused_passes.runs([(lo, hi) for _, lo, hi in layout.groups])
+        self.passes = fused_passes.Passes("SLAMB")
+        self.group_index = torch.tensor([g for g, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)],
+                                        device=layout.device)
+
+    def index(self, ids: list[int]) -> torch.Tensor:
+        """``ids`` as a tensor on the device, made once per distinct list."""
+        key = tuple(ids)
+        if key not in self._index:
+            self._index[key] = torch.tensor(ids, device=self.layout.device)
+        return self._index[key]
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
@@ -160,8 +183,24 @@ def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
     return selected, rest.masked_fill_(plan.dense_t[lo:hi], 0.0)
 
 
-def _single_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
-    """Steps 5-7, tensor by tensor, with the reference functions."""
+def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
+    """Step 2 on the flat buffers."""
+    ms, vs = plan.views(m), plan.views(v)
+    for lo, hi, hyper in groups:
+        adam_moments_(ms[lo:hi], vs[lo:hi], grads[lo:hi], hyper["b1"], hyper["b2"], foreach=foreach)
+
+
+def _advance_age(age: torch.Tensor, sel: Selection) -> None:
+    """Step 6 on the age: 0 where averaged now, else one more (held at ``_MAX_AGE``)."""
+    age.clamp_max_(_MAX_AGE - 1).add_(1)
+    sel.fill_(age, 0)
+
+
+def _single_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+    """Steps 2 and 4-7, tensor by tensor, with the reference functions."""
+    _moments(plan, grads, m, v, groups, foreach=False)
+    exchange()
+    _advance_age(age, sel)
     mask = plan.layout.views(sel.bool_mask())
     reference = v1_reference if variant == "v1" else v2_reference
     for lo, hi, hyper in groups:
@@ -251,8 +290,12 @@ def _v2_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, 
     return torch.stack([phi_s * lr - base, base]) * -c, update
 
 
-def _multi_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
-    """Steps 5-7 on flat buffers (the rewrites of the module docstring); ``work``: the scratch buffers."""
+def _multi_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+    """Steps 2 and 4-7 with multi-tensor ops on flat buffers (the rewrites of the module docstring); ``work``:
+    the scratch buffers."""
+    _moments(plan, grads, m, v, groups, foreach=True)
+    exchange()
+    _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
     deferred = [flat(plan, sel, lo, hi, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
     # every group's scalars in one host read: a group's update changes nothing another reads
@@ -263,98 +306,88 @@ def _multi_tensor_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
         update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
 
-_HYPER = ("t", "lr", "b1", "b2", "eps", "wd", "b3", "c_min", "c_max")
+def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+    """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused`: moments, age and the norms
+    in the first, the update in the second; between them, the norms of the averaged entries are redone on
+    the averages (a fraction k of the entries). ``age``: the two byte planes of ``fused.py``. No scratch,
+    no host read. Raises ``fused.CompileFailed`` where the first graph failed to compile: nothing has
+    changed but the marks, which step 6 makes 0 on any path."""
+    layout, passes = plan.layout, plan.passes
+    lows, highs = plan.views(age[0]), plan.views(age[1])
+    ms, vs = plan.views(m), plan.views(v)
+    sel.fill_(age[1], fused_passes.SELECTED)  # pass 1 splits the norms at these marks and makes them 0
+    rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
+    cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
+    moment_table = torch.stack([cols[k] for k in fused_passes.MOMENT_COLUMNS], 1)
+    params = plan.params
+
+    passes.begin_step()
+    sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], lows[a:b],
+                             highs[a:b], moment_table[a:b]) for a, b in plan.runs])
+    p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
+
+    u_s = u_s.clone()
+    per_tensor = [rows[g] for g, (lo, hi, _) in enumerate(groups) for _ in range(lo, hi)]
+    c_at, eps_at, wd_at = (_FUSED_COLUMNS.index(k) for k in ("c", "eps", "wd_norm"))
+    for ids, mean in exchange():  # step 4 ended: the norms of the averaged entries, on the averages
+        den = torch._foreach_sqrt(sel.take([vs[i] for i in ids], ids))
+        torch._foreach_add_(den, [per_tensor[i][eps_at] for i in ids])
+        u = torch._foreach_div(list(mean.split([sel.counts[i] for i in ids])), den)
+        torch._foreach_mul_(u, [per_tensor[i][c_at] for i in ids])
+        wd = [per_tensor[i][wd_at] for i in ids]
+        if any(wd):
+            torch._foreach_add_(u, torch._foreach_mul(sel.take([params[i] for i in ids], ids), wd))
+        u_s.index_copy_(0, plan.index(ids), torch.stack(torch._foreach_norm(u)))
+
+    lr, c_min, c_max = cols["lr"], cols["c_min"], cols["c_max"]
+    inf = torch.full_like(lr, math.inf)
+    if variant == "v1":
+        phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
+        one_dim = plan.one_dim_t
+        a = torch.where(one_dim, phi_s, phi_l)  # a 1-D tensor is plain LAMB: no clamp, no blending
+        b = torch.where(one_dim, 0.0, phi_s - phi_l)
+        lo, hi = torch.where(one_dim, -inf, c_min), torch.where(one_dim, inf, c_max)
+        e0 = lr / math.sqrt(n)
+        e1 = lr - e0
+    else:
+        phi_s = safe_ratio(p_s, u_s, 1.0).clamp(c_min, c_max)
+        phi_l = safe_ratio(p_l, u_l, 0.0).clamp(max=c_max)
+        a = phi_l * (lr / math.sqrt(n))  # p -= (a + b r) u
+        b = phi_s * lr - a
+        lo, hi, e0, e1 = -inf, inf, torch.ones_like(lr), torch.zeros_like(lr)
+    update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log_b3"], a, b, lo, hi, e0, e1], 1)
+    for first, end in plan.runs:
+        passes(fused_passes.update_pass, params[first:end], ms[first:end], vs[first:end], lows[first:end],
+               highs[first:end], update_table[first:end])
 
 
-# tensors per compiled graph: inductor's time grows faster than linearly with a graph's size, and chunks of
-# the same shapes (a network's repeated blocks) share one graph
-_CHUNK = 12
+# the per-group numbers of the fused passes, staged to the device in one copy per step
+_FUSED_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm", "wd", "log_b3", "lr", "c_min",
+                  "c_max")
 
 
-def _fused_body(params, m, v, age, hyper, *, variant, n, offsets):
-    """The reference functions over a run of tensors, traced by ``torch.compile``: ``m``, ``v``, ``age`` are
-    the run's slices of the flat buffers, the selected entries those of age 0, ``hyper`` the group's row."""
-    reference = v1_reference if variant == "v1" else v2_reference
-    h = dict(zip(_HYPER, hyper.unbind()))
-    for i, p in enumerate(params):
-        m_i, v_i, age_i = (x[offsets[i]:offsets[i + 1]].view(p.shape) for x in (m, v, age))
-        reference(p, m_i, v_i, age_i, age_i == 0, n=n, **h)
-
-
-class _Fused:
-    """One layout's compiled step: runs of at most ``_CHUNK`` tensors of a group, one graph per distinct
-    run of shapes, each compiled once (``dynamic=False``); the hyper-parameters travel in a tensor, so a
-    new lr or t reuses the graphs."""
-
-    def __init__(self, plan: SlambLayout, variant: str, n: int, n_groups: int):
-        layout = plan.layout
-        graphs = {}
-        self.runs = []  # (first, end, group, graph)
-        for g, (_, lo, hi) in enumerate(layout.groups):
-            for a in range(lo, hi, _CHUNK):
-                b = min(a + _CHUNK, hi)
-                shapes = tuple(layout.shapes[a:b])
-                if shapes not in graphs:
-                    offsets = [o - layout.offsets[a] for o in layout.offsets[a:b + 1]]
-                    graphs[shapes] = compile_once(_fused_body, variant=variant, n=n, offsets=offsets)
-                self.runs.append((a, b, g, graphs[shapes]))
-        self.hyper = torch.zeros(n_groups, len(_HYPER), dtype=torch.float64, device=layout.device)
-        self.compiled: set[int] = set()  # ids of the graphs that compiled
-        self.failed: str | None = None
-
-
-def _fused_slamb(plan, sel, m, v, age, groups, *, variant, n, work):
-    """Steps 5-7 as compiled graphs over the flat buffers (the reference math, fused by inductor): a pass
-    for the norms and one for the update, no scratch kept between steps and no host read. Falls back to
-    the multi-tensor path (warning once) where no compiler works."""
-    fused = plan.fused.get((variant, n))
-    if fused is None:
-        fused = plan.fused[(variant, n)] = _Fused(plan, variant, n, len(groups))
-    if fused.failed is None:
-        rows = torch.tensor([[float(hyper[k]) for k in _HYPER] for _, _, hyper in groups], dtype=torch.float64)
-        fused.hyper.copy_(rows, non_blocking=True)  # no wait for the device: the rows are staged
-        off = plan.layout.offsets
-        for k, (a, b, g, graph) in enumerate(fused.runs):
-            args = (plan.params[a:b], m[off[a]:off[b]], v[off[a]:off[b]], age[off[a]:off[b]], fused.hyper[g])
-            if id(graph) in fused.compiled:
-                graph(*args)
-                continue
-            try:  # the compile runs in the first call, before the graph touches any tensor
-                graph(*args)
-                fused.compiled.add(id(graph))
-            except Exception as e:
-                fused.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                warnings.warn(f"SLAMB(fused=True): torch.compile failed ({fused.failed}); this optimizer runs the "
-                              "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
-                              "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
-                if k > 0:  # this step's earlier runs are done: the reference finishes the others
-                    hyper_of = {lo: hyper for lo, _, hyper in groups}
-                    starts = [lo for _, lo, _ in plan.layout.groups]
-                    rest = [(a2, b2, hyper_of[starts[g2]]) for a2, b2, g2, _ in fused.runs[k:]]
-                    return _single_tensor_slamb(plan, sel, m, v, age, rest, variant=variant, n=n, work=work)
-                break
-        else:
-            return None
-    if not work:
-        plan.fallback_work = plan.fallback_work or [plan.layout.zeros() for _ in range(2)]
-        work = plan.fallback_work
-    return _multi_tensor_slamb(plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
+def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list[float]:
+    c, eps_v1 = bias_folding(t, b1, b2, eps)
+    return [1 - b1, b2, 1 - b2, c, eps_v1 if variant == "v1" else eps, wd if variant == "v1" else 0.0, wd,
+            math.log(b3) if b3 > 0 else -math.inf, lr, c_min, c_max]
 
 
 _IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
 
 
-def slamb_update_(plan: SlambLayout, sel: Selection, m, v, age, groups, *, variant: str, n: int,
-                  work: list[torch.Tensor], impl: str) -> None:
-    """Steps 5-7 of every parameter group, in place on ``plan.params``.
+def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
+                  exchange, work: list[torch.Tensor], impl: str) -> None:
+    """Steps 2 and 4-7 of every parameter group, in place on ``plan.params`` and the flat buffers.
 
-    ``m``, ``v``, ``age``: flat buffers over the layout (the momentum after step 4, the second moment, the
-    age (``staleness``) after step 6); ``sel``: the step's mask; ``groups``: (first, end,
+    ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
+    moments and the age (``staleness``) of the last step); ``sel``: the step's mask; ``exchange``: ends
+    step 4 (waits for the momentum averages of ``sel``, started before, and writes them into ``m``; call it
+    after step 2) and returns them as (parameter ids, packed averages); ``groups``: (first, end,
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
-    scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``,
-    ``"fused"`` or ``"reference"``.
+    scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
+    or ``"reference"``.
     """
-    _IMPLS[impl](plan, sel, m, v, age, groups, variant=variant, n=n, work=work)
+    _IMPLS[impl](plan, sel, grads, m, v, age, groups, variant=variant, n=n, exchange=exchange, work=work)
 
 
 class SLAMB(LocalStateOptimizer):
@@ -601,8 +634,8 @@ class SLAMB(LocalStateOptimizer):
         layout = FlatLayout.of(self, ids)
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
-                      "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq"),
-                      "staleness": layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)}
+                      "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq")}
+        self._age = self._adopt_age(layout)
         # scratch for the update (not state): reused, since a fresh model-sized buffer each step costs
         # more in page faults than the arithmetic done in it
         self._work = ([layout.zeros() for _ in range(2)]
@@ -617,6 +650,38 @@ class SLAMB(LocalStateOptimizer):
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
         self._check_counts_agree()
+
+    def _adopt_age(self, layout: FlatLayout):
+        """Step 6's age of every entry: a flat int16 buffer; for the fused path two byte planes (low, high)
+        of one (2, N) uint8 buffer, as inductor's CPU code vectorizes bytes and not int16. The per-parameter
+        state holds views of either; :meth:`state_dict` saves the int16 counter for both."""
+        if not self.fused:
+            for p in layout.params:
+                saved = self.state[p].get("staleness")
+                if saved is not None and saved.dtype == torch.uint8:
+                    self.state[p]["staleness"] = _age_of_planes(saved)
+            return layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)
+        planes = torch.zeros(2, layout.numel, dtype=torch.uint8, device=layout.device)
+        for p, lo, hi in zip(layout.params, layout.offsets, layout.offsets[1:]):
+            view = planes[:, lo:hi].view(2, *p.shape)
+            saved = self.state[p].get("staleness")
+            if saved is not None:
+                view.copy_(saved if saved.dtype == torch.uint8 else _planes_of_age(saved))
+            self.state[p]["staleness"] = view
+        return planes.unbind(0)  # made once: the step's per-parameter views of them are cached
+
+    def _leave_fused(self) -> None:
+        """The multi-tensor path from now on, ``torch.compile`` having failed: its age buffer and scratch."""
+        self.fused = False
+        self._age = self._adopt_age(self._layout)
+        self._work = [self._layout.zeros() for _ in range(2)]
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["state"] = {k: {**s, "staleness": _age_of_planes(s["staleness"])}
+                       if "staleness" in s and s["staleness"].dtype == torch.uint8 else s
+                       for k, s in sd["state"].items()}
+        return sd
 
     def _check_counts_agree(self) -> None:
         """Every rank must pack as many entries as the others (collectives need equal counts; masks of
@@ -687,7 +752,7 @@ class SLAMB(LocalStateOptimizer):
         layout = self._layout
         t, n = self._step + 1, comm.world_size(self.process_group)
         self._step = t
-        m, v, age = (self._flat[k] for k in ("exp_avg", "exp_avg_sq", "staleness"))
+        m, v, age = self._flat["exp_avg"], self._flat["exp_avg_sq"], self._age
         sel = self._selection(t)  # step 3
         discard({key: e for key, e in pending.items() if e[0] is not sel})  # k changed after backward
         pending = {key: e for key, e in pending.items() if e[0] is sel}
@@ -708,22 +773,20 @@ class SLAMB(LocalStateOptimizer):
             if rest:
                 pending[tuple(rest)] = launch(self.overlap_state, sel, rest, sel.take([grads[i] for i in rest], rest))
 
-        for gi, lo, hi in layout.groups:  # step 2
-            b1, b2 = self.param_groups[gi]["betas"]
-            adam_moments_(self._views["exp_avg"][lo:hi], self._views["exp_avg_sq"][lo:hi], grads[lo:hi], b1, b2,
-                          foreach=self.foreach)
-
         alike = self._alike_steps is not None
-        for ids, work in pending.items():  # step 4 ends: m[M_t] = the average
-            mean = work.wait().to(m.dtype)
-            if alike:
-                alike = self._same_as_local(sel, ids, mean)
-            sel.put_([self._views["exp_avg"][i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
-        if self._alike_steps is not None and n > 1:
-            self._count_alike(alike)
 
-        age.clamp_max_(_MAX_AGE - 1).add_(1)  # step 6
-        sel.fill_(age, 0)
+        def exchange():  # step 4 ends: m[M_t] = the average
+            nonlocal alike
+            means = []
+            for ids, work in pending.items():
+                mean = work.wait().to(m.dtype)
+                if alike:
+                    alike = self._same_as_local(sel, ids, mean)
+                sel.put_([self._views["exp_avg"][i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
+                means.append((list(ids), mean))
+            if self._alike_steps is not None and n > 1:
+                self._count_alike(alike)
+            return means
 
         groups = []
         for gi, lo, hi in layout.groups:
@@ -731,8 +794,13 @@ class SLAMB(LocalStateOptimizer):
             b1, b2 = group["betas"]
             groups.append((lo, hi, dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
                                         b3=group["beta3"], c_min=group["c_min"], c_max=group["c_max"])))
-        slamb_update_(self._plan, sel, m, v, age, groups, variant=self.variant, n=n, work=self._work,
-                      impl="fused" if self.fused else "foreach" if self.foreach else "reference")  # steps 5, 7
+        try:
+            slamb_update_(self._plan, sel, grads, m, v, age, groups, variant=self.variant, n=n, exchange=exchange,
+                          work=self._work, impl="fused" if self.fused else "foreach" if self.foreach else "reference")
+        except fused_passes.CompileFailed:  # warned; nothing changed but the marks, which step 6 makes 0
+            self._leave_fused()
+            slamb_update_(self._plan, sel, grads, m, v, self._age, groups, variant=self.variant, n=n,
+                          exchange=exchange, work=self._work, impl="foreach")
 
         if (t - 1) % self.sync_interval == 0:  # step 8
             self._sync_params()
@@ -772,7 +840,4 @@ class SLAMB(LocalStateOptimizer):
                 "slamb.integrations trainer) instead of DistributedDataParallel.", stacklevel=3)
 
     def _sync_params(self) -> None:
-        params = self._layout.params
-        flat = self._layout.flatten(params)
-        comm.all_reduce_mean_(flat, kind="params", ledger=self.ledger, group=self.process_group)
-        torch._foreach_copy_(params, self._layout.views(flat))
+        average_tensors_(self._layout.params, process_group=self.process_group, ledger=self.ledger)

@@ -1,0 +1,142 @@
+"""The compiled step of ``LAMB(fused=True)`` and ``SLAMB(fused=True)``: two passes over the tensors.
+
+Pass 1, :func:`moments_pass`: the moments (m = m + (1-b1)(g - m), v = b2 v + (1-b2) g^2, written back)
+and, per tensor, the sums of squares of the parameter and of the direction
+u = c m / (sqrt(v) + eps) + wd p that the trust ratios need. With SLAMB's age (two byte planes, low and
+high: inductor's CPU code vectorizes bytes, not int16) the sums are split between the entries the step
+averages (their high byte set to ``SELECTED`` beforehand) and the others, and the age advances (step 6:
+0 where averaged, else one more).
+
+Pass 2, :func:`update_pass`: p -= clamp(A + B r, lo, hi) (E0 + E1 r) u, with u recomputed from m, v, p
+(recomputing costs the same traffic as writing it in pass 1 and reading it back, and keeps no scratch)
+and r = b3^age (1 without an age buffer). LAMB, SLAMB v1 and v2 differ only in the per-tensor A, B,
+lo, hi, E0, E1 (see each optimizer).
+
+Every scalar arrives in a small per-tensor table (a tensor, so a new lr or t reuses the graphs): a
+scalar expression traced into a graph (b1^t, a trust ratio) is evaluated inside the innermost loop of
+the generated code, once per vector of elements, which made an earlier compiled step 7-47x slower than
+the memory traffic it needs. Reading p, g, m, v and writing m, v in pass 1 and reading p, m, v and
+writing p in pass 2 moves 10 fp32 words per parameter (SLAMB: about 11.5 with its age) against
+Adam's 7.
+
+Graphs cover runs of at most ``CHUNK`` tensors of one parameter group: inductor's compile time grows
+faster than linearly with a graph's size, and runs of the same shapes (a network's repeated blocks)
+share one graph. Where ``torch.compile`` fails, a warning says so once and the optimizer takes its
+multi-tensor path: at once where the failing graph was the step's first, else from the next step,
+the rest of this one running the same functions eagerly (the graphs' numbers, at eager speed).
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from ._common import compile_once
+
+CHUNK = 12
+# pass 1's per-tensor columns, and pass 2's
+# wd_norm: the weight decay inside the direction whose norm a trust ratio takes (SLAMB v2: none)
+MOMENT_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm")
+UPDATE_COLUMNS = ("c", "eps", "wd", "log_b3", "a", "b", "lo", "hi", "e0", "e1")
+# the age the counter stops at (SLAMB's step 6; int16); r = b3^age is 0 in fp32 there for b3 <= 0.997
+MAX_AGE = 2**15 - 1
+# the high byte that marks the entries averaged at this step: no age reaches it
+SELECTED = 255
+
+
+def runs(bounds) -> list[tuple[int, int]]:
+    """(first, end) of the compiled runs covering each (first, end) of ``bounds``."""
+    return [(a, min(a + CHUNK, hi)) for lo, hi in bounds for a in range(lo, hi, CHUNK)]
+
+
+def _direction(p, m, v, c, eps, wd):
+    return c * m / (v.sqrt() + eps) + wd * p
+
+
+def _age(low, high):
+    return low.to(torch.int32) + 256 * high.to(torch.int32)
+
+
+def moments_pass(params, grads, ms, vs, lows, highs, table):
+    """Pass 1 over a run; ``table``: the run's rows of ``MOMENT_COLUMNS``. Returns per tensor
+    [|p|^2, |u|^2], or with the age planes [|p_S|^2, |p_L|^2, |u_S|^2, |u_L|^2] (S: entries marked
+    ``SELECTED`` in the high plane)."""
+    sums = []
+    for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
+        b1c, b2, b2c, c, eps, wd = table[i].unbind()
+        m_new = m + b1c * (g - m)
+        v_new = b2 * v + b2c * (g * g)
+        m.copy_(m_new)
+        v.copy_(v_new)
+        pp, uu = p * p, _direction(p, m_new, v_new, c, eps, wd).square()
+        if lows is None:
+            sums.append(torch.stack([pp.sum(), uu.sum()]))
+            continue
+        sel = highs[i] == SELECTED
+        age = torch.where(sel, 0, _age(lows[i], highs[i]).clamp_max(MAX_AGE - 1) + 1)
+        lows[i].copy_((age & 255).to(torch.uint8))
+        highs[i].copy_((age >> 8).to(torch.uint8))
+        sums.append(torch.stack([torch.where(sel, pp, 0).sum(), torch.where(sel, 0, pp).sum(),
+                                 torch.where(sel, uu, 0).sum(), torch.where(sel, 0, uu).sum()]))
+    return torch.stack(sums)
+
+
+def update_pass(params, ms, vs, lows, highs, table):
+    """Pass 2 over a run; ``table``: the run's rows of ``UPDATE_COLUMNS``."""
+    for i, (p, m, v) in enumerate(zip(params, ms, vs)):
+        c, eps, wd, log_b3, a, b, lo, hi, e0, e1 = table[i].unbind()
+        u = _direction(p, m, v, c, eps, wd)
+        if lows is None:
+            p.sub_((a + b).clamp(lo, hi) * (e0 + e1) * u)
+            continue
+        age = _age(lows[i], highs[i]).to(torch.float32)
+        r = torch.where(age == 0, 1.0, torch.exp(age * log_b3))  # b3 = 0: log_b3 = -inf, r = (age == 0)
+        p.sub_((a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
+
+
+class CompileFailed(RuntimeError):
+    """``torch.compile`` failed in a step's first graph, before any tensor changed."""
+
+
+class Passes:
+    """One optimizer's compiled graphs: one per pass and distinct run of shapes, compiled at first use."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.graphs: dict = {}
+        self.compiled: set = set()
+        self.failed: str | None = None  # why torch.compile failed: the optimizer then runs its multi-tensor path
+        self._touched = False  # whether this step has changed a tensor
+
+    def begin_step(self) -> None:
+        self._touched = False
+
+    def __call__(self, fn, params, *args):
+        """``fn(params, *args)`` over one run: compiled, or eagerly where compiling failed (this step's rest)."""
+        key = (fn, tuple(p.shape for p in params))
+        touched, self._touched = self._touched, True
+        if self.failed is not None:
+            return fn(params, *args)
+        graph = self.graphs.get(key)
+        if graph is None:
+            graph = self.graphs[key] = compile_once(fn)
+        if key in self.compiled:
+            return graph(params, *args)
+        try:  # the compile runs in the first call, before the graph touches any tensor
+            out = graph(params, *args)
+        except Exception as e:
+            self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            warnings.warn(f"{self.who}(fused=True): torch.compile failed ({self.failed}); this optimizer runs the "
+                          "multi-tensor path instead (the same numbers, more kernel launches). Install a C++ "
+                          "compiler (CPU) or Triton (GPU), or construct it with fused=False.", stacklevel=4)
+            if not touched:
+                raise CompileFailed(self.failed) from e
+            return fn(params, *args)
+        self.compiled.add(key)
+        return out
+
+
+def table(rows: list[list[float]], index: torch.Tensor, device) -> torch.Tensor:
+    """Per-tensor rows from per-group ``rows`` (``index``: each tensor's group), staged to ``device`` without
+    waiting for it."""
+    return torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)[index]
