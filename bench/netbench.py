@@ -702,7 +702,7 @@ def render(raw: dict, out_md: Path) -> list[Path]:
          "- **Optimizer step**: the time in the pipeline's optimizer step (`amp.step`: unscaling, the "
          "non-finite check, `optimizer.step()` with every collective it makes: SLAMB's momentum exchange and "
          "parameter syncs, 1-bit LAMB's compressed all-reduce), per step, as logged by the pipeline "
-         "(`optimizer_time_s`); on the unlimited link it is the step's computation, the rest of compute-only is "
+         "(`optimizer_time_s`; – where the measured code did not log it); on the unlimited link it is the step's computation, the rest of compute-only is "
          "forward and backward (DDP's gradient all-reduce, for the rows that send gradients, included).",
          "- **Timing runs** (recipe `steady`, CIFAR-10): a few epochs with the communication schedules at their final "
          "value from the start (SLAMB k = 0.1 without the compression warm-up, DGC density 0.001 without its "
