@@ -21,7 +21,7 @@ CONFIGS = [
     dict(variant="v2"),
     dict(variant="v1", mask="bernoulli"),
     dict(variant="v2", mask="cyclic", comm_dtype=torch.float16),
-    dict(variant="v2", beta3=0.0),  # r = 0^age: 1 where averaged now, else 0
+    dict(variant="v2", group_beta3=0.0),  # r = 0^age: 1 where averaged now, else 0
 ]
 
 
@@ -32,9 +32,12 @@ def advance(params, opt, steps, rank=0):
         opt.step()
 
 
-def fresh(**kw):
+def fresh(group_beta3=None, **kw):
     params = [torch.nn.Parameter(p.float()) for p in init_params()]
-    return params, make_optimizer(params, compress_ratio=0.3, sync_interval=4, **kw)
+    opt = make_optimizer(params, compress_ratio=0.3, sync_interval=4, **kw)
+    for g in opt.param_groups if group_beta3 is not None else ():
+        g["beta3"] = group_beta3
+    return params, opt
 
 
 def paths_worker(rank, world):
@@ -248,29 +251,40 @@ def test_each_compiled_graph_has_its_own_recompile_limit():
 
 @pytest.mark.parametrize("first, then", [(dict(fused=True), {}), ({}, dict(fused=True))])
 def test_a_checkpoint_moves_between_the_fused_and_the_multi_tensor_paths(first, then):
-    """The fused path keeps its age in two byte planes and saves the int16 counter: a checkpoint of
-    either path resumes on the other, and ages near the counter's end (high byte 127) stay exact."""
+    """The fused path keeps its age in fp16, held at fused.MAX_AGE, and saves the int16 counter: a checkpoint
+    of either path resumes on the other, to fp32 rounding, with ages past the fused path's end."""
+    from slamb.optim.fused import MAX_AGE
+
     params, opt = fresh(variant="v2", **first)
     advance(params, opt, range(1, 4))
     saved = opt.state_dict()
     for s in saved["state"].values():
         assert s["staleness"].dtype == torch.int16
-        s["staleness"] = torch.where(s["staleness"] > 0, fused_max_age() - 2 - s["staleness"], 0).to(torch.int16)
+        s["staleness"] = torch.where(s["staleness"] > 0, MAX_AGE - 2 - s["staleness"], 0).to(torch.int16)
     ends = {}
     for kw in (first, then):
         resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
         opt2 = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw)
         opt2.load_state_dict(saved)
         advance(resumed, opt2, range(4, 8))
-        ends[str(kw)] = (resumed, [s["staleness"] for s in opt2.state_dict()["state"].values()])
-    (a_params, a_ages), (b_params, b_ages) = ends.values()
-    for a, b in zip(a_params, b_params):
+        ends["fused" if kw else "foreach"] = (resumed, [s["staleness"] for s in opt2.state_dict()["state"].values()])
+    for a, b in zip(ends["fused"][0], ends["foreach"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    assert all(torch.equal(a, b) for a, b in zip(a_ages, b_ages))
-    assert max(int(a.max()) for a in a_ages) == fused_max_age()  # some entries reached the end and stayed
+    fused_ages, ages = ends["fused"][1], ends["foreach"][1]
+    assert max(int(a.max()) for a in ages) > MAX_AGE  # some entries went past the fused path's end ...
+    assert all(torch.equal(a, b.clamp_max(MAX_AGE)) for a, b in zip(fused_ages, ages))  # ... where it stopped
 
 
-def fused_max_age():
-    from slamb.optim.fused import MAX_AGE
+def test_fused_refuses_a_beta3_its_age_cannot_carry():
+    from slamb.optim.fused import MAX_BETA3
 
-    return MAX_AGE
+    with pytest.raises(ValueError, match=r"beta3=0\.999 with fused=True.*use fused=False"):
+        slamb.SLAMB([torch.nn.Parameter(torch.ones(3, 3))], fused=True, beta3=0.999)
+    params, opt = fresh(variant="v2", fused=True, group_beta3=MAX_BETA3)
+    advance(params, opt, [1])
+    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
+    opt.param_groups[0]["beta3"] = 0.995
+    with pytest.raises(ValueError, match="fused=False"):
+        advance(params, opt, [2])
+    after = opt.state_dict()["state"][0]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before anything changed

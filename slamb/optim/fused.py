@@ -2,10 +2,9 @@
 
 Pass 1, :func:`moments_pass`: the moments (m = m + (1-b1)(g - m), v = b2 v + (1-b2) g^2, written back)
 and, per tensor, the sums of squares of the parameter and of the direction
-u = c m / (sqrt(v) + eps) + wd p that the trust ratios need. With SLAMB's age (two byte planes, low and
-high: inductor's CPU code vectorizes bytes, not int16) the sums are split between the entries the step
-averages (their high byte set to ``SELECTED`` beforehand) and the others, and the age advances (step 6:
-0 where averaged, else one more).
+u = c m / (sqrt(v) + eps) + wd p that the trust ratios need. With SLAMB's age (fp16, see ``MAX_AGE``)
+the sums are split between the entries the step averages (marked ``SELECTED`` beforehand) and the
+others, and the age advances (step 6: 0 where averaged, else one more).
 
 Pass 2, :func:`update_pass`: p -= clamp(A + B r, lo, hi) (E0 + E1 r) u, with u recomputed from m, v, p
 (recomputing costs the same traffic as writing it in pass 1 and reading it back, and keeps no scratch)
@@ -37,11 +36,17 @@ CHUNK = 12
 # pass 1's per-tensor columns, and pass 2's
 # wd_norm: the weight decay inside the direction whose norm a trust ratio takes (SLAMB v2: none)
 MOMENT_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm")
-UPDATE_COLUMNS = ("c", "eps", "wd", "log_b3", "a", "b", "lo", "hi", "e0", "e1")
-# the age the counter stops at (SLAMB's step 6; int16); r = b3^age is 0 in fp32 there for b3 <= 0.997
-MAX_AGE = 2**15 - 1
-# the high byte that marks the entries averaged at this step: no age reaches it
-SELECTED = 255
+UPDATE_COLUMNS = ("c", "eps", "wd", "log2_b3", "a", "b", "lo", "hi", "e0", "e1")
+# log2(b3) for b3 = 0: r = 2^(age log2_b3) is then 1 at age 0 and 0 after, as 0^age
+LOG2_ZERO = -1.0e4
+# SLAMB's age in this path: fp16 (half a word, as the int16 counter of the other paths; inductor's CPU
+# code vectorizes 16-bit floats but not 16-bit integers), whose integers are exact up to 2048, where it
+# stops: r = b3^min(age, 2048), which is b3^age to fp32's rounding (an error below 2^-24) for
+# b3 <= MAX_BETA3. SLAMB refuses fused=True with a larger beta3.
+MAX_AGE = 2048
+MAX_BETA3 = 2.0 ** (-24 / MAX_AGE)
+# the age that marks the entries averaged at this step (set before pass 1, 0 after it)
+SELECTED = -1.0
 
 
 def runs(bounds) -> list[tuple[int, int]]:
@@ -53,14 +58,10 @@ def _direction(p, m, v, c, eps, wd):
     return c * m / (v.sqrt() + eps) + wd * p
 
 
-def _age(low, high):
-    return low.to(torch.int32) + 256 * high.to(torch.int32)
-
-
-def moments_pass(params, grads, ms, vs, lows, highs, table):
+def moments_pass(params, grads, ms, vs, ages, table):
     """Pass 1 over a run; ``table``: the run's rows of ``MOMENT_COLUMNS``. Returns per tensor
-    [|p|^2, |u|^2], or with the age planes [|p_S|^2, |p_L|^2, |u_S|^2, |u_L|^2] (S: entries marked
-    ``SELECTED`` in the high plane)."""
+    [|p|^2, |u|^2], or with ``ages`` [|p_S|^2, |p_L|^2, |u_S|^2, |u_L|^2] (S: the entries marked
+    ``SELECTED``)."""
     sums = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
         b1c, b2, b2c, c, eps, wd = table[i].unbind()
@@ -69,28 +70,26 @@ def moments_pass(params, grads, ms, vs, lows, highs, table):
         m.copy_(m_new)
         v.copy_(v_new)
         pp, uu = p * p, _direction(p, m_new, v_new, c, eps, wd).square()
-        if lows is None:
+        if ages is None:
             sums.append(torch.stack([pp.sum(), uu.sum()]))
             continue
-        sel = highs[i] == SELECTED
-        age = torch.where(sel, 0, _age(lows[i], highs[i]).clamp_max(MAX_AGE - 1) + 1)
-        lows[i].copy_((age & 255).to(torch.uint8))
-        highs[i].copy_((age >> 8).to(torch.uint8))
+        age = ages[i].to(torch.float32)
+        sel = age == SELECTED
+        ages[i].copy_(torch.where(sel, 0.0, torch.clamp(age + 1, max=MAX_AGE)).to(ages[i].dtype))
         sums.append(torch.stack([torch.where(sel, pp, 0).sum(), torch.where(sel, 0, pp).sum(),
                                  torch.where(sel, uu, 0).sum(), torch.where(sel, 0, uu).sum()]))
     return torch.stack(sums)
 
 
-def update_pass(params, ms, vs, lows, highs, table):
+def update_pass(params, ms, vs, ages, table):
     """Pass 2 over a run; ``table``: the run's rows of ``UPDATE_COLUMNS``."""
     for i, (p, m, v) in enumerate(zip(params, ms, vs)):
-        c, eps, wd, log_b3, a, b, lo, hi, e0, e1 = table[i].unbind()
+        c, eps, wd, log2_b3, a, b, lo, hi, e0, e1 = table[i].unbind()
         u = _direction(p, m, v, c, eps, wd)
-        if lows is None:
+        if ages is None:
             p.sub_((a + b).clamp(lo, hi) * (e0 + e1) * u)
             continue
-        age = _age(lows[i], highs[i]).to(torch.float32)
-        r = torch.where(age == 0, 1.0, torch.exp(age * log_b3))  # b3 = 0: log_b3 = -inf, r = (age == 0)
+        r = torch.exp2(ages[i].to(torch.float32) * log2_b3)  # b3^age
         p.sub_((a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
 
 

@@ -86,7 +86,7 @@ def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
 
     passes.begin_step()
     try:
-        sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], None, None,
+        sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], None,
                                  moment_table[a:b]) for a, b in runs])
     except fused_passes.CompileFailed:
         return False
@@ -96,7 +96,7 @@ def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
     zeros, inf = torch.zeros_like(trust), torch.full_like(trust, math.inf)
     table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
     for a, b in runs:
-        passes(fused_passes.update_pass, params[a:b], ms[a:b], vs[a:b], None, None, table[a:b])
+        passes(fused_passes.update_pass, params[a:b], ms[a:b], vs[a:b], None, table[a:b])
     return True
 
 

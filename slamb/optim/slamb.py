@@ -81,8 +81,9 @@ from .masks import MASK_POLICIES, Selection, make_mask
 from .overlap import OverlapState, discard, grads_changed, launch, overlap_hook
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
-# the per-element state of step 6: steps since the last average (int16, or two bytes in the fused path)
-_MAX_AGE = fused_passes.MAX_AGE
+# the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
+# age, where b3^age is 0 in fp32 for b3 <= 0.997 (the fused path keeps it in fp16: fused.MAX_AGE)
+_MAX_AGE = 2**15 - 1
 # first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
 _ALIKE_STEPS = 3
 
@@ -121,16 +122,14 @@ def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max,
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
-def _planes_of_age(age: torch.Tensor) -> torch.Tensor:
-    """The fused path's (low, high) byte planes of an int16 age."""
-    age = age.to(torch.int32)
-    return torch.stack([age & 255, age >> 8]).to(torch.uint8)
+def _fused_age(age: torch.Tensor) -> torch.Tensor:
+    """The fused path's fp16 age of an int16 one: held at ``fused.MAX_AGE``."""
+    return age.clamp_max(fused_passes.MAX_AGE).to(torch.float16)
 
 
-def _age_of_planes(planes: torch.Tensor) -> torch.Tensor:
-    """The int16 age of the fused path's byte planes; an entry marked for averaging is 0."""
-    low, high = planes.to(torch.int16).unbind(0)
-    return torch.where(high == fused_passes.SELECTED, 0, low + (high << 8)).to(torch.int16)
+def _int16_age(age: torch.Tensor) -> torch.Tensor:
+    """The int16 age of the fused path's fp16 one; an entry marked for averaging is 0."""
+    return torch.where(age == fused_passes.SELECTED, 0, age).to(torch.int16)
 
 
 class SlambLayout:
@@ -309,21 +308,20 @@ def _multi_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exch
 def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
     """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused`: moments, age and the norms
     in the first, the update in the second; between them, the norms of the averaged entries are redone on
-    the averages (a fraction k of the entries). ``age``: the two byte planes of ``fused.py``. No scratch,
+    the averages (a fraction k of the entries). ``age``: fp16 (``fused.MAX_AGE``). No scratch,
     no host read. Raises ``fused.CompileFailed`` where the first graph failed to compile: nothing has
     changed but the marks, which step 6 makes 0 on any path."""
     layout, passes = plan.layout, plan.passes
-    lows, highs = plan.views(age[0]), plan.views(age[1])
-    ms, vs = plan.views(m), plan.views(v)
-    sel.fill_(age[1], fused_passes.SELECTED)  # pass 1 splits the norms at these marks and makes them 0
     rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
+    ages, ms, vs = plan.views(age), plan.views(m), plan.views(v)
+    sel.fill_(age, fused_passes.SELECTED)  # pass 1 splits the norms at these marks and makes them 0
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
     moment_table = torch.stack([cols[k] for k in fused_passes.MOMENT_COLUMNS], 1)
     params = plan.params
 
     passes.begin_step()
-    sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], lows[a:b],
-                             highs[a:b], moment_table[a:b]) for a, b in plan.runs])
+    sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], ages[a:b],
+                             moment_table[a:b]) for a, b in plan.runs])
     p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
 
     u_s = u_s.clone()
@@ -355,21 +353,29 @@ def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, w
         a = phi_l * (lr / math.sqrt(n))  # p -= (a + b r) u
         b = phi_s * lr - a
         lo, hi, e0, e1 = -inf, inf, torch.ones_like(lr), torch.zeros_like(lr)
-    update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log_b3"], a, b, lo, hi, e0, e1], 1)
+    update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log2_b3"], a, b, lo, hi, e0, e1], 1)
     for first, end in plan.runs:
-        passes(fused_passes.update_pass, params[first:end], ms[first:end], vs[first:end], lows[first:end],
-               highs[first:end], update_table[first:end])
+        passes(fused_passes.update_pass, params[first:end], ms[first:end], vs[first:end], ages[first:end],
+               update_table[first:end])
 
 
 # the per-group numbers of the fused passes, staged to the device in one copy per step
-_FUSED_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm", "wd", "log_b3", "lr", "c_min",
+_FUSED_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm", "wd", "log2_b3", "lr", "c_min",
                   "c_max")
 
 
+def check_fused_beta3(b3: float) -> None:
+    if b3 > fused_passes.MAX_BETA3:
+        raise ValueError(f"invalid beta3={b3!r} with fused=True: the fused step counts ages to "
+                         f"{fused_passes.MAX_AGE} (fp16), which is exact to fp32's rounding only for beta3 <= "
+                         f"{fused_passes.MAX_BETA3:.4f}; use fused=False for a larger beta3")
+
+
 def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list[float]:
+    check_fused_beta3(b3)
     c, eps_v1 = bias_folding(t, b1, b2, eps)
     return [1 - b1, b2, 1 - b2, c, eps_v1 if variant == "v1" else eps, wd if variant == "v1" else 0.0, wd,
-            math.log(b3) if b3 > 0 else -math.inf, lr, c_min, c_max]
+            math.log2(b3) if b3 > 0 else fused_passes.LOG2_ZERO, lr, c_min, c_max]
 
 
 _IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
@@ -517,6 +523,7 @@ class SLAMB(LocalStateOptimizer):
             raise ValueError(f"invalid seed={seed!r}: must be an integer")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
                         c_min=c_min, c_max=c_max)
+        self.fused = fused  # add_param_group checks beta3 against it
         super().__init__(params, defaults)
         self.hierarchy = hierarchy
         if hierarchy == "node" and comm.world_size(process_group) > 1:
@@ -585,6 +592,8 @@ class SLAMB(LocalStateOptimizer):
         check_range("c_max", g["c_max"], 0.0, lo_open=True)
         if g["c_min"] > g["c_max"]:
             raise ValueError(f"invalid c_min={g['c_min']} > c_max={g['c_max']}: need c_min <= c_max")
+        if getattr(self, "fused", False):
+            check_fused_beta3(g["beta3"])
 
     # -- inspection ---------------------------------------------------------------
 
@@ -651,24 +660,15 @@ class SLAMB(LocalStateOptimizer):
         self._layout, self._layout_ids = layout, ids
         self._check_counts_agree()
 
-    def _adopt_age(self, layout: FlatLayout):
-        """Step 6's age of every entry: a flat int16 buffer; for the fused path two byte planes (low, high)
-        of one (2, N) uint8 buffer, as inductor's CPU code vectorizes bytes and not int16. The per-parameter
-        state holds views of either; :meth:`state_dict` saves the int16 counter for both."""
-        if not self.fused:
-            for p in layout.params:
-                saved = self.state[p].get("staleness")
-                if saved is not None and saved.dtype == torch.uint8:
-                    self.state[p]["staleness"] = _age_of_planes(saved)
-            return layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)
-        planes = torch.zeros(2, layout.numel, dtype=torch.uint8, device=layout.device)
-        for p, lo, hi in zip(layout.params, layout.offsets, layout.offsets[1:]):
-            view = planes[:, lo:hi].view(2, *p.shape)
+    def _adopt_age(self, layout: FlatLayout) -> torch.Tensor:
+        """Step 6's age of every entry, one flat buffer: int16, or fp16 for the fused path (``fused.MAX_AGE``).
+        The per-parameter state holds views of it; :meth:`state_dict` saves the int16 counter for both."""
+        dtype = torch.float16 if self.fused else torch.int16
+        for p in layout.params:
             saved = self.state[p].get("staleness")
-            if saved is not None:
-                view.copy_(saved if saved.dtype == torch.uint8 else _planes_of_age(saved))
-            self.state[p]["staleness"] = view
-        return planes.unbind(0)  # made once: the step's per-parameter views of them are cached
+            if saved is not None and saved.dtype != dtype:
+                self.state[p]["staleness"] = _fused_age(saved) if self.fused else _int16_age(saved)
+        return layout.adopt(self.state, "staleness", fill=0, dtype=dtype)
 
     def _leave_fused(self) -> None:
         """The multi-tensor path from now on, ``torch.compile`` having failed: its age buffer and scratch."""
@@ -678,8 +678,8 @@ class SLAMB(LocalStateOptimizer):
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
-        sd["state"] = {k: {**s, "staleness": _age_of_planes(s["staleness"])}
-                       if "staleness" in s and s["staleness"].dtype == torch.uint8 else s
+        sd["state"] = {k: {**s, "staleness": _int16_age(s["staleness"])}
+                       if "staleness" in s and s["staleness"].dtype == torch.float16 else s
                        for k, s in sd["state"].items()}
         return sd
 
