@@ -104,12 +104,15 @@ def counted_bytes(opt, params) -> dict:
     """Bytes of the optimizer's ``state_dict()`` tensors (state) and of its other tensor attributes
     (scratch), each storage once, parameters and gradients excluded."""
     own = _storages([p for p in params] + [p.grad for p in params if p.grad is not None])
-    state = _storages(_tensors(opt.state_dict()), own)
     # the live state (``opt.state``) may be views into flat buffers that ``state_dict()`` does not return
     live = _storages(_tensors(dict(opt.state)), own)
     internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")}
-    scratch = _storages(_tensors(internals), {**own, **state, **live})
-    return {"state": sum({**state, **live}.values()), "scratch": sum(scratch.values())}
+    held = _storages(_tensors(internals), own)
+    # a tensor state_dict() makes afresh (a converted copy, such as the fused SLAMB's int16 age) is not held
+    saved = {k: v for k, v in _storages(_tensors(opt.state_dict()), own).items() if k in held or k in live}
+    state = {**saved, **live}
+    scratch = {k: v for k, v in held.items() if k not in state}
+    return {"state": sum(state.values()), "scratch": sum(scratch.values())}
 
 
 class Resident:

@@ -42,6 +42,12 @@ def test_slamb_state_is_counted_once_through_its_flat_buffers():
         got = memory.counted_bytes(stepped("slamb", params, variant=variant, min_compress_numel=1000), params)
         assert got["state"] == state
         assert work <= got["scratch"] < work + 4 * 16_960
+    # the fused path: the same 2.5 words (its age in fp16; state_dict() saves an int16 copy, not held), no
+    # update buffers
+    params = tiny()
+    got = memory.counted_bytes(stepped("slamb", params, variant="v2", min_compress_numel=1000, fused=True), params)
+    assert got["state"] == 2 * 4 * 16_960 + 2 * 16_960
+    assert got["scratch"] < 4 * 16_960
 
 
 def test_resident_peak_sees_a_freed_temporary():

@@ -17,14 +17,14 @@ Step t of worker i, numbered as in ``docs/algorithm.md`` (the specification):
    step size blended between lr (fresh) and lr/sqrt(n) (stale);
 8. after the updates of steps 1, H+1, 2H+1, ... the parameters are averaged.
 
-Steps 5-7 have implementations with one signature, as torch's Adam has:
+Steps 2 and 4-7 have implementations with one signature, as torch's Adam has:
 ``_single_tensor_slamb`` (the reference: ``v1_reference`` / ``v2_reference``
-per tensor, the spec written out), ``_multi_tensor_slamb`` (the same math
+per tensor, the spec written out), ``_multi_tensor_slamb`` (steps 5-7
 rewritten into per-tensor scalars and multi-tensor ops over flat buffers, as
-derived below) and ``_fused_slamb`` (the reference functions compiled by
-``torch.compile`` over the flat buffers), chosen by :func:`slamb_update_`,
-which ``SLAMB.step()`` calls. The optimizer keeps the state, the layout, the mask, the exchange
-(``overlap.py``) and the parameter sync.
+derived below) and ``_fused_slamb`` (two passes compiled by ``torch.compile``,
+``fused.py``), chosen by :func:`slamb_update_`, which ``SLAMB.step()`` calls
+with a callback that ends step 4. The optimizer keeps the state, the layout,
+the mask, the exchange (``overlap.py``) and the parameter sync.
 
 How the multi-tensor path rewrites steps 5-7
 --------------------------------------------
@@ -437,16 +437,15 @@ class SLAMB(LocalStateOptimizer):
     ``"ignore"`` (no check; saves a pass over the gradients). The decision
     travels in the step's one 4-byte all-reduce (kind ``"control"``).
 
-    ``fused=True`` compiles steps 5-7 (``torch.compile``, once per layout) into a
-    pass for the norms and one for the update over the flat buffers: fewer
-    kernels, no scratch buffer and no host read of the trust ratios; the numbers
-    are the reference path's to rounding. ``torch.compile(opt.step)`` runs the
-    step eagerly (it decides on the host and communicates between its kernels):
-    use ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the
-    step warns once and runs the multi-tensor path. On a CPU the compiled step
-    is several times slower than the multi-tensor one, and it has never run on
-    a GPU (``results/bench/optimizer_step.md``): keep the default unless a
-    measurement on your device says otherwise.
+    ``fused=True`` runs steps 2 and 4-7 as two passes compiled by ``torch.compile``
+    (:mod:`slamb.optim.fused`; once per run of tensor shapes): no scratch buffer, no
+    host read of the trust ratios, the reference path's numbers to fp32 rounding. Its
+    age is fp16, held at 2048, so it takes ``beta3 <= 0.9919`` (where b3^2048 is below
+    fp32's rounding; a larger one is refused). ``torch.compile(opt.step)`` runs the step
+    eagerly (it decides on the host and communicates between its kernels): use
+    ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the step warns
+    once and runs the multi-tensor path from then on. It has never run on a GPU;
+    ``results/bench/optimizer_step.md`` has what it does on a CPU.
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
     the momentum exchange from DDP's comm hook as soon as backward fills the
