@@ -64,7 +64,7 @@ def test_resident_peak_sees_a_freed_temporary():
 
 def test_per_gpu_bytes_and_fit():
     per = {"state": 12.0, "scratch": 4.0, "first": 6.0, "later": 2.0, "resume": 14.0, "ddp": True,
-           "bucket_view": False, "numel": 1}
+           "bucket_view": False, "numel": [52_000_000, 107_000_000]}
     b = memory.model_bytes(per, 10**9)
     assert (b["params"], b["grads"], b["buckets"]) == (4e9, 4e9, 4e9)
     assert b["resident"] == 28e9 and b["resume"] == 42e9 and b["fwd_bwd"] == 30e9
@@ -73,6 +73,9 @@ def test_per_gpu_bytes_and_fit():
     assert viewed["buckets"] == 0 and viewed["peak"] == 3 * 38e9 and not viewed["fits"]
     page = memory.render({"slamb_v2": per}, {"BERT-Large": 336_232_258, "BERT-XL": 2_767_626_050})
     assert "| slamb_v2 | 1.3 | 1.3 | 1.3 | 4.0 | 1.3 | 9.4 |" in page  # BERT-Large in GB
+    assert "BERTs of 52M and 107M parameters" in page
+    fixed = memory.model_bytes({**per, "scratch_fixed": 84e6}, 10**9)  # a bounded buffer: charged once
+    assert fixed["scratch"] == 4e9 + 84e6 and fixed["resident"] == 28e9 + 84e6
     assert "no (" in page.split("## BERT-XL")[1] and "yes (" in page.split("## BERT-XL")[0]
 
 
@@ -110,4 +113,5 @@ def test_two_rank_measurement_of_the_real_optimizers():
     assert got["slamb_v2"]["bucket_view"] is True  # DDP sends nothing for SLAMB: no bucket copy of the gradients
     for row in got.values():
         assert row["ddp"] is True and isinstance(row["bucket_view"], bool)
-        assert min(row["first"], row["later"], row["resume"]) >= 0
+        for measured in row["measured"]:  # peaks above the resident memory, at each size
+            assert min(measured["first"], measured["later"], measured["resume"]) >= 0

@@ -23,7 +23,7 @@ from tests import distributed
 from tests.test_configs import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
-TIMING = ("step_time_s", "images_per_s", "images_per_s_per_worker", "epoch_time_s")
+TIMING = ("step_time_s", "optimizer_time_s", "images_per_s", "images_per_s_per_worker", "epoch_time_s")
 # a tiny, fast job: ResNet-8 of width 4, 2 workers x 16 images, 5 steps per epoch, 2 epochs
 TINY = ["model=resnet8", "model.width=4", "data.micro_batch=16", "data.eval_batch=64",
         "schedule.milestones=[1,2]", "trainer.nproc_per_node=2", "trainer.progress=false",
@@ -201,6 +201,12 @@ def test_every_row_writes_its_run_directory_schedule_and_bytes(e2e, name):
     assert summary["bytes_total"] == rank0["ledger_total"] and summary["world_size"] == 2
     assert rows[-1]["bytes_cum/all"] == summary["bytes_total"]["all"]
     assert json.loads((run_dir / "meta.json").read_text())["git"]["commit"]
+    # the optimizer's share of each step (timed on the CPU), and the run's means over the periods
+    assert all(0 < r["optimizer_time_s"] < r["step_time_s"] for r in rows)
+    steps = sum(r["period_steps"] for r in rows)
+    assert summary["mean_optimizer_time_s"] == pytest.approx(sum(r["period_steps"] * r["optimizer_time_s"]
+                                                                 for r in rows) / steps)
+    assert summary["mean_step_time_s"] == pytest.approx(sum(r["period_steps"] * r["step_time_s"] for r in rows) / steps)
 
 
 def test_data_parallel_rows_send_the_gradients_and_jointspar_only_the_sampled_layers(e2e):
