@@ -388,6 +388,10 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
     # the first period holds the first steps' one-off costs (allocations, the optimizer's first-step layout)
     measured = history[1:]
     steps = history[-1]["step"] - history[0]["step"]
+
+    def period_mean(key):
+        return sum(h[key] * (h["step"] - g["step"]) for g, h in zip(history, measured)) / steps
+
     per_rank = []
     for intervals in probes:
         counters = ("tx_bytes", "tx_packets", "rx_bytes", "rx_packets", "lo_tx_bytes", "lo_tx_packets", "out_segs",
@@ -441,12 +445,12 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
                                                          for r in per_rank) / steps,
         # mean over the measured periods, weighted by their steps: SLAMB's model sync every H steps and 1-bit
         # LAMB's periodic costs are part of the steady state, and a period may hold one or none of them
-        "step_time_s": sum(h["step_time_s"] * (h["step"] - g["step"]) for g, h in zip(history, measured)) / steps,
+        "step_time_s": period_mean("step_time_s"),
         # spread of the per-period step times: how far one period's figure can be trusted on a shared machine
         "step_time_spread_s": statistics.stdev([h["step_time_s"] for h in measured]) if len(measured) > 1 else None,
         # the optimizer's share of step_time_s (its step, communication included), where the pipeline logs it
-        "optimizer_time_s": (sum(h["optimizer_time_s"] * (h["step"] - g["step"]) for g, h in zip(history, measured))
-                             / steps if all("optimizer_time_s" in h for h in measured) else None),
+        "optimizer_time_s": (period_mean("optimizer_time_s") if all("optimizer_time_s" in h for h in measured)
+                             else None),
         "ledger_payload_bytes_per_step": mean("payload"),
         "ledger_wire_bytes_per_step": mean("wire"),
         "ledger_calls_per_step": mean("calls"),

@@ -68,7 +68,7 @@ def adam_moments_(ms, vs, grads, b1: float, b2: float, *, foreach: bool) -> None
         torch._foreach_lerp_(ms, grads, 1 - b1)  # one pass where mul_ + add_ take two
         torch._foreach_mul_(vs, b2)
         torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-    else:  # b1, b2 may be 0-d tensors (the fused paths trace this)
+    else:  # the per-tensor reference path
         for m, v, g in zip(ms, vs, grads):
             m.mul_(b1).add_(g * (1 - b1))
             v.mul_(b2).add_(g * g * (1 - b2))

@@ -30,9 +30,7 @@ def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torc
 
 
 def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
-    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive.
-
-    ``t``, ``lr``, ``b1``, ``b2``, ``eps``, ``wd`` are numbers or 0-d tensors (the fused path compiles this)."""
+    """One tensor's step. Returns the trust ratio applied and whether both of its norms were positive."""
     adam_moments_([m], [v], [g], b1, b2, foreach=False)
     bc1, bc2 = (1 - b1**t, 1 - b2**t) if bias_correction else (1.0, 1.0)
     u = (m / bc1) / ((v / bc2).sqrt() + eps) + wd * p
@@ -91,8 +89,7 @@ def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
     except fused_passes.CompileFailed:
         return False
     p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
-    ratio = safe_ratio(p_norm, u_norm, 1.0)
-    trust = torch.where((p_norm > 0) & (u_norm > 0), ratio.clamp(cols[7], cols[8]), ratio)  # as trust_ratio
+    trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
     zeros, inf = torch.zeros_like(trust), torch.full_like(trust, math.inf)
     table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
     for a, b in runs:

@@ -89,16 +89,13 @@ _ALIKE_STEPS = 3
 
 
 def _norms(x, sel):
-    """The norms of ``x[sel]`` and ``x[~sel]``, as masked sums: no data-dependent shapes, so
-    ``torch.compile`` traces them."""
+    """The norms of ``x[sel]`` and ``x[~sel]``."""
     sq = x * x
     return torch.where(sel, sq, 0).sum().sqrt(), torch.where(sel, 0, sq).sum().sqrt()
 
 
 def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t.
-
-    The hyper-parameters are numbers or 0-d tensors (the fused path compiles this function)."""
+    """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t."""
     u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
     if p.dim() == 1:  # plain LAMB: no clamp, no blending
         p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
