@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo study test test-quick bench comm-volume tables clean
+.PHONY: demo study test test-quick bench comm-volume tables gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ test: $(STAMP)
 # the quick tier: no worker processes, no end-to-end pipeline runs
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not multiprocess and not e2e" $(PYTEST_ARGS)
+
+# the GPU acceptance check (results/gpu/<gpu>.md); one line and exit 0 without CUDA. `make gpu-check PY=python3`
+# runs it with an interpreter that already has torch (no venv made)
+gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	$(PY) -m bench.gpu_check
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step

@@ -412,7 +412,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
         return output
     if ledger is not None:
         ledger.record(kind, "all_gather", _nbytes(input), n)
-    dist.all_gather_single(output, input, group=group)
+    dist.all_gather_into_tensor(output, input, group=group)
     return output
 
 

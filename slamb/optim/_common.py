@@ -86,18 +86,20 @@ def bias_folding(t: int, b1: float, b2: float, eps: float) -> tuple[float, float
     return math.sqrt(1 - b2**t) / (1 - b1**t), eps * math.sqrt(1 - b2**t)
 
 
-def nonfinite_tensors(grads) -> torch.Tensor:
-    """A bool per tensor of ``grads``: True where it holds NaN or inf (one host sync)."""
-    # A finite 2-norm proves a tensor finite (NaN and inf propagate through the sum of squares) and
-    # is a cheaper reduction than the max-norm on the CPU; a non-finite one may be an overflow of finite values
-    # (fp32 accumulation makes that rare even for fp16 gradients), so those get the exact check.
+def nonfinite_candidates(grads) -> torch.Tensor:
+    """A bool per tensor of ``grads``, on their device and without a host sync: True where its 2-norm is not
+    finite. That is every tensor holding NaN or inf, and rarely a finite one whose sum of squares overflowed
+    (fp32 accumulation makes that rare even for fp16 gradients): :func:`nonfinite_exact` tells them apart."""
+    # a finite 2-norm proves a tensor finite (NaN and inf propagate through the sum of squares), and is a
+    # cheaper reduction than the max-norm on the CPU
     acc = functools.reduce(torch.promote_types, {g.dtype for g in grads}, torch.float32)
-    norms = torch.stack(torch._foreach_norm(grads, dtype=acc))
-    bad = ~torch.isfinite(norms)
-    if bool(bad.any()):
-        bad = torch.tensor([not bool(torch.isfinite(g).all()) if b else False
-                            for g, b in zip(grads, bad.tolist())], device=norms.device)
-    return bad
+    return ~torch.isfinite(torch.stack(torch._foreach_norm(grads, dtype=acc)))
+
+
+def nonfinite_exact(grads, candidates: torch.Tensor) -> torch.Tensor:
+    """Those of the ``candidates`` that hold NaN or inf; host syncs, taken only on a step that has candidates."""
+    return torch.tensor([not bool(torch.isfinite(g).all()) if b else False
+                         for g, b in zip(grads, candidates.tolist())], device=candidates.device)
 
 
 def nonfinite_error(where: str, bad_names: list[str]) -> FloatingPointError:
@@ -120,9 +122,14 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     """
     if policy == "ignore" or not grads:
         return False
-    local_bad = nonfinite_tensors(grads)
-    found = comm.agree_any(local_bad.any(), ledger=ledger, group=group) if agree else bool(local_bad.any())
-    if not found:
+    def found(bad: torch.Tensor) -> bool:  # one host read
+        return comm.agree_any(bad.any(), ledger=ledger, group=group) if agree else bool(bad.any())
+
+    local_bad = nonfinite_candidates(grads)
+    if not found(local_bad):
+        return False
+    local_bad = nonfinite_exact(grads, local_bad)  # every rank takes this path, or none: same collectives
+    if not found(local_bad):
         return False
     if policy == "skip":
         return True

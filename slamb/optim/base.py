@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults
-from ._common import NONFINITE_POLICIES, check_choice, nonfinite_error, nonfinite_tensors
+from ._common import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
 
 # what a rank reports before a step; the maximum over the ranks is what every rank does
@@ -81,18 +81,24 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         everything = self._all_params()
         have = [i for i, p in enumerate(everything) if p.grad is not None]
         known = set(self._layout_ids or have)
-        bad = None
-        if self.nonfinite != "ignore" and have:
-            bad = nonfinite_tensors([everything[i].grad for i in have])
         plain = NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT
-        # made on the parameters' device (the one a backend such as NCCL communicates from) without a host
-        # copy; the agreed decision is the step's one host read beyond the non-finite screen's
-        mine = torch.full((), float(plain), device=everything[0].device)
-        if bad is not None:
-            mine = torch.where(bad.any(), float(NONFINITE), mine)
-        if agree:
-            mine = comm.agree_max(mine, ledger=self.ledger, group=self.process_group)
-        decision = int(mine.item())
+        grads = [everything[i].grad for i in have]
+
+        def decide(bad: torch.Tensor | None) -> int:
+            # made on the parameters' device (the one a backend such as NCCL communicates from) without a host
+            # copy; the agreed decision is the step's one host read for the screen and the layout together
+            mine = torch.full((), float(plain), device=everything[0].device)
+            if bad is not None:
+                mine = torch.where(bad.any(), float(NONFINITE), mine)
+            if agree:
+                mine = comm.agree_max(mine, ledger=self.ledger, group=self.process_group)
+            return int(mine.item())
+
+        bad = nonfinite_candidates(grads) if self.nonfinite != "ignore" and have else None
+        decision = decide(bad)
+        if decision == NONFINITE:  # rare: tell overflowed norms of finite gradients from NaN and inf, agreed again
+            bad = nonfinite_exact(grads, bad) if bad is not None else None
+            decision = decide(bad)
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
             raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))

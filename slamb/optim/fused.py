@@ -106,6 +106,14 @@ class Passes:
         self.compiled: set = set()
         self.failed: str | None = None  # why torch.compile failed: the optimizer then runs its multi-tensor path
         self._touched = False  # whether this step has changed a tensor
+        self._indices: dict = {}
+
+    def index(self, ids: list[int], device) -> torch.Tensor:
+        """``ids`` as a tensor on ``device``, copied once per distinct list rather than every step."""
+        key = (tuple(ids), str(device))
+        if key not in self._indices:
+            self._indices[key] = torch.tensor(ids, device=device)
+        return self._indices[key]
 
     def begin_step(self) -> None:
         self._touched = False
@@ -138,4 +146,7 @@ class Passes:
 def table(rows: list[list[float]], index: torch.Tensor, device) -> torch.Tensor:
     """Per-tensor rows from per-group ``rows`` (``index``: each tensor's group), staged to ``device`` without
     waiting for it."""
-    return torch.tensor(rows, dtype=torch.float32).to(device, non_blocking=True)[index]
+    host = torch.tensor(rows, dtype=torch.float32)
+    if torch.device(device).type == "cuda":  # from pageable memory a non_blocking copy would block the host
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)[index]

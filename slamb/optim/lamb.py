@@ -74,7 +74,7 @@ def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
         lo, hi = h["trust_clamp"] or (0.0, math.inf)
         rows.append([1 - h["b1"], h["b2"], 1 - h["b2"], c, eps, h["wd"], h["lr"], lo, hi])
     device = params[0].device
-    cols = fused_passes.table(rows, torch.tensor(index, device=device), device).unbind(1)
+    cols = fused_passes.table(rows, passes.index(index, device), device).unbind(1)
     bounds, first = [], 0
     for ps, *_ in todo:
         bounds.append((first, first + len(ps)))

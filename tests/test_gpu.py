@@ -1,0 +1,324 @@
+"""What ``make gpu-check`` verifies on a CUDA device, each check against the CPU (skipped without CUDA, as in CI).
+
+The CPU results are the reference: every path there is tested against the reference functions and the
+authors' code elsewhere, so a CUDA result that equals the CPU's to fp32 rounding is right too.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+
+import pytest
+import torch
+
+import slamb
+from slamb.optim import masks
+from tests import distributed
+from tests.test_registry import SETTINGS
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+CUDA = torch.device("cuda")
+CPU = torch.device("cpu")
+STEPS = 6
+# fp32 rounding after a few steps: the trust ratios' norms are reductions whose order differs by device
+RTOL, ATOL = 2e-5, 2e-6
+
+
+def paths(name: str) -> list[str]:
+    """The step implementations optimizer ``name`` offers: the per-tensor reference, multi-tensor, fused."""
+    accepts = inspect.signature(slamb.registry.optimizer_class(name)).parameters
+    out = ["default"]
+    if "foreach" in accepts:
+        out = ["reference", "foreach"]
+    if "fused" in accepts:
+        out.append("fused")
+    return out
+
+
+PATH_SETTINGS = {"default": {}, "reference": {"foreach": False}, "foreach": {"foreach": True},
+                 "fused": {"fused": True}}
+
+
+def small_model() -> torch.nn.Module:
+    """Tensors above and below SLAMB's compression threshold (500 here), 1-D ones, a matrix whose
+    coordinates some steps leave untouched (the embedding)."""
+    torch.manual_seed(0)
+    return torch.nn.ModuleDict({"emb": torch.nn.Embedding(64, 24), "a": torch.nn.Linear(24, 96),
+                                "b": torch.nn.Linear(96, 4), "c": torch.nn.Linear(4, 160)})
+
+
+def forward(model, x):
+    h = model["emb"](x).mean(1)
+    return model["c"](torch.tanh(model["b"](torch.tanh(model["a"](h)))))
+
+
+# the registry's optimizers with the settings that train under 2 workers, and SLAMB's other variant
+ROWS = {**{name: (name, SETTINGS[name]) for name in SETTINGS}, "slamb_v1": ("slamb", {**SETTINGS["slamb"], "variant": "v1"})}
+
+
+def train(row: str, path: str, device: torch.device) -> list[torch.Tensor]:
+    """``STEPS`` steps of ``row`` on one device, world size 1; the inputs drawn on the CPU."""
+    name, settings = ROWS[row]
+    model = small_model().to(device)
+    opt = slamb.create_optimizer(name, model, weight_decay=1e-3, **settings, **PATH_SETTINGS[path])
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        opt.begin_step()
+        x = torch.randint(0, 32, (16, 5), generator=gen).to(device)  # rows 32-63 of the embedding stay cold
+        y = torch.randn(16, 160, generator=gen).to(device)
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.mse_loss(forward(model, x), y).backward()
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+CASES = [(row, path) for row in sorted(ROWS) for path in paths(ROWS[row][0])]
+
+
+@pytest.mark.parametrize("name,path", CASES, ids=[f"{n}-{p}" for n, p in CASES])
+def test_optimizer_on_cuda_equals_cpu(name, path):
+    """Every registry optimizer, every path it offers: CUDA's parameters are the CPU's to fp32 rounding."""
+    torch.manual_seed(0)
+    cpu = train(name, path, CPU)
+    torch.manual_seed(0)
+    cuda = train(name, path, CUDA)
+    start = [p.detach() for p in small_model().parameters()]
+    for a, b, s in zip(cpu, cuda, start):
+        assert not torch.equal(a, s) or a.dim() == 0, name  # the step moved it
+        torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("policy", ["cyclic", "bernoulli"])
+def test_mask_positions_on_cuda_equal_the_cpus(policy):
+    """The masks are functions of (seed, step, k, position) on every device: over 24M coordinates the
+    positions CUDA draws are the CPU's, so ranks on different devices pack the same entries."""
+    numel = 24_000_000
+    cls = masks.CyclicMask if policy == "cyclic" else masks.BernoulliMask
+    cpu, cuda = cls(numel, 3, CPU), cls(numel, 3, CUDA)
+    for step, k in ((1, 0.1), (2, 0.1), (57, 0.01), (1000, 0.003)):
+        a, b = cpu(step, k), cuda(step, k)
+        assert b.device.type == "cuda"
+        assert a.numel() > 0.5 * k * numel
+        assert torch.equal(b.cpu(), a), (policy, step, k)
+
+
+FUSED = {"lamb": {}, "slamb_v1": {"variant": "v1"}, "slamb_v2": {"variant": "v2"}}
+
+
+def bert_like_params(device, layers: int = 2) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(3000, 64), (512, 64), (64,)] + [(256, 64), (256,), (64, 256), (64,), (64,), (64,)] * layers
+    params = [torch.nn.Parameter((0.02 * torch.randn(s, generator=gen)).to(device)) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(device)
+    return params
+
+
+def make(row: str, params, **kw):
+    if row == "lamb":
+        return slamb.LAMB(params, lr=1e-3, weight_decay=0.01, **kw)
+    return slamb.SLAMB(params, lr=1e-3, weight_decay=0.01, min_compress_numel=1000, **FUSED[row], **kw)
+
+
+@pytest.mark.parametrize("row", sorted(FUSED))
+def test_fused_graphs_compile_without_graph_break(row):
+    """``fused=True`` on CUDA: inductor's Triton kernels compile, with no graph break and no fallback."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    opt = make(row, bert_like_params(CUDA), fused=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            opt.step()
+    assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert dict(counters["graph_break"]) == {}
+    assert sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)) >= 1
+
+
+# Host synchronisations per optimizer step, documented in docs/gpu.md ("Host synchronisations"):
+# SLAMB: the rank-agreed step decision (the non-finite screen rides on it), the selection's per-tensor counts
+# and the trust-ratio scalars (none on the fused path); LAMB: its non-finite screen only.
+HOST_SYNCS = {("slamb_v1", "raise"): 3, ("slamb_v2", "raise"): 3, ("slamb_v1", "ignore"): 3,
+              ("slamb_v2", "ignore"): 3, ("lamb", "raise"): 1, ("lamb", "ignore"): 0,
+              ("slamb_v1_fused", "raise"): 2, ("slamb_v2_fused", "raise"): 2, ("lamb_fused", "raise"): 1}
+
+
+@pytest.mark.parametrize("row,nonfinite", sorted(HOST_SYNCS))
+def test_host_syncs_per_step(row, nonfinite):
+    """torch.cuda.set_sync_debug_mode counts what a step makes the host wait for: the documented number."""
+    fused = row.endswith("_fused")
+    opt = make(row.removesuffix("_fused"), bert_like_params(CUDA), nonfinite=nonfinite, fused=fused)
+    for _ in range(3):  # layout, state and the first-step parameter sync are built once
+        opt.step()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
+    assert len(syncs) == HOST_SYNCS[(row, nonfinite)], syncs
+
+
+def bert_phase1_losses(device, precision: str, name: str, steps: int = 4) -> list[float]:
+    """Phase-1 steps of a small BERT (the pipeline's model, seq 128) through the harness's mixed precision."""
+    from bert.model import build_model
+    from harness.amp import MixedPrecision
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=2000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+               intermediate_size=512, max_position_embeddings=512, type_vocab_size=2,
+               hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    model = build_model(cfg).to(device)
+    settings = dict(lr=2e-3) if name == "lamb" else dict(lr=2e-3, compress_ratio=0.1, sync_interval=2)
+    opt = slamb.create_optimizer(name, model, weight_decay=0.01, **settings)
+    amp = MixedPrecision(precision, device, init_scale=2.0 ** 12, optimizer=opt)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(5, 2000, (8, 128), generator=gen)
+    labels = torch.full_like(ids, -100)
+    masked = torch.rand(ids.shape, generator=gen) < 0.15
+    labels[masked] = ids[masked]
+    batch = dict(input_ids=ids.to(device), labels=labels.to(device),
+                 next_sentence_label=torch.randint(0, 2, (8,), generator=gen).to(device))
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with amp.autocast():
+            loss = model(**batch).loss
+        amp.backward(loss)
+        skipped, _ = amp.step(opt, model.parameters())
+        assert not skipped
+        losses.append(float(loss.detach()))
+    return losses
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["lamb", "slamb"])
+def test_bert_phase1_step_under_mixed_precision(name, precision):
+    """fp16 (rank-agreed loss scale) and bf16 autocast on CUDA: no skipped step, the loss falls, and it
+    follows the CPU's fp32 run to autocast's precision."""
+    ref = bert_phase1_losses(CPU, "fp32", name)
+    got = bert_phase1_losses(CUDA, precision, name)
+    assert all(math.isfinite(x) for x in got)
+    assert got[-1] < got[0] - 0.05
+    tol = 0.005 if precision == "fp16" else 0.01  # bf16 keeps 8 bits of mantissa, fp16 11
+    for a, b in zip(ref, got):
+        assert abs(a - b) < tol * abs(a), (ref, got)
+
+
+# what the library hands to NCCL: (collective, dtype) as slamb/comm.py, slamb/compression and DDP send them
+NCCL_CALLS = [("all_reduce_sum", torch.float32), ("all_reduce_sum", torch.float16),
+              ("all_reduce_sum", torch.bfloat16), ("all_reduce_max", torch.float32),
+              ("all_gather", torch.float32), ("all_gather", torch.int8), ("all_gather", torch.uint8),
+              ("all_to_all", torch.int8), ("all_to_all", torch.uint8), ("all_to_all", torch.float32),
+              ("broadcast", torch.float32), ("broadcast", torch.int64)]
+
+
+def test_one_rank_nccl_group_takes_every_dtype_and_op():
+    """A 1-rank NCCL group: every (collective, dtype) the library sends runs and returns its input, and SLAMB
+    under ``wrap_model`` (DDP on NCCL) steps."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        for op, dtype in NCCL_CALLS:
+            x = (torch.arange(1000, device=CUDA) % 100).to(dtype)
+            want = x.clone()
+            if op == "all_reduce_sum":
+                dist.all_reduce(x, op=dist.ReduceOp.SUM)
+            elif op == "all_reduce_max":
+                dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            elif op == "all_gather":
+                out = torch.empty_like(x)
+                dist.all_gather_into_tensor(out, x)
+                x = out
+            elif op == "all_to_all":
+                out = torch.empty_like(x)
+                dist.all_to_all_single(out, x)
+                x = out
+            else:
+                dist.broadcast(x, src=0)
+            torch.cuda.synchronize()
+            assert torch.equal(x, want), (op, dtype)
+        model = Wrapped(small_model()).to(CUDA)
+        opt = slamb.create_optimizer("slamb", model, **SETTINGS["slamb"])
+        net = slamb.wrap_model(model, opt, device_ids=[0])
+        x = torch.randint(0, 64, (8, 5), device=CUDA)
+        for _ in range(3):
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+class Wrapped(torch.nn.Module):
+    """The small model behind one forward, as DDP needs it."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return forward(self.model, x)
+
+
+def slamb_on_two_ranks(rank, device, steps=5, **settings) -> dict:
+    """SLAMB under ``wrap_model`` on ``device``, each rank its own data; its parameters and warnings."""
+    torch.manual_seed(0)
+    model = Wrapped(small_model()).to(device)
+    opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
+                      min_compress_numel=500, **settings)
+    net = slamb.wrap_model(model, opt, bucket_cap_mb=0.01)  # several buckets: several overlapped exchanges
+    gen = torch.Generator().manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(steps):
+            x = torch.randint(0, 64, (8, 5), generator=gen).to(device)
+            opt.zero_grad()
+            net(x).square().mean().backward()
+            opt.step()
+    return {"params": [p.detach().cpu() for p in model.parameters()],
+            "momentum": opt.comm_stats()["total"]["momentum"]["payload"],
+            "warnings": [str(w.message) for w in caught]}
+
+
+def gloo_cuda_worker(rank, world, comm_dtype):
+    torch.cuda.set_device(0)
+    return {d.type: slamb_on_two_ranks(rank, d, comm_dtype=comm_dtype) for d in (CPU, CUDA)}
+
+
+@pytest.mark.parametrize("comm_dtype", [None, torch.float16, torch.bfloat16, torch.int8],
+                         ids=["fp32", "fp16", "bf16", "int8"])
+def test_two_gloo_ranks_on_one_gpu_exchange_as_on_the_cpu(comm_dtype):
+    """Two processes share the GPU over gloo (NCCL refuses two ranks on one device): SLAMB's exchange in
+    each comm_dtype gives CUDA the CPU's parameters, with the same bytes."""
+    for r in distributed.run(gloo_cuda_worker, 2, comm_dtype):
+        assert r["cuda"]["momentum"] == r["cpu"]["momentum"] > 0
+        tol = dict(rtol=RTOL, atol=ATOL) if comm_dtype in (None, torch.float16, torch.bfloat16) else \
+            dict(rtol=1e-4, atol=1e-5)
+        for a, b in zip(r["cpu"]["params"], r["cuda"]["params"]):
+            torch.testing.assert_close(b, a, **tol)
+
+
+def overlap_worker(rank, world):
+    torch.cuda.set_device(0)
+    return {overlap: slamb_on_two_ranks(rank, CUDA, overlap=overlap) for overlap in (False, True)}
+
+
+def test_overlap_hook_on_cuda_equals_the_plain_exchange():
+    """The exchange DDP's hook starts during backward (CUDA tensors, gloo) is the plain path's."""
+    for r in distributed.run(overlap_worker, 2):
+        assert not [w for w in r[True]["warnings"] if "gradients changed" in w]
+        assert r[True]["momentum"] == r[False]["momentum"] > 0
+        for a, b in zip(r[False]["params"], r[True]["params"]):
+            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
