@@ -158,13 +158,14 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
                "peak_words": max(peak, 0) / (4 * numel)})
 
 
-def measure_times(shapes, names: list[str], steps: int, device: str) -> dict[str, list[float]]:
+def measure_times(shapes, names: list[str], steps: int, device: str, first: dict | None = None) -> dict[str, list[float]]:
     """Seconds of each timed step of every optimizer in ``names``, each on its own copy of parameters of
     ``shapes``, stepped in turn (in rotated order) after 3 warm-up steps; under ``FLOOR``, an in-place
     ``add_`` of a scalar over a flat fp32 buffer of the same size, timed in the same rotation.
 
     A shared machine's speed drifts by tens of percent within minutes; steps of different optimizers
-    taken back to back see the same machine, so their ratio is the figure to trust."""
+    taken back to back see the same machine, so their ratio is the figure to trust. ``first``, when given,
+    receives each optimizer's first step in seconds (the fused rows' compile included)."""
     dev = torch.device(device)
     build = optimizers()
     numel = sum(math.prod(s) for s in shapes)
@@ -172,7 +173,10 @@ def measure_times(shapes, names: list[str], steps: int, device: str) -> dict[str
     work = {FLOOR: lambda: flat.add_(1.0)}
     for name in names:
         opt = build[name](_model_params(shapes, dev))
-        for _ in range(3):
+        seconds = _timed(opt.step, dev)
+        if first is not None:
+            first[name] = seconds
+        for _ in range(2):
             opt.step()
         work[name] = opt.step
     order = list(work)
