@@ -19,10 +19,9 @@ each one call of :meth:`SLAMB.step` into the file named:
 8. after the updates of steps 1, H+1, 2H+1, ... the parameters are averaged
    (``averaging.py``).
 
-Steps 2 and 5-7 are one call, :func:`slamb_update_` (``slamb_update.py``):
-its fused implementation runs them in two compiled passes, and step 4 ends
-between them (the update calls back the exchange once step 2 is done). The
-optimizer keeps the state, the layout, the mask and the parameter sync.
+Steps 2 and 5-7 are one call, :func:`slamb_update_` (``slamb_update.py``): the
+fused path runs them as two compiled passes with the end of step 4 between them.
+The optimizer keeps the state, the layout, the mask and the parameter sync.
 """
 from __future__ import annotations
 
@@ -42,7 +41,7 @@ from .checks import check_adam_group, check_choice, check_range
 from .exchange import MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, Selection, make_mask
-from .slamb_update import MAX_AGE, SlambLayout, check_fused_beta3, fused_age, int16_age, slamb_update_
+from .slamb_update import MAX_INT16_AGE, SlambLayout, check_fused_beta3, fused_age, int16_age, slamb_update_
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
 
@@ -385,7 +384,7 @@ class SLAMB(LocalStateOptimizer):
                     continue
                 r = state.pop("freshness").double()
                 if b3 > 0:
-                    age = (r.log() / math.log(b3)).round().nan_to_num(posinf=MAX_AGE).clamp(0, MAX_AGE)
+                    age = (r.log() / math.log(b3)).round().nan_to_num(posinf=MAX_INT16_AGE).clamp(0, MAX_INT16_AGE)
                 else:  # r = 0^age: 1 for age 0, else 0 for every age
                     age = (r < 1).double()
                 state["staleness"] = torch.where(r >= 1, 0.0, age.clamp_min(1)).to(torch.int16)
@@ -429,6 +428,7 @@ class SLAMB(LocalStateOptimizer):
             b1, b2 = group["betas"]
             groups.append((lo, hi, dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
                                         b3=group["beta3"], c_min=group["c_min"], c_max=group["c_max"])))
+
         def update():
             slamb_update_(self._plan, sel, grads, self._flat["exp_avg"], self._flat["exp_avg_sq"], self._age, groups,
                           variant=self.variant, n=comm.world_size(self.process_group), exchange=exchange,

@@ -58,7 +58,7 @@ from .masks import Selection
 
 # the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
 # age, where b3^age is 0 in fp32 for b3 <= 0.997 (the fused path keeps it in fp16: fused.MAX_AGE)
-MAX_AGE = 2**15 - 1
+MAX_INT16_AGE = 2**15 - 1
 
 
 def _norms(x, sel):
@@ -160,8 +160,8 @@ def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
 
 
 def _advance_age(age: torch.Tensor, sel: Selection) -> None:
-    """Step 6 on the age: 0 where averaged now, else one more (held at ``MAX_AGE``)."""
-    age.clamp_max_(MAX_AGE - 1).add_(1)
+    """Step 6 on the age: 0 where averaged now, else one more (held at ``MAX_INT16_AGE``)."""
+    age.clamp_max_(MAX_INT16_AGE - 1).add_(1)
     sel.fill_(age, 0)
 
 
