@@ -37,7 +37,7 @@ import time
 import torch
 
 from slamb.amp import RankAgreedGradScaler
-from slamb.optim._common import check_choice, check_range
+from slamb.optim.checks import check_choice, check_range
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

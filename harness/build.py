@@ -8,7 +8,7 @@ import sys
 import torch
 
 from slamb import registry
-from slamb.optim._common import check_choice
+from slamb.optim.checks import check_choice
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer
 from .distributed import launch

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from slamb.optim.slamb import always_averaged
+
 from .checkpoint import atomic_write_json
 from .distributed import DistEnv
 
@@ -170,12 +172,12 @@ def comm_metrics(totals: dict[str, int], before: dict[str, int]) -> dict[str, in
 
 
 def compressed_share(optimizer, model) -> float | None:
-    """Fraction of parameters SLAMB compresses (tensors with dim > 1 and >= min_compress_numel elements)."""
+    """Fraction of parameters SLAMB compresses (those of tensors not :func:`~slamb.optim.slamb.always_averaged`)."""
     threshold = getattr(optimizer, "min_compress_numel", None)
     if threshold is None:
         return None
     params = [p for p in model.parameters() if p.requires_grad]
-    big = sum(p.numel() for p in params if p.dim() > 1 and p.numel() >= threshold)
+    big = sum(p.numel() for p in params if not always_averaged(p, threshold))
     return big / sum(p.numel() for p in params)
 
 

@@ -361,10 +361,10 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     divided first, so the sum of n workers cannot overflow fp16's range.
 
     ``comm_dtype``: send ``tensor`` (full precision) in that dtype and write the mean back into
-    it. float16 is scaled first by a power of two agreed by the ranks (:func:`_fp16_scale`), so
-    that its error stays at fp16's rounding at any n where dividing by n first would flush small
-    values to zero; bfloat16 has float32's range and is summed as it is; int8 is
-    :func:`int8_mean_` (quantised per chunk).
+    it. float16 is scaled first by a power of two (:func:`fp16_scale`) of the largest |entry| of any
+    rank (one more 4-byte all-reduce, kind ``"control"``), so that its error stays at fp16's rounding
+    at any n where dividing by n first would flush small values to zero; bfloat16 has float32's
+    range and is summed as it is; int8 is :func:`int8_mean_` (quantised per chunk).
     """
     if isinstance(group, NodeTopology):
         return _over_nodes(tensor, group, kind, ledger, async_op,

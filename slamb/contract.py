@@ -72,6 +72,24 @@ class ContractDefaults:
         """Called by the loop before each forward pass (every rank at the same points)."""
 
 
+def rank_stamp(process_group) -> dict:
+    """The world a rank's own state (:attr:`per_rank_state`) is saved in: its size and the rank."""
+    return {"world_size": comm.world_size(process_group), "rank": comm.rank(process_group)}
+
+
+def check_rank_stamp(name: str, saved: dict, process_group, *, reason: str,
+                     alternative: str = "start the optimizer afresh and load only the model") -> None:
+    """Refuse a rank's own state saved by another rank or in another world (``saved`` holds its
+    :func:`rank_stamp`): ``reason`` says why it cannot be redistributed, ``alternative`` what else to do."""
+    here = rank_stamp(process_group)
+    if (saved["world_size"], saved["rank"]) != (here["world_size"], here["rank"]):
+        raise ValueError(
+            f"{name} checkpoint saved by rank {saved['rank']} of world size {saved['world_size']}, loaded on "
+            f"rank {here['rank']} of world size {here['world_size']}: {reason}, which cannot be redistributed. "
+            f"Resume with {saved['world_size']} workers, each rank loading the state it saved (slamb.save_optimizer "
+            f"and slamb.load_optimizer keep one file per rank), or {alternative}.")
+
+
 def _noop(*args, **kwargs) -> None:
     return None
 

@@ -13,7 +13,7 @@ import inspect
 import torch
 
 from .contract import adopt
-from .optim._common import check_lr
+from .optim.checks import check_lr
 
 # name -> "module:attribute", resolved on first use; extra keyword defaults
 OPTIMIZERS: dict[str, tuple[str, dict]] = {
@@ -46,7 +46,7 @@ def optimizer_settings(name: str) -> list[str]:
 def check_settings(name: str, settings: dict) -> None:
     """The checks every optimizer gets before it is built: a known name, known settings, a finite lr.
 
-    torch's own optimizers accept ``lr=inf``; a step size beyond :data:`~slamb.optim._common.MAX_LR`
+    torch's own optimizers accept ``lr=inf``; a step size beyond :data:`~slamb.optim.checks.MAX_LR`
     only turns the parameters into inf or NaN a step later, far from its cause.
     """
     valid = optimizer_settings(name)

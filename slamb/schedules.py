@@ -23,7 +23,7 @@ import bisect
 import math
 
 
-from .optim._common import check_range
+from .optim.checks import check_range
 
 # The reference code's per-epoch warm-up of SLAMB's compression ratio (CIFAR-10 recipe).
 CIFAR10_COMPRESSION_WARMUP = (0.5, 0.5, 0.2, 0.1, 0.1, 0.05, 0.04, 0.03, 0.02, 0.01,

@@ -30,7 +30,7 @@ import slamb
 from slamb import comm
 import harness as ex
 from harness.checkpoint import atomic_write_json
-from slamb.optim._common import check_choice
+from slamb.optim.checks import check_choice
 from harness.schedules import build_lr_scheduler
 
 from .data import Features, load_squad, load_tokenizer, make_features

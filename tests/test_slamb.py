@@ -276,7 +276,7 @@ def test_step_leaves_global_rng_untouched():
 def test_both_scaled_additions_of_the_flat_path_equal_the_reference(variant, per_tensor_add, monkeypatch):
     """The flat path adds its per-tensor multiples one tensor at a time on the CPU and with two multi-tensor
     ops on other devices: both agree with the per-tensor reference (c_max = 0.5 makes v1 clamp some tensors)."""
-    from slamb.optim import slamb as module
+    from slamb.optim import slamb_update as module
 
     monkeypatch.setattr(module, "_PER_TENSOR_ADD", {"cpu"} if per_tensor_add else set())
     runs = []
@@ -618,7 +618,7 @@ def overlap_worker(rank, world, variant, steps=6):
             x = torch.randn(8, 100, generator=gen, dtype=torch.float64)
             opt.zero_grad()
             ddp(x).square().mean().backward()
-            launched.append(len(opt.overlap_state.pending))  # exchanges already in flight when step() starts
+            launched.append(len(opt.exchange.pending))  # exchanges already in flight when step() starts
             opt.step()
         out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
                         "launched": launched, "momentum": opt.comm_stats()["total"]["momentum"]}

@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..optim._common import check_range
+from ..optim.checks import check_range
 
 __all__ = ["MIN_SAMPLE_TOPK", "Selection", "num_selected", "sample_stride", "sampled_topk_mask", "sampled_topk"]
 

@@ -25,8 +25,8 @@ import torch
 from torch.optim import Optimizer
 
 from .. import comm
-from ..contract import OPTIMIZER_HOOK, ContractDefaults
-from ._common import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
+from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
+from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
 
 # what a rank reports before a step; the maximum over the ranks is what every rank does
@@ -151,8 +151,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         everything = self._all_params()
         sd[self.state_key] = {
             "step": self._step,
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
+            **rank_stamp(self.process_group),
             "layout_ids": None if ids is None else list(ids),
             "layout_numels": None if ids is None else [everything[i].numel() for i in ids],
             "ledger": self.ledger.state_dict(),
@@ -175,14 +174,9 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         name, key = type(self).__name__, self.state_key
         extra = self._extra_of(state_dict)
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        if self._saved_per_rank(extra) and (extra["world_size"], extra["rank"]) != (n, r):
-            raise ValueError(
-                f"{name} checkpoint saved by rank {extra['rank']} of world size {extra['world_size']}, loaded on "
-                f"rank {r} of world size {n}: {self.per_rank_reason}, which cannot be redistributed. Resume with "
-                f"{extra['world_size']} workers, each rank loading the state it saved (slamb.save_optimizer and "
-                f"slamb.load_optimizer keep one file per rank), or {self.per_rank_alternative}."
-            )
+        if self._saved_per_rank(extra):
+            check_rank_stamp(name, extra, self.process_group, reason=self.per_rank_reason,
+                             alternative=self.per_rank_alternative)
         ids = extra["layout_ids"]
         if ids is not None:
             everything = self._all_params()

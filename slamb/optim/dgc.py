@@ -66,7 +66,7 @@ import torch
 from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
-from ._common import check_lr, check_range
+from .checks import check_lr, check_range
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 

@@ -36,9 +36,9 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..averaging import average_tensors_
-from ..contract import OPTIMIZER_HOOK, ContractDefaults
+from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from ..ddp import no_comm_hook
-from ._common import check_betas, check_choice, check_range
+from .checks import check_betas, check_choice, check_range
 from .lamb import LAMB
 
 INNER = ("adamw", "lamb", "sgd")
@@ -150,8 +150,7 @@ class DiLoCo(ContractDefaults, Optimizer):
     def state_dict(self) -> dict:
         sd = self.inner.state_dict()
         sd[_KEY] = {
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
+            **rank_stamp(self.process_group),
             "inner": self.inner_name,
             "step": self._step,
             "anchor": self._anchor,
@@ -167,13 +166,7 @@ class DiLoCo(ContractDefaults, Optimizer):
         if saved["inner"] != self.inner_name:
             raise ValueError(f"DiLoCo checkpoint has inner={saved['inner']!r}, this optimizer inner="
                              f"{self.inner_name!r}: resume with inner={saved['inner']!r}")
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        if (saved["world_size"], saved["rank"]) != (n, r):
-            raise ValueError(
-                f"DiLoCo checkpoint saved by rank {saved['rank']} of world size {saved['world_size']}, loaded on "
-                f"rank {r} of world size {n}: each worker keeps its own inner state. Resume with "
-                f"{saved['world_size']} workers, each rank loading the state it saved, or start the optimizer "
-                "afresh and load only the model.")
+        check_rank_stamp("DiLoCo", saved, self.process_group, reason="each worker keeps its own inner state")
         params = self._params()
         anchor = saved["anchor"]
         if anchor is not None and [a.shape for a in anchor] != [p.shape for p in params]:

@@ -26,11 +26,10 @@ the rest of this one running the same functions eagerly (the graphs' numbers, at
 """
 from __future__ import annotations
 
+import types
 import warnings
 
 import torch
-
-from ._common import compile_once
 
 CHUNK = 12
 # pass 1's per-tensor columns, and pass 2's
@@ -91,6 +90,16 @@ def update_pass(params, ms, vs, ages, table):
             continue
         r = torch.exp2(ages[i].to(torch.float32) * log2_b3)  # b3^age
         p.sub_((a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
+
+
+def compile_once(fn):
+    """``torch.compile`` (``dynamic=False``) of ``fn`` as a function of its own code object: dynamo's
+    recompile limit counts the graphs of one code object (closures of one function share it), so each
+    layout or run of shapes needs its own."""
+    def bound(*args):
+        return fn(*args)
+    own = types.FunctionType(bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__)
+    return torch.compile(own, dynamic=False)
 
 
 class CompileFailed(RuntimeError):

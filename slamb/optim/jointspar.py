@@ -81,8 +81,9 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import NO_DDP, ContractDefaults
-from ._common import NONFINITE_POLICIES, check_choice, check_lr, check_range, nonfinite_skip, safe_ratio
+from .checks import NONFINITE_POLICIES, check_choice, check_lr, check_range, nonfinite_skip
 from .flat import FlatLayout, check_layouts_agree, param_labels
+from .lamb_math import safe_ratio
 from .masks import step_seed
 
 
@@ -286,10 +287,6 @@ class JointSpar(ContractDefaults, Optimizer):
     def probabilities(self) -> torch.Tensor:
         """p_d of the next draw (float64, CPU, layer order)."""
         return self._prob.clone()
-
-    def active_layers(self) -> torch.Tensor | None:
-        """The current round's draw (bool, CPU, layer order); ``None`` between a step and the next draw."""
-        return None if self._active is None else self._active.clone()
 
     def ddp_comm_hook(self):
         """Only reached by code that wraps the model in DDP despite ``communication = "no_ddp"``."""

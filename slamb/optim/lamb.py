@@ -17,8 +17,8 @@ from torch.optim import Optimizer
 from .. import comm
 from ..contract import ContractDefaults
 from . import fused as fused_passes
-from ._common import (NONFINITE_POLICIES, adam_moments_, bias_folding, check_adam_group, check_choice,
-                      nonfinite_skip, safe_ratio)
+from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
+from .lamb_math import adam_moments_, bias_folding, safe_ratio
 
 
 def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:

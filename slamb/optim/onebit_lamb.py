@@ -76,10 +76,11 @@ import torch
 from .. import comm
 from ..compression.onebit import ErrorFeedback, compressed_allreduce
 from ..ddp import RecordingState, no_comm_hook, recording_allreduce_hook
-from ._common import check_adam_group, check_range, safe_ratio
+from .checks import check_adam_group, check_range
 from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .lamb import lamb_foreach
+from .lamb_math import safe_ratio
 
 _FLAT = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "exp_avg_sq_fresh": 0.0}  # per-element state, initial value
 _SCALAR = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}  # per-tensor state

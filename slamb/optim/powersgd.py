@@ -52,8 +52,8 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDS
                                                                       powerSGD_hook)
 
 from .. import comm
-from ..contract import OPTIMIZER_HOOK, ContractDefaults
-from ._common import check_choice, check_range
+from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
+from .checks import check_choice, check_range
 
 _KEY = "powersgd"
 
@@ -258,8 +258,7 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
         sd = super().state_dict()
         s = self.powersgd
         sd[_KEY] = {
-            "world_size": comm.world_size(self.process_group),
-            "rank": comm.rank(self.process_group),
+            **rank_stamp(self.process_group),
             "iter": s.iter,
             "rng": s.rng.get_state(),
             **self._per_parameter(),
@@ -273,13 +272,7 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
         saved = state_dict.get(_KEY)
         if saved is None:
             raise ValueError(f"not a PowerSGD state dict (no {_KEY!r} entry): it was saved by another optimizer")
-        n, r = comm.world_size(self.process_group), comm.rank(self.process_group)
-        if (saved["world_size"], saved["rank"]) != (n, r):
-            raise ValueError(
-                f"PowerSGD checkpoint saved by rank {saved['rank']} of world size {saved['world_size']}, loaded on "
-                f"rank {r} of world size {n}: each worker keeps its own error feedback, which cannot be "
-                f"redistributed. Resume with {saved['world_size']} workers, each rank loading the state it saved, "
-                "or start the optimizer afresh and load only the model.")
+        check_rank_stamp("PowerSGD", saved, self.process_group, reason="each worker keeps its own error feedback")
         params = self._params()
         if any(i >= len(params) or t.numel() != params[i].numel() for i, t in saved["error"].items()):
             raise ValueError("PowerSGD checkpoint was saved for a different model (parameter shapes differ)")

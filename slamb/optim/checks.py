@@ -1,10 +1,9 @@
-"""Pieces every optimizer of the package shares: argument checks, the trust
-ratio guard, the rank-agreed decision on non-finite gradients."""
+"""The checks every optimizer of the package shares: its arguments, and the
+rank-agreed decision on non-finite gradients."""
 from __future__ import annotations
 
 import functools
 import math
-import types
 
 import torch
 
@@ -56,36 +55,6 @@ def check_choice(name: str, value, choices) -> None:
         raise ValueError(f"invalid {name}={value!r}: must be one of {list(choices)}")
 
 
-def safe_ratio(num: torch.Tensor, den: torch.Tensor, default: float) -> torch.Tensor:
-    """``num / den`` where both are positive, ``default`` elsewhere (LAMB's trust-ratio guard)."""
-    ok = (num > 0) & (den > 0)
-    return torch.where(ok, num / torch.where(ok, den, 1.0), torch.full_like(num, default))
-
-
-def adam_moments_(ms, vs, grads, b1: float, b2: float, *, foreach: bool) -> None:
-    """m = b1 m + (1-b1) g, v = b2 v + (1-b2) g^2, in place, for lists of tensors."""
-    if foreach:
-        torch._foreach_lerp_(ms, grads, 1 - b1)  # one pass where mul_ + add_ take two
-        torch._foreach_mul_(vs, b2)
-        torch._foreach_addcmul_(vs, grads, grads, value=1 - b2)
-    else:  # the per-tensor reference path
-        for m, v, g in zip(ms, vs, grads):
-            m.mul_(b1).add_(g * (1 - b1))
-            v.mul_(b2).add_(g * g * (1 - b2))
-
-
-def adam_direction_(m: torch.Tensor, v: torch.Tensor, eps: float, *, out: torch.Tensor) -> torch.Tensor:
-    """out = m / (sqrt(v) + eps), computed in ``out``: no model-sized temporary."""
-    torch.sqrt(v, out=out).add_(eps)
-    return torch.div(m, out, out=out)
-
-
-def bias_folding(t: int, b1: float, b2: float, eps: float) -> tuple[float, float]:
-    """(c, eps') with m_hat / (sqrt(v_hat) + eps) = c * m / (sqrt(v) + eps'), Adam's bias corrections
-    folded into one scalar: no pass over the moments to divide them."""
-    return math.sqrt(1 - b2**t) / (1 - b1**t), eps * math.sqrt(1 - b2**t)
-
-
 def nonfinite_candidates(grads) -> torch.Tensor:
     """A bool per tensor of ``grads``, on their device and without a host sync: True where its 2-norm is not
     finite. That is every tensor holding NaN or inf, and rarely a finite one whose sum of squares overflowed
@@ -122,6 +91,7 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     """
     if policy == "ignore" or not grads:
         return False
+
     def found(bad: torch.Tensor) -> bool:  # one host read
         return comm.agree_any(bad.any(), ledger=ledger, group=group) if agree else bool(bad.any())
 
@@ -134,13 +104,3 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     if policy == "skip":
         return True
     raise nonfinite_error(where, [names[i] for i in torch.nonzero(local_bad).flatten().tolist()])
-
-
-def compile_once(fn, **constants):
-    """``torch.compile`` (``dynamic=False``) of ``fn`` with ``constants`` bound, as a function of its own code
-    object: dynamo's recompile limit counts the graphs of one code object (a ``functools.partial`` or a
-    closure shares its function's), so each layout or run of shapes needs its own."""
-    def bound(*args):
-        return fn(*args, **constants)
-    own = types.FunctionType(bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__)
-    return torch.compile(own, dynamic=False)

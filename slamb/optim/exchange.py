@@ -1,0 +1,186 @@
+"""Step 4 of SLAMB (``docs/algorithm.md``): m[M_t] = the mean over the workers
+of m[M_t], one asynchronous all-reduce of the packed selected entries.
+
+:class:`MomentumExchange` holds everything the exchange needs (the group,
+the ledger, the wire dtype, per-parameter views of the momentum and their
+parameter groups, the coming step's mask) and the exchanges in flight; the
+optimizer gives it those at each layout and each draw, and it calls nothing
+back. Each step:
+
+* :meth:`MomentumExchange.start` starts what is still to send: with
+  ``overlap``, the DDP hook (:func:`overlap_hook`, in the manner of torch's
+  ``PowerSGDState`` + ``powerSGD_hook``) has already started each bucket's
+  share as backward filled it; ``start`` keeps those whose mask and
+  gradients are still the step's, falls back to sending the others again
+  (warning once), and starts the rest (:func:`launch`);
+* :meth:`MomentumExchange.finish`, called by the update once step 2 is done,
+  waits, writes the averages into the momentum and returns them; it also
+  watches the first steps for gradients averaged before SLAMB saw them.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .. import comm
+from ..ddp import in_place
+from .masks import Selection
+
+# first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
+ALIKE_STEPS = 3
+
+
+class MomentumExchange:
+    """The momentum exchange's state: DDP's comm-hook state with ``overlap``, and step 4's either way.
+
+    ``grad_scale``: the loss scale backward's gradients carry and ``step()``'s do not (see
+    :class:`slamb.SLAMB`). ``next_sel``: the coming step's mask, given by the optimizer when it draws it
+    (at the end of the previous step, so the hook draws nothing). Until :meth:`bind` gives it the layout,
+    the hook sends nothing.
+    """
+
+    def __init__(self, *, process_group, ledger: comm.CommLedger, comm_dtype):
+        self.process_group, self.ledger, self.comm_dtype = process_group, ledger, comm_dtype
+        self.grad_scale = 1.0
+        self.index: dict[int, int] | None = None  # id(parameter) -> place in the layout
+        self.momenta: list[torch.Tensor] = []  # per-parameter views of the flat momentum
+        self.groups: list[dict] = []  # per parameter, its parameter group (beta1 is read at each launch)
+        self.next_sel: Selection | None = None
+        # parameter places -> (selection, exchange, gradient norms seen)
+        self.pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork, torch.Tensor]] = {}
+        self.warned_fallback = False
+        self.alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
+
+    def bind(self, params: list[torch.Tensor], momenta: list[torch.Tensor], groups: list[dict]) -> None:
+        self.index = {id(p): i for i, p in enumerate(params)}
+        self.momenta, self.groups = momenta, groups
+        self.pending, self.next_sel = {}, None
+
+    def cancel(self) -> None:
+        """Finish and drop every exchange in flight (a step that fails or is skipped on every rank)."""
+        pending, self.pending = self.pending, {}
+        discard(pending)
+
+    def start(self, sel: Selection, grads: list[torch.Tensor]) -> dict[tuple[int, ...], comm.MeanWork]:
+        """Step 4 starts: the exchanges of ``sel``'s momentum, by parameter places.
+
+        The hook's exchanges of another mask (k changed after backward) are dropped; when the gradients
+        changed since the hook saw them (on any rank), every rank drops them all and sends again.
+        """
+        pending, self.pending = self.pending, {}
+        discard({key: e for key, e in pending.items() if e[0] is not sel})
+        pending = {key: e for key, e in pending.items() if e[0] is sel}
+        if pending and grads_changed(self, pending, grads, sel):
+            discard(pending)
+            pending = {}
+            if not self.warned_fallback:
+                self.warned_fallback = True
+                warnings.warn("SLAMB(overlap=True): gradients changed between backward and step() (clipping, or "
+                              "a loss scale not given as opt.grad_scale); this step and any such later one run "
+                              "the plain exchange instead (same numbers, their momentum bytes sent twice)",
+                              stacklevel=3)
+        works = {key: work for key, (_, work, _) in pending.items()}
+        if comm.world_size(self.process_group) > 1:  # the rest of the selected momentum goes out now
+            covered = {i for key in works for i in key}
+            rest = [i for i in range(len(self.momenta)) if i not in covered]
+            if rest:
+                works[tuple(rest)] = launch(self, sel, rest, sel.take([grads[i] for i in rest], rest))
+        return works
+
+    def finish(self, sel: Selection, works: dict) -> list[tuple[list[int], torch.Tensor]]:
+        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places, packed averages)."""
+        alike = self.alike_steps is not None
+        means = []
+        for ids, work in works.items():
+            mean = work.wait().to(self.momenta[ids[0]].dtype)
+            if alike:
+                alike = self._same_as_local(sel, ids, mean)
+            sel.put_([self.momenta[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
+            means.append((list(ids), mean))
+        if self.alike_steps is not None and comm.world_size(self.process_group) > 1:
+            self._count_alike(alike)
+        return means
+
+    def _same_as_local(self, sel: Selection, ids, mean: torch.Tensor) -> bool:
+        """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
+        local = torch.cat(sel.take([self.momenta[i] for i in ids], ids))
+        if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
+            return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
+        rtol = 8 * torch.finfo(self.comm_dtype or mean.dtype).eps
+        return bool(torch.allclose(local, mean, rtol=rtol, atol=0.0))
+
+    def _count_alike(self, alike: bool) -> None:
+        """Warn once when the first steps' momenta were the same on every rank before averaging.
+
+        Costs nothing on the wire (the averages are those of step 4); stops at the first step that differs.
+        """
+        if not alike:
+            self.alike_steps = None
+            return
+        self.alike_steps += 1
+        if self.alike_steps == ALIKE_STEPS:
+            self.alike_steps = None
+            warnings.warn(
+                f"SLAMB: every rank held the same momentum before averaging at its first {ALIKE_STEPS} steps: the "
+                "gradients were already averaged across ranks (plain DDP, or a framework's trainer), or every rank "
+                "trains on the same data. SLAMB needs each rank's local gradients, else it sends its momentum on top "
+                "of a gradient all-reduce: wrap the model with slamb.wrap_model(model, optimizer) (or use the "
+                "slamb.integrations trainer) instead of DistributedDataParallel.", stacklevel=3)
+
+
+def discard(pending: dict) -> None:
+    """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
+    for _, work, _ in pending.values():
+        work.wait()
+
+
+def launch(state: MomentumExchange, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
+    """Steps 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
+
+    ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum and the
+    gradients, so it can run during backward; the dense momentum update of ``step()`` then recomputes these
+    entries and the average overwrites them.
+    """
+    ms = sel.take([state.momenta[i] for i in ids], ids)
+    weights = [1 - state.groups[i]["betas"][0] for i in ids]
+    if len(set(weights)) == 1:
+        new = torch._foreach_lerp(ms, gs, weights[0])
+    else:
+        new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
+    return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=state.ledger, group=state.process_group,
+                                 async_op=True, comm_dtype=state.comm_dtype)
+
+
+def grads_changed(state: MomentumExchange, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
+    """Whether, on any rank, the gradients of the overlapped exchanges differ from those backward gave them
+    (clipping, an unscaling other than ``grad_scale``): a rank-agreed decision, one host read."""
+    seen = torch.cat([norms for _, _, norms in pending.values()])
+    now = torch.cat([torch.stack(torch._foreach_norm(sel.take([grads[i] for i in ids], ids))) for ids in pending])
+    changed = ((seen - now).abs() > 1e-5 * now).any()
+    return comm.agree_any(changed, ledger=state.ledger, group=state.process_group)
+
+
+@in_place  # the gradients stay in the bucket: DDP may keep them there (gradient_as_bucket_view)
+def overlap_hook(state, bucket):  # no annotations: DDP checks them against its own
+    """Start the bucket's share of the momentum exchange; the bucket itself goes back unchanged."""
+    if state.index is not None:  # the first step's buckets arrive before the layout exists
+        ids, grads = [], []
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            if id(p) in state.index:
+                ids.append(state.index[id(p)])
+                grads.append(g)
+        if ids:
+            key = tuple(ids)
+            # a second backward before step() (accumulation outside no_sync) supersedes the first
+            if key in state.pending:
+                discard({key: state.pending.pop(key)})
+            sel = state.next_sel
+            gs = sel.take(grads, ids)
+            if state.grad_scale != 1.0:
+                gs = torch._foreach_mul(gs, 1.0 / state.grad_scale)  # as unscaling will before step()
+            norms = torch.stack(torch._foreach_norm(gs))
+            state.pending[key] = (sel, launch(state, sel, ids, gs), norms)
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
