@@ -278,6 +278,10 @@ def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: str, ledger, asy
     return work if async_op else work.wait()
 
 
+# torch 2.14 renamed all_gather_into_tensor (deprecated there, with a warning) to all_gather_single; older
+# releases have only the former
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 # fp16's largest finite value: a sum of n terms each at most this / n cannot overflow
 _FP16_MAX = 65504.0
 
@@ -412,7 +416,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
         return output
     if ledger is not None:
         ledger.record(kind, "all_gather", _nbytes(input), n)
-    dist.all_gather_into_tensor(output, input, group=group)
+    _all_gather_single(output, input, group=group)
     return output
 
 
