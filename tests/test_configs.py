@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from cifar10.model import build_model
 from harness import build_optimizer, check_trainer
 from harness.schedules import build_lr_scheduler
+from harness.settings import INPUT_KEYS, NOT_COMPUTED, OPERATIONAL_KEYS, covers
 from slamb import registry
 from slamb.schedules import CIFAR10_COMPRESSION_WARMUP, compression_ratio
 
@@ -140,6 +141,19 @@ def test_every_row_has_its_own_run_directory():
     assert not {n: es for n, es in names.items() if len(es) > 1}
     assert {"cifar10_resnet110_slamb", "demo_digits_slamb", "swin_b_slamb", "bert_phase2_slamb",
             "bert_phase1_onebit_lamb_ee", "squad_slamb"} <= set(names)
+
+
+def test_run_directory_name_leaves_out_exactly_the_settings_that_do_not_change_what_is_computed():
+    """Hydra's exclude_keys are resolved from harness.settings.NOT_COMPUTED, subtrees included; every
+    other override names the run."""
+    left_out = ["experiment=cifar10/slamb", "logger.project=x", "trainer.checkpoint.every=2", "trainer.device=cpu",
+                "data.dir=/data/a", "+data.workers=0", "paper.row=x", "+study.grid=y"]
+    kept = ["optimizer.lr=0.1", "seed=3", "trainer.precision=bf16"]
+    hcfg = compose_root("cifar10", *left_out, *kept, hydra_cfg=True)
+    assert hcfg.hydra.job.override_dirname == ",".join(sorted(kept))
+    assert all(covers(NOT_COMPUTED, line.split("=")[0].lstrip("+")) for line in left_out)
+    assert not any(covers(NOT_COMPUTED, line.split("=")[0]) for line in kept)
+    assert set(OPERATIONAL_KEYS) | set(INPUT_KEYS) == set(NOT_COMPUTED)
 
 
 # ------------------------------------------------------------------------------------ optimizers
