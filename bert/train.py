@@ -138,7 +138,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "steps", "log_every", "trainer.checkpoint.every",
-                    *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
+                         *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
     env = harness.init_distributed(t.device, t.threads_per_worker)
     accum = accumulation_steps(d.global_batch, d.micro_batch, env.world_size)
     stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, env.rank, env.world_size,
@@ -154,7 +154,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=d.global_batch, throughput="seqs", unit="step")
+                       global_batch=d.global_batch, throughput="seqs", unit="step")
 
     start = period_start = run.step
     if cfg.get("init_optimizer_from") and not run.restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)

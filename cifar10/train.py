@@ -68,7 +68,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=d.micro_batch * env.world_size, throughput="images")
+                       global_batch=d.micro_batch * env.world_size, throughput="images")
 
     stats = channel_stats(env.device)
     for epoch in run.epochs():

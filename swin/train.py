@@ -116,7 +116,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=global_batch, throughput="images")
+                       global_batch=global_batch, throughput="images")
 
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups

@@ -133,6 +133,7 @@ def test_every_model_and_data_config_composes_in_its_pipeline(choice):
     assert compose_root(root, choice)[group] == yaml.safe_load((CONFIGS / group / f"{name}.yaml").read_text())
 
 
+@pytest.mark.e2e
 def test_every_row_has_its_own_run_directory():
     names = {}
     for e in EXPERIMENTS:
@@ -224,6 +225,7 @@ def test_cifar10_rows_hold_the_reference_settings():
 
 
 @pytest.mark.parametrize("row", ["sgd", "lamb", "slamb", "demo_slamb"])
+@pytest.mark.e2e
 def test_cifar10_rows_decay_every_parameter(row):
     """As the reference code (every optimizer over model.parameters(), wd 1e-4): with zero gradients one
     step shrinks every parameter, biases and BatchNorm weights included; without decay_all those stay."""
@@ -256,6 +258,7 @@ def test_sweeps_compose_over_slamb_settings(sweep, experiment):
         assert len(values.split(",")) >= 3
 
 
+@pytest.mark.multiprocess
 def test_run_directory_is_named_by_the_overrides():
     """Deterministic (no timestamp): rerunning a command finds its checkpoint, torchrun ranks agree."""
     cfg = compose_cfg("experiment=cifar10/slamb", hydra_cfg=True)

@@ -134,6 +134,7 @@ def checkpoint_worker(rank, world, run_dir, name):
 
 
 @pytest.mark.parametrize("name", ["slamb", "lamb"])
+@pytest.mark.multiprocess
 def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
     out = distributed.run(checkpoint_worker, 2, str(tmp_path), name)
     for r in out:
@@ -283,6 +284,7 @@ def test_a_finished_run_is_reported_finished_and_other_inputs_are_refused(tmp_pa
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.multiprocess
 def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, capsys):
     with RunLock(tmp_path):
         with pytest.raises(RuntimeError, match=rf"run directory {tmp_path} is being written by process {os.getpid()}"):
@@ -344,6 +346,7 @@ def test_comm_metrics_by_kind():
                     "bytes/grads": 200, "bytes_cum/grads": 300}
 
 
+@pytest.mark.multiprocess
 def test_launch_with_one_worker_runs_in_process():
     assert harness.launch(_return_world, {"x": 1}, "/nonexistent", nproc_per_node=1) == (1, {"x": 1})
 
@@ -442,6 +445,7 @@ def _demo_run(root, row, seed, top1, local, bytes_total):
         "compressed_share": 0.9 if row == "SLAMB" else None}))
 
 
+@pytest.mark.e2e
 def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
     from cifar10.demo import report
 

@@ -87,6 +87,8 @@ def _run_dirs(runs: Path, table: str) -> dict[tuple[str, int], dict]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     """Both tasks at tiny sizes (2 workers, LAMB and SLAMB rows): every number the page states is recomputed
     here from the run directories (metrics.json / metrics.jsonl), not from the page's own code."""
