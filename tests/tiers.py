@@ -53,53 +53,64 @@ def _cuda_allocations() -> int:
     return int(torch.cuda.memory_stats().get("allocation.all.allocated", 0))
 
 
-@contextlib.contextmanager
-def recording(used: set):
-    """Add to ``used`` the tiers that the code run inside the block uses."""
-    popen_init, process_start = subprocess.Popen.__init__, multiprocessing.process.BaseProcess.start
+_recorders: list[set] = []  # the innermost block records (a test that runs tests, as pytester does, sees none of theirs)
 
+
+def _record(tier: str) -> None:
+    if _recorders:
+        _recorders[-1].add(tier)
+
+
+def _popen(init):
     def popen(self, args, *a, **k):
         argv = _argv(args)
         if _runs_python(argv):
-            used.add("multiprocess")
+            _record("multiprocess")
         if _builds_netns(argv):
-            used.add("netns")
-        return popen_init(self, args, *a, **k)
+            _record("netns")
+        return init(self, args, *a, **k)
 
-    def start(self):
-        used.add("multiprocess")
-        return process_start(self)
+    return popen
 
-    patches = [(subprocess.Popen, "__init__", popen), (multiprocessing.process.BaseProcess, "start", start)]
-    loop_init = Loop.__init__
 
-    def loop(self, *a, **k):
-        used.add("e2e")
-        return loop_init(self, *a, **k)
+def _recorded(tier: str, function):
+    def recorded(*a, **k):
+        _record(tier)
+        return function(*a, **k)
 
-    patches.append((Loop, "__init__", loop))
+    return recorded
+
+
+def _patches() -> list[tuple[object, str, object]]:
+    patches = [(subprocess.Popen, "__init__", _popen(subprocess.Popen.__init__)),
+               (multiprocessing.process.BaseProcess, "start",
+                _recorded("multiprocess", multiprocessing.process.BaseProcess.start)),
+               (Loop, "__init__", _recorded("e2e", Loop.__init__))]
     for name in BENCH_ENTRIES:  # imported here: a test's own import of main then gets the recorded one
         module = importlib.import_module(name)
-        patches.append((module, "main", _recorded(module.main, used)))
-    saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        patches.append((module, "main", _recorded("e2e", module.main)))
+    return patches
+
+
+@contextlib.contextmanager
+def recording(used: set):
+    """Add to ``used`` the tiers that the code run inside the block uses."""
+    saved = []
+    if not _recorders:
+        patches = _patches()
+        saved = [(obj, attr, getattr(obj, attr)) for obj, attr, _ in patches]
+        for obj, attr, new in patches:
+            setattr(obj, attr, new)
+    _recorders.append(used)
     cuda_before = _cuda_allocations()
-    for obj, attr, new in patches:
-        setattr(obj, attr, new)
     try:
         yield used
     finally:
-        for obj, attr, old in saved:
-            setattr(obj, attr, old)
         if _cuda_allocations() > cuda_before:
             used.add("gpu")
-
-
-def _recorded(main, used: set):
-    def entry(*a, **k):
-        used.add("e2e")
-        return main(*a, **k)
-
-    return entry
+        _recorders.pop()
+        for obj, attr, old in saved:
+            setattr(obj, attr, old)
 
 
 def tiers_of(item) -> set[str]:
