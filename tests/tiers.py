@@ -2,7 +2,8 @@
 
 * ``multiprocess``: starts worker processes: a ``multiprocessing`` process (the local gloo
   launcher's ``mp.spawn``, the pipelines' elastic launcher, a process pool) or a subprocess that
-  runs Python (the interpreter, ``torchrun``); a helper command such as ``git`` or ``ip`` is no worker;
+  runs Python (the interpreter, ``torchrun``); a helper command such as ``git`` or ``ip`` is no worker,
+  nor is ``torch.compile``'s pool of compile workers;
 * ``e2e``: runs a whole pipeline (a pipeline's training loop, :class:`harness.loop.Loop`) or a
   bench's ``main`` in the test's own process;
 * ``netns``: builds network namespaces (``ip netns add``; root only, skipped with the reason elsewhere);
@@ -19,6 +20,7 @@ import contextlib
 import importlib
 import multiprocessing.process
 import os
+import re
 import subprocess
 import sys
 
@@ -39,7 +41,12 @@ def _argv(args) -> list[str]:
 
 
 def _runs_python(argv: list[str]) -> bool:
-    return any(a == sys.executable or os.path.basename(a).startswith(("python", "torchrun")) for a in argv)
+    # torch.compile's own pool of compile workers is part of compiling, not workers the test starts
+    if any("compile_worker" in a for a in argv):
+        return False
+    # a program named anywhere in the command line (``ip netns exec NS python ...``), not an option's path
+    return any(a == sys.executable or not a.startswith("-") and re.fullmatch(r"python[\d.]*|torchrun",
+                                                                            os.path.basename(a)) for a in argv)
 
 
 def _builds_netns(argv: list[str]) -> bool:
