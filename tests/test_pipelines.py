@@ -89,6 +89,7 @@ HEADLINE = {"cifar10": ("test_loss", "test_top1"), "swin": ("test_loss", "test_t
             "bert": (), "squad": ("exact_match", "f1")}
 
 
+@pytest.mark.multiprocess  # the first test of a pipeline starts its module fixture's 2-worker runs
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("pipeline", list(HEADLINE))
 def test_every_pipeline_runs_every_optimizer_and_its_epoch_schedule(request, pipeline, name):
