@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
-import harness as ex
+import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
@@ -80,7 +80,7 @@ def batch_sums(out, batch: dict) -> torch.Tensor:
 
 def period_metrics(sums: torch.Tensor) -> dict:
     """Loss and accuracies over all ranks from this rank's period sums."""
-    s = ex.rank_sums(sums)
+    s = harness.rank_sums(sums)
     return {"loss": s[LOSS] / max(s[MICRO], 1), "mlm_acc": 100.0 * s[MLM_CORRECT] / max(s[MLM_COUNT], 1),
             "nsp_acc": 100.0 * s[NSP_CORRECT] / max(s[NSP_COUNT], 1)}
 
@@ -112,7 +112,7 @@ def validation_metrics(model, batches: list[dict], amp) -> dict:
         sums += torch.stack([F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum").double(),
                              masked.sum().double(), ((logits.argmax(-1) == labels) & masked).sum().double()])
     model.train(was_training)
-    loss, count, hits = ex.rank_sums(sums)
+    loss, count, hits = harness.rank_sums(sums)
     return {"val_mlm_loss": loss / max(count, 1), "val_mlm_acc": 100.0 * hits / max(count, 1)}
 
 
@@ -122,10 +122,10 @@ def export_model(model, optimizer, env, out_dir: Path, vocab: Path | None) -> No
     if optimizer.params_differ:
         slamb.average_model(model)  # the run's model: one model's bytes once, outside the training ledger
     if env.is_main:
-        ex.unwrap(model).save_pretrained(str(out_dir))
+        harness.unwrap(model).save_pretrained(str(out_dir))
         if vocab is not None and vocab.is_file():
             shutil.copyfile(vocab, out_dir / "vocab.txt")
-    ex.barrier()
+    harness.barrier()
 
 
 def data_vocab(data_dir) -> Path | None:
@@ -137,28 +137,28 @@ def data_vocab(data_dir) -> Path | None:
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    ex.check_counts(cfg, "steps", "log_every", "trainer.checkpoint.every",
-                    *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    harness.check_counts(cfg, "steps", "log_every", "trainer.checkpoint.every",
+                         *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
+    env = harness.init_distributed(t.device, t.threads_per_worker)
     accum = accumulation_steps(d.global_batch, d.micro_batch, env.world_size)
     stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, env.rank, env.world_size,
                                seed=cfg.seed, seq_len=d.seq_len)
     steps_per_epoch = cfg.get("steps_per_epoch") or max(1, sum(stream.lengths) // d.global_batch)
 
     model = initial_model(cfg).to(env.device)
-    optimizer = ex.build_optimizer(model, plain["optimizer"])
+    optimizer = harness.build_optimizer(model, plain["optimizer"])
     # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, 1, cfg.steps)
     amp = MixedPrecision(t.precision, env.device, optimizer=optimizer, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]
-    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
-    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=d.global_batch, throughput="seqs", unit="step")
+    harness.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                       global_batch=d.global_batch, throughput="seqs", unit="step")
 
     start = period_start = run.step
     if cfg.get("init_optimizer_from") and not run.restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)
-        at = ex.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
+        at = harness.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
         if env.is_main:
             print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
     # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
@@ -202,7 +202,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return ex.run_from_hydra("bert.train:train", cfg)
+    return harness.run_from_hydra("bert.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
-import harness as ex
+import harness
 from harness.amp import MixedPrecision
 from harness.schedules import build_lr_scheduler
 
@@ -36,39 +36,39 @@ from .model import build_model
 def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
     """Mean loss and top-1 % over the whole test set, each rank scoring its strided shard."""
     model.eval()
-    idx = ex.eval_shard(len(x), env).to(env.device)
+    idx = harness.eval_shard(len(x), env).to(env.device)
     sums = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
     for lo in range(0, len(idx), batch_size):
         b = idx[lo:lo + batch_size]
         logits = model(normalize(x[b], stats)).float()
         sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum(),
                              torch.full((), float(len(b)), device=logits.device)]).double()
-    loss, correct, count = ex.rank_sums(sums)
+    loss, correct, count = harness.rank_sums(sums)
     return {"test_loss": loss / count, "test_top1": 100.0 * correct / count}
 
 
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    ex.check_counts(cfg, "epochs")
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    harness.check_counts(cfg, "epochs")
+    env = harness.init_distributed(t.device, t.threads_per_worker)
 
     data = load_cifar10(d.dir)
     train_x, train_y = (v.to(env.device) for v in data["train"])
     test_x, test_y = (v.to(env.device) for v in data["test"])
-    batches = ex.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed)
+    batches = harness.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(cfg.model).to(env.device)
-    optimizer = ex.build_optimizer(model, plain["optimizer"])
+    optimizer = harness.build_optimizer(model, plain["optimizer"])
     params = [p for p in model.parameters() if p.requires_grad]
     amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)  # BN statistics stay per rank
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
-    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
-    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=d.micro_batch * env.world_size, throughput="images")
+    harness.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                       global_batch=d.micro_batch * env.world_size, throughput="images")
 
     stats = channel_stats(env.device)
     for epoch in run.epochs():
@@ -96,7 +96,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
             sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
-        loss_sum, correct = ex.rank_sums(sums)
+        loss_sum, correct = harness.rank_sums(sums)
         seen = steps_per_epoch * run.global_batch
         metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch, stats))
         run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
@@ -107,7 +107,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return ex.run_from_hydra("cifar10.train:train", cfg)
+    return harness.run_from_hydra("cifar10.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,11 @@
   checks made before any worker starts (:func:`.checkpoint.prepare_run`);
 * :mod:`.run`: the run directory (config, git revision, metrics.jsonl /
   metrics.json, wandb, progress bar, the lock of its writer), the ledger's
-  byte columns, what counts as a run's configuration;
+  byte columns;
+* :mod:`.settings`: what counts as a run's configuration (the settings that
+  do not change what it computes, the inputs checked on resume, those left
+  out of the run directory's name), the checks of counts and schedules;
+* :mod:`.atomic`: files written whole or not at all;
 * :mod:`.data`: per-rank index batches (``DistributedSampler.set_epoch``);
 * :mod:`.loop`: what every training loop shares (resume, the schedules of the optimizer contract,
   evaluation of the ranks' averaged model, period logging, checkpoint cadence, the run summary);

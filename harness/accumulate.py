@@ -9,12 +9,13 @@ the gradient communication on the last one only
 """
 from __future__ import annotations
 
+from .settings import check_count
+
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:
     """Micro-batches per worker and optimizer step; a clear error when the batch does not divide."""
     for name, value in (("global_batch", global_batch), ("micro_batch", micro_batch)):
-        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ValueError(f"invalid data.{name}={value!r}: must be an integer >= 1")
+        check_count(f"data.{name}", value)
     per_step = micro_batch * world_size
     if global_batch % per_step:
         raise ValueError(

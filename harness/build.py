@@ -12,6 +12,7 @@ from slamb.optim.checks import check_choice
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer
 from .distributed import launch
+from .settings import check_count
 
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
@@ -20,9 +21,7 @@ HARNESS_KEYS = ("name", "weight_decay", "no_decay", "decay_all")
 
 def check_trainer(t) -> None:
     """Clear errors for trainer settings, before any worker starts."""
-    n = t["nproc_per_node"]
-    if not (isinstance(n, int) and not isinstance(n, bool) and n >= 1):
-        raise ValueError(f"invalid trainer.nproc_per_node={n!r}: must be an integer >= 1 (local workers)")
+    check_count("trainer.nproc_per_node", t["nproc_per_node"], " (local workers)")
     r = t["max_restarts"]
     if not (isinstance(r, int) and r >= 0):
         raise ValueError(f"invalid trainer.max_restarts={r!r}: must be an integer >= 0")
@@ -32,9 +31,7 @@ def check_trainer(t) -> None:
         torch.device(t["device"]) if t["device"] != "auto" else None
     except RuntimeError as e:
         raise ValueError(f"invalid trainer.device={t['device']!r}: use auto, cpu, cuda, ... ({e})") from None
-    every = t["checkpoint"]["every"]
-    if not (isinstance(every, int) and not isinstance(every, bool) and every >= 1):
-        raise ValueError(f"invalid trainer.checkpoint.every={every!r}: must be an integer >= 1 (epochs, or BERT's steps)")
+    check_count("trainer.checkpoint.every", t["checkpoint"]["every"], " (epochs, or BERT's steps)")
 
 
 def optimizer_kwargs(ocfg) -> dict:

@@ -20,7 +20,7 @@ model syncs.
 The last ``keep`` complete checkpoints stay (two by default): when the newest
 cannot be read on some rank, every rank falls back to the previous one.
 
-A run's data and model inputs (:data:`INPUT_KEYS`) are recorded with each
+A run's data and model inputs (:data:`harness.settings.INPUT_KEYS`) are recorded with each
 checkpoint; resuming from it with other inputs is refused, because the
 directory name leaves them out (a dataset can move) and a resumed run would
 otherwise report one model's results under another's name.
@@ -39,46 +39,17 @@ from pathlib import Path
 import torch
 
 from slamb import comm
+from .atomic import atomic_torch_save, atomic_write_json
 from .distributed import DistEnv, barrier
+from .run import RunLogger
 from .seeding import rng_state, set_rng_state
+from .settings import INPUT_KEYS, check_schedule, lookup, same_configuration
 
 LATEST, COMPLETE = "latest.json", "complete.json"
-# config settings naming what a run reads: data and the model it starts from. They stay out of the run
-# directory's name, so they are checked on resume instead.
-INPUT_KEYS = ("data.dir", "data.train_file", "data.dev_file", "model.dir", "init_from")
-
-
-def atomic_write_bytes(path: Path, write) -> None:
-    """``write(file)`` into a temporary sibling, fsync, then rename over ``path``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def atomic_torch_save(obj, path: Path) -> None:
-    atomic_write_bytes(path, lambda f: torch.save(obj, f))
-
-
-def atomic_write_json(obj, path: Path) -> None:
-    atomic_write_bytes(path, lambda f: f.write(json.dumps(obj, indent=1).encode()))
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return getattr(model, "module", model)
-
-
-def lookup(cfg, dotted: str, default=None):
-    """``cfg["a"]["b"]`` for ``"a.b"`` in a dict or DictConfig, ``default`` where a level is missing."""
-    node = cfg
-    for key in dotted.split("."):
-        if not hasattr(node, "get"):
-            return default
-        node = node.get(key, default)
-    return node
 
 
 def run_inputs(cfg) -> dict[str, str]:
@@ -241,8 +212,6 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     Returns ``(checkpointer, progress, restored, logger)``; ``progress["resumed_from"]`` lists the
     epochs (or steps, for step-based loops) the run was resumed at.
     """
-    from .run import RunLogger
-
     t = cfg.trainer
     ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain))
     restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
@@ -265,8 +234,6 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
     the old checkpoints (``clear``: not under torchrun, where every worker runs this). Returns the
     summary of a run that already finished with this configuration (nothing to train), else None.
     """
-    from .run import check_schedule, same_configuration
-
     check_schedule(cfg)
     run_dir = Path(run_dir)
     ckpt = run_dir / "ckpt"

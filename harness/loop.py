@@ -31,6 +31,7 @@ from slamb import averaged_model, comm
 from .checkpoint import open_run, save_training, unwrap
 from .distributed import maybe_inject_fault
 from .run import comm_metrics, comm_totals, compressed_share
+from .settings import check_count
 
 # Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
 # warm-up): logged each period to show the schedule the run followed. Reporting only; nothing branches on them.
@@ -48,8 +49,7 @@ def check_counts(cfg, *keys: str) -> None:
         value = cfg
         for part in key.split("."):
             value = value[part]
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1")
+        check_count(key, value)
 
 
 def rank_sums(values: torch.Tensor) -> list[float]:

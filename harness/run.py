@@ -28,48 +28,8 @@ import torch
 
 from slamb.optim.slamb import always_averaged
 
-from .checkpoint import atomic_write_json
+from .atomic import atomic_write_json
 from .distributed import DistEnv
-
-# Settings that change how a run is operated, not what it computes: two runs that differ only in
-# these are the same configuration (same table row, same finished run). A key covers its subtree.
-OPERATIONAL_KEYS = ("trainer.progress", "trainer.resume", "trainer.max_restarts", "trainer.threads_per_worker",
-                    "trainer.device", "trainer.checkpoint", "logger", "data.workers", "data.prefetch", "paper", "study")
-# settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
-SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
-
-
-def check_schedule(cfg) -> None:
-    """Clear errors for an empty schedule (``epochs=0``), before any worker starts."""
-    from .checkpoint import lookup
-
-    for key in SCHEDULE_KEYS:
-        value = lookup(cfg, key)
-        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
-            raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1 (an empty schedule trains "
-                             f"nothing); set {key} to 1 or more")
-
-
-def flatten(cfg: dict, prefix: str = "") -> dict:
-    """``{"a.b": value}`` for every leaf of a nested dict (lists are leaves, as tuples)."""
-    out = {}
-    for key, value in cfg.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(flatten(value, f"{name}."))
-        else:
-            out[name] = tuple(value) if isinstance(value, list) else value
-    return out
-
-
-def effective_config(cfg: dict, drop: tuple[str, ...] = ()) -> dict:
-    """The flattened settings of ``cfg`` that determine what a run computes (less those under ``drop``)."""
-    skip = OPERATIONAL_KEYS + tuple(drop)
-    return {k: v for k, v in flatten(cfg).items() if not any(k == s or k.startswith(s + ".") for s in skip)}
-
-
-def same_configuration(a: dict, b: dict) -> bool:
-    return effective_config(a) == effective_config(b)
 
 
 class RunLock:

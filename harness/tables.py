@@ -6,7 +6,7 @@ entry form the comparison tables, one per ``paper.table``, one row per
 optimizer row and configuration.
 
 Runs are grouped by their full effective configuration: every setting except
-the seed, the operational ones (:data:`harness.run.OPERATIONAL_KEYS`: progress
+the seed, the operational ones (:data:`harness.settings.OPERATIONAL_KEYS`: progress
 bar, resume, restarts, threads, device, checkpointing, logger, loader workers,
 the ``paper``/``study`` labels) and where the data lives (:data:`DATA_PATH_KEYS`:
 the same data set in another folder is the same experiment; the model a run
@@ -38,10 +38,10 @@ from pathlib import Path
 
 import yaml
 
-from .run import effective_config
+from .settings import INPUT_KEYS, effective_config
 
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
-DATA_PATH_KEYS = ("data.dir", "data.train_file", "data.dev_file")
+DATA_PATH_KEYS = tuple(k for k in INPUT_KEYS if k.startswith("data."))
 # settings that a row's configuration label leaves out: they name the row already, or vary with it
 LABEL_SKIP = ("name", "optimizer.name")
 # the metric that says whether a run produced anything, by kind of summary

@@ -28,8 +28,9 @@ from omegaconf import OmegaConf
 
 import slamb
 from slamb import comm
-import harness as ex
-from harness.checkpoint import atomic_write_json
+import harness
+from harness.amp import MixedPrecision
+from harness.atomic import atomic_write_json
 from slamb.optim.checks import check_choice
 from harness.schedules import build_lr_scheduler
 
@@ -74,15 +75,15 @@ def batch_inputs(features: Features, idx: torch.Tensor, device) -> dict[str, tor
 
 
 @torch.no_grad()
-def predict(model, features: Features, env, batch_size: int, autocast) -> tuple[torch.Tensor, torch.Tensor]:
+def predict(model, features: Features, env, batch_size: int, amp) -> tuple[torch.Tensor, torch.Tensor]:
     """Start and end logits of every window on every rank; each rank computes its strided shard."""
-    model = ex.unwrap(model)  # ranks hold different numbers of windows: no DDP collective may run here
+    model = harness.unwrap(model)  # ranks hold different numbers of windows: no DDP collective may run here
     model.eval()
-    idx = ex.eval_shard(len(features), env)
+    idx = harness.eval_shard(len(features), env)
     logits = torch.zeros(2, *features.input_ids.shape, device=env.device)
     for lo in range(0, len(idx), batch_size):
         b = idx[lo:lo + batch_size]
-        with autocast:
+        with amp.autocast():
             out = model(**batch_inputs(features, b, env.device))
         logits[0, b.to(env.device)] = out.start_logits.float()
         logits[1, b.to(env.device)] = out.end_logits.float()
@@ -106,10 +107,10 @@ def score(examples, features, logits, cfg, run_dir, env) -> dict[str, float]:
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    ex.check_counts(cfg, "epochs")
-    # fine-tuning has no loss scaler: fp16 would underflow silently, bf16 autocast needs none
+    harness.check_counts(cfg, "epochs")
+    # fp16 stays refused: the shared step's loss scaling has not been tried on fine-tuning (bf16 needs none)
     check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    env = harness.init_distributed(t.device, t.threads_per_worker)
 
     tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
     shape = {"max_length": d.max_length, "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}
@@ -118,7 +119,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     train_feats = make_features(train_examples, tokenizer, **shape)
     dev_feats = make_features(dev_examples, tokenizer, **shape)
     per_worker = split_batch(d.global_batch, env.world_size)
-    batches = ex.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
+    batches = harness.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
     steps_per_epoch = len(batches)
     if env.is_main:
         print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
@@ -127,18 +128,18 @@ def train(cfg: dict, run_dir: str) -> dict:
 
     torch.manual_seed(cfg.seed)  # the same fresh span head on every rank (DDP also broadcasts rank 0's)
     model = load_model(cfg.model.dir, len(tokenizer)).to(env.device)
-    optimizer = ex.build_optimizer(model, plain["optimizer"])
+    optimizer = harness.build_optimizer(model, plain["optimizer"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)
     # BERT's buffers (position ids) are constants: broadcasting them every forward would only cost bytes
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
-    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
-    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler,
-                  global_batch=d.global_batch, throughput="sequences")
-
-    autocast = torch.autocast(env.device.type, dtype=torch.bfloat16, enabled=t.precision == "bf16")
+    harness.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                       global_batch=d.global_batch, throughput="sequences")
 
     def dev_scores() -> dict:
-        logits = predict(model, dev_feats, env, d.eval_batch, autocast)
+        logits = predict(model, dev_feats, env, d.eval_batch, amp)
         return score(dev_examples, dev_feats, logits, cfg, run_dir, env)
 
     for epoch in run.epochs():
@@ -148,16 +149,16 @@ def train(cfg: dict, run_dir: str) -> dict:
         for idx in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             inputs = batch_inputs(train_feats, idx, env.device)
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
-            with autocast:
+            with amp.autocast():
                 loss = model(**inputs, start_positions=train_feats.start_positions[idx].to(env.device),
                              end_positions=train_feats.end_positions[idx].to(env.device)).loss
             optimizer.zero_grad(set_to_none=True)
             if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
-                loss.float().backward()
-            optimizer.step()
+                amp.backward(loss.float())
+            amp.step(optimizer, params)
             scheduler.step()
             loss_sum += loss.detach().double()
-        (loss_sum,) = ex.rank_sums(loss_sum)
+        (loss_sum,) = harness.rank_sums(loss_sum)
         metrics = run.evaluate(dev_scores)
         run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},
                       steps=steps_per_epoch)
@@ -168,7 +169,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return ex.run_from_hydra("squad_finetune.train:train", cfg)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg)
 
 
 if __name__ == "__main__":

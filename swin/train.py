@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import slamb
-import harness as ex
+import harness
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 
@@ -68,7 +68,7 @@ def evaluate(model, loader, env, amp: MixedPrecision) -> dict:
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices == y[:, None]
         sums += torch.stack([F.cross_entropy(logits, y, reduction="sum"), top[:, 0].sum(), top.any(1).sum(),
                              torch.tensor(len(y), device=env.device)]).double()
-    loss, top1, top5, count = ex.rank_sums(sums)
+    loss, top1, top5, count = harness.rank_sums(sums)
     return {"test_loss": loss / count, "test_top1": 100.0 * top1 / count, "test_top5": 100.0 * top5 / count}
 
 
@@ -92,9 +92,9 @@ class PhaseTimer:
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    ex.check_counts(cfg, "epochs", "accumulation_steps")
+    harness.check_counts(cfg, "epochs", "accumulation_steps")
     accum = cfg.accumulation_steps
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    env = harness.init_distributed(t.device, t.threads_per_worker)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)
@@ -108,15 +108,15 @@ def train(cfg: dict, run_dir: str) -> dict:
     global_batch = d.micro_batch * env.world_size * accum
     ocfg = dict(plain["optimizer"])
     ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
-    optimizer = ex.build_optimizer(model, ocfg)
+    optimizer = harness.build_optimizer(model, ocfg)
     amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)  # an overlapping SLAMB needs the loss scale
     params = [p for p in model.parameters() if p.requires_grad]
     # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
     model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
-    ex.seed_everything(cfg.seed, env.rank, t.deterministic)
-    run = ex.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                  global_batch=global_batch, throughput="images")
+    harness.seed_everything(cfg.seed, env.rank, t.deterministic)
+    run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
+                       global_batch=global_batch, throughput="images")
 
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
@@ -135,7 +135,7 @@ def train(cfg: dict, run_dir: str) -> dict:
             amp.step(optimizer, params, clip_grad=cfg.clip_grad)
             scheduler.step()
             timer.mark("optimizer")
-        (loss_sum,) = ex.rank_sums(loss_sum)
+        (loss_sum,) = harness.rank_sums(loss_sum)
         metrics = run.evaluate(lambda: evaluate(model, val_loader, env, amp))
         run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics,
                               **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()}},
@@ -148,7 +148,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return ex.run_from_hydra("swin.train:train", cfg)
+    return harness.run_from_hydra("swin.train:train", cfg)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ import torch
 import slamb
 from bench import optimizer_step as bench
 
+pytestmark = pytest.mark.e2e
+
 SHAPES = [(64, 32), (32,), (128, 16)]
 NUMEL = 64 * 32 + 32 + 128 * 16
 

@@ -146,6 +146,7 @@ def harness(job):
     return [r["harness"][0] for r in job], [r["harness"][1] for r in job]
 
 
+@pytest.mark.multiprocess
 def test_accumulation_communicates_the_accumulated_gradient_once(harness):
     results = harness[0]
     torch.manual_seed(0)
@@ -180,6 +181,7 @@ def _scaler_steps(rank, world):
     return out, amp.state_dict()
 
 
+@pytest.mark.multiprocess
 def test_fp16_skips_an_overflow_on_every_rank_together_under_slamb(harness):
     (a, sa), (b, sb) = harness[1]
     assert a == b  # the same decision, scale and ledger on both ranks
@@ -296,6 +298,7 @@ def runs(job) -> dict:
 
 
 @pytest.mark.parametrize("row", list(ROWS))
+@pytest.mark.multiprocess
 def test_two_workers_lower_the_loss_on_a_repeated_batch(runs, row):
     h = history(runs["dirs"][row])
     s = runs["summaries"][row]
@@ -309,6 +312,7 @@ def test_two_workers_lower_the_loss_on_a_repeated_batch(runs, row):
     assert s["bytes_total"]["all"] == sum(r["bytes/all"] for r in h) > 0
 
 
+@pytest.mark.multiprocess
 def test_each_row_sends_what_its_optimizer_sends(runs):
     grads = {row: runs["summaries"][row]["bytes_total"] for row in ROWS}
     params = sum(p.numel() for p in initial_model(OmegaConf.create(runs["jobs"][0][0]))
@@ -323,12 +327,14 @@ def test_each_row_sends_what_its_optimizer_sends(runs):
     assert grads["onebit_lamb"]["all"] < grads["lamb"]["all"]
 
 
+@pytest.mark.multiprocess
 def test_fp16_run_logs_its_loss_scale(runs):
     h = history(runs["dirs"]["slamb"])
     assert all(r["loss_scale"] >= 1.0 for r in h) and runs["summaries"]["slamb"]["precision"] == "fp16"
     assert history(runs["dirs"]["lamb"])[0]["loss_scale"] == 1.0
 
 
+@pytest.mark.multiprocess
 def test_phase2_starts_from_phase1s_model(runs, tiny_data):
     dirs = runs["dirs"]
     model_dir = dirs["slamb"] / "model"
@@ -353,6 +359,7 @@ def test_phase2_starts_from_phase1s_model(runs, tiny_data):
         initial_model(OmegaConf.create({**runs["jobs"][NAMES.index("phase2")][0], "init_from": str(dirs["lamb"])}))
 
 
+@pytest.mark.multiprocess
 def test_auto_resume_from_a_mid_run_checkpoint_repeats_the_run(runs):
     """A copy of the finished SLAMB run rolled back to its step-4 checkpoint and rerun: steps 5-6 repeat exactly."""
     assert runs["latest_before"]["step"] == 6
@@ -364,6 +371,7 @@ def test_auto_resume_from_a_mid_run_checkpoint_repeats_the_run(runs):
             assert rb[key] == pytest.approx(ra[key], rel=1e-5), (rb["step"], key)
 
 
+@pytest.mark.multiprocess
 def test_tables_render_the_pretraining_rows_per_phase(runs, tmp_path):
     from harness.tables import build_tables, load_runs
 

@@ -187,6 +187,7 @@ PARAM_BYTES = 4 * sum(p.numel() for p in ResNetCifar(8, 4).parameters())
 
 
 @pytest.mark.parametrize("name", E2E_NAMES)
+@pytest.mark.multiprocess
 def test_every_row_writes_its_run_directory_schedule_and_bytes(e2e, name):
     run_dir, (rank0, rank1) = e2e["root"] / name, e2e["results"][name]
     for f in ("config.yaml", "meta.json", "metrics.jsonl", "metrics.json", "ckpt/latest.json"):
@@ -209,6 +210,7 @@ def test_every_row_writes_its_run_directory_schedule_and_bytes(e2e, name):
     assert summary["mean_step_time_s"] == pytest.approx(sum(r["period_steps"] * r["step_time_s"] for r in rows) / steps)
 
 
+@pytest.mark.multiprocess
 def test_data_parallel_rows_send_the_gradients_and_jointspar_only_the_sampled_layers(e2e):
     for name in ("sgd", "lamb", "adamw"):  # averaged gradients: every parameter's bytes once per step
         rows = history(e2e["root"] / name)
@@ -217,6 +219,7 @@ def test_data_parallel_rows_send_the_gradients_and_jointspar_only_the_sampled_la
     assert 0 < rows[1]["bytes_cum/grads"] < 10 * PARAM_BYTES
 
 
+@pytest.mark.multiprocess
 def test_slamb_row_warms_up_k_syncs_every_h_steps_and_keeps_per_rank_checkpoints(e2e):
     rows = history(e2e["root"] / "slamb")
     assert [r["compress_ratio"] for r in rows] == [0.5, 0.5]  # the per-epoch warm-up
@@ -226,6 +229,7 @@ def test_slamb_row_warms_up_k_syncs_every_h_steps_and_keeps_per_rank_checkpoints
 
 
 @pytest.mark.parametrize("name", RESUMED)
+@pytest.mark.multiprocess
 def test_resumed_after_epoch_one_ends_where_the_uninterrupted_run_ends(e2e, name):
     """Same epoch-2 numbers (the averaged model's evaluation included), bytes and weights."""
     root = e2e["root"]
@@ -249,6 +253,7 @@ def cli(args, extra_env=None, torchrun=None, timeout=600):
                           capture_output=True, text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.multiprocess
 def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run(tiny_dir, tmp_path):
     common = [*TINY, *TWO_EPOCHS, *SLAMB_TINY, f"data.dir={tiny_dir}"]
     plain = cli([*common, f"hydra.run.dir={tmp_path / 'plain'}"])
@@ -265,6 +270,7 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     assert_same_run(history(tmp_path / "restarted"), history(tmp_path / "plain"))
 
 
+@pytest.mark.multiprocess
 def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_path):
     sweep_dir = tmp_path / "sweep"
     done = cli(["--multirun", *TINY, *SLAMB_TINY, "epochs=1", f"data.dir={tiny_dir}", "study=beta3",
@@ -282,6 +288,7 @@ def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_pat
     assert any(str(p).endswith("_heatmap.png") for p in written["cifar10_resnet110_beta3"])
 
 
+@pytest.mark.multiprocess
 def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     done = cli(["trainer.nproc_per_node=1", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode != 0
@@ -330,6 +337,7 @@ class HostSyncs:
         counting("copy_", lambda a, k: not k.get("non_blocking", a[1] if len(a) > 1 else False))
 
 
+@pytest.mark.e2e
 def test_training_steps_make_no_host_synchronisation(tiny_dir, tmp_path, monkeypatch):
     """Inside the per-step loop body (the optimizer's step excluded: its reads are counted in
     tests/test_gpu_paths.py), nothing waits for the device: metrics are summed on the device and read

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
                                      "configs/optimizer/slamb.yaml)"),
     ("optimizer.name=adam", "unknown optimizer 'adam'; known: ['adamw', "),
 ])
+@pytest.mark.multiprocess
 def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, override, line):
     run_dir = tmp_path / "run"
     # two workers and no data: a worker that started would fail on the missing CIFAR-10 files instead

@@ -76,6 +76,7 @@ def collectives_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_collectives_and_their_bytes_on_three_ranks():
     n = 3
     res = distributed.run(collectives_worker, n)
@@ -139,6 +140,7 @@ def fp16_worker(rank, world):
     return mean, pending.wait(), exact, ledger.summary()["last_step"]
 
 
+@pytest.mark.multiprocess
 def test_fp16_exchange_on_two_ranks_keeps_small_values():
     for mean, later, exact, stats in distributed.run(fp16_worker, 2):
         assert mean.dtype == torch.float32 and torch.equal(mean, later)

@@ -15,6 +15,7 @@ from omegaconf import OmegaConf
 from cifar10.model import build_model
 from harness import build_optimizer, check_trainer
 from harness.schedules import build_lr_scheduler
+from harness.settings import INPUT_KEYS, NOT_COMPUTED, OPERATIONAL_KEYS, covers
 from slamb import registry
 from slamb.schedules import CIFAR10_COMPRESSION_WARMUP, compression_ratio
 
@@ -132,6 +133,7 @@ def test_every_model_and_data_config_composes_in_its_pipeline(choice):
     assert compose_root(root, choice)[group] == yaml.safe_load((CONFIGS / group / f"{name}.yaml").read_text())
 
 
+@pytest.mark.e2e
 def test_every_row_has_its_own_run_directory():
     names = {}
     for e in EXPERIMENTS:
@@ -140,6 +142,19 @@ def test_every_row_has_its_own_run_directory():
     assert not {n: es for n, es in names.items() if len(es) > 1}
     assert {"cifar10_resnet110_slamb", "demo_digits_slamb", "swin_b_slamb", "bert_phase2_slamb",
             "bert_phase1_onebit_lamb_ee", "squad_slamb"} <= set(names)
+
+
+def test_run_directory_name_leaves_out_exactly_the_settings_that_do_not_change_what_is_computed():
+    """Hydra's exclude_keys are resolved from harness.settings.NOT_COMPUTED, subtrees included; every
+    other override names the run."""
+    left_out = ["experiment=cifar10/slamb", "logger.project=x", "trainer.checkpoint.every=2", "trainer.device=cpu",
+                "data.dir=/data/a", "+data.workers=0", "paper.row=x", "+study.grid=y"]
+    kept = ["optimizer.lr=0.1", "seed=3", "trainer.precision=bf16"]
+    hcfg = compose_root("cifar10", *left_out, *kept, hydra_cfg=True)
+    assert hcfg.hydra.job.override_dirname == ",".join(sorted(kept))
+    assert all(covers(NOT_COMPUTED, line.split("=")[0].lstrip("+")) for line in left_out)
+    assert not any(covers(NOT_COMPUTED, line.split("=")[0]) for line in kept)
+    assert set(OPERATIONAL_KEYS) | set(INPUT_KEYS) == set(NOT_COMPUTED)
 
 
 # ------------------------------------------------------------------------------------ optimizers
@@ -210,6 +225,7 @@ def test_cifar10_rows_hold_the_reference_settings():
 
 
 @pytest.mark.parametrize("row", ["sgd", "lamb", "slamb", "demo_slamb"])
+@pytest.mark.e2e
 def test_cifar10_rows_decay_every_parameter(row):
     """As the reference code (every optimizer over model.parameters(), wd 1e-4): with zero gradients one
     step shrinks every parameter, biases and BatchNorm weights included; without decay_all those stay."""
@@ -242,6 +258,7 @@ def test_sweeps_compose_over_slamb_settings(sweep, experiment):
         assert len(values.split(",")) >= 3
 
 
+@pytest.mark.multiprocess
 def test_run_directory_is_named_by_the_overrides():
     """Deterministic (no timestamp): rerunning a command finds its checkpoint, torchrun ranks agree."""
     cfg = compose_cfg("experiment=cifar10/slamb", hydra_cfg=True)

@@ -110,6 +110,7 @@ def test_mass_is_conserved_exactly(nesterov, fp16):
         u, acc = opt.state[w]["momentum"].clone(), residual.clone()
 
 
+@pytest.mark.e2e
 def test_state_dict_round_trip_resumes_exactly():
     def make():
         torch.manual_seed(1)
@@ -230,6 +231,7 @@ def _density_one_vs_sgd(rank, world_size):
     return out
 
 
+@pytest.mark.multiprocess
 def test_density_one_equals_momentum_sgd_on_averaged_gradients(two_ranks):
     """Plain and Nesterov, with weight decay, 2 ranks with different data."""
     initial = list(_mlp().parameters())
@@ -261,6 +263,7 @@ def _ledger_two_steps(rank, world_size):
     return out, [p.numel() for p in model.parameters() if p.dim() == 1]
 
 
+@pytest.mark.multiprocess
 def test_ledger_bytes_per_step_equal_the_formula(two_ranks):
     """sent values x value size + indices x index size + dense bytes, fp32/int64 and fp16/int32."""
     n = 2
@@ -332,6 +335,7 @@ def _scenarios(rank, world_size):
                 agree=_train_and_agree(rank, world_size), clip=_clip_one_step(rank, world_size))
 
 
+@pytest.mark.multiprocess
 def test_local_clipping_scales_the_threshold_by_one_over_sqrt_n(two_ranks):
     grads = [r["clip"][0] for r in two_ranks]
     limit = 2.0 / math.sqrt(2)
@@ -347,6 +351,7 @@ def two_ranks():
     return run(_scenarios, 2)
 
 
+@pytest.mark.multiprocess
 def test_ranks_agree_and_loss_decreases(two_ranks):
     out = [r["agree"] for r in two_ranks]
     (l0, l1, params0, ex0, flush, state0, numel), (_, l1b, params1, ex1, _, state1, _) = out

@@ -51,6 +51,7 @@ def sgd_worker(rank, world):
     return sgd, diloco
 
 
+@pytest.mark.multiprocess
 def test_h1_inner_sgd_outer_lr_1_no_momentum_equals_data_parallel_sgd():
     for sgd, diloco in run(sgd_worker, 2):
         for t in range(5):
@@ -93,6 +94,7 @@ def outer_worker(rank, world, inner):
 
 
 @pytest.mark.parametrize("inner", ["adamw", "lamb"])
+@pytest.mark.multiprocess
 def test_outer_nesterov_step_bytes_and_rank_agreement(inner):
     res = run(outer_worker, 2, inner)
     for hist, expected, numel in res:
@@ -127,6 +129,7 @@ def resume_worker(rank, world):
     return straight, resumed, mine, [p.detach().clone() for p in model.parameters()], opt.comm_stats()
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_round_trip_resumes_bit_exactly_and_average_parameters():
     res = run(resume_worker, 2)
     for straight, resumed, *_ in res:

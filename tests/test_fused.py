@@ -53,6 +53,7 @@ def paths_worker(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_fused_equals_the_reference_on_two_ranks():
     res = distributed.run(paths_worker, 2)
     for rank, runs in enumerate(res):
@@ -145,6 +146,7 @@ def fused_worker(rank, world):
         return host_reads(opt.step, m)
 
 
+@pytest.mark.multiprocess
 def test_fused_step_with_an_exchange_copies_nothing_from_the_host():
     for counts in distributed.run(fused_worker, 2):
         assert counts == {"tolist": 1, "scalar": 1, "from_host": 1}

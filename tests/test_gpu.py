@@ -297,6 +297,7 @@ def gloo_cuda_worker(rank, world, comm_dtype):
     return {d.type: slamb_on_two_ranks(rank, d, comm_dtype=comm_dtype) for d in (CPU, CUDA)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("comm_dtype", [None, torch.float16, torch.bfloat16, torch.int8],
                          ids=["fp32", "fp16", "bf16", "int8"])
 def test_two_gloo_ranks_on_one_gpu_exchange_as_on_the_cpu(comm_dtype):
@@ -315,6 +316,7 @@ def overlap_worker(rank, world):
     return {overlap: slamb_on_two_ranks(rank, CUDA, overlap=overlap) for overlap in (False, True)}
 
 
+@pytest.mark.multiprocess
 def test_overlap_hook_on_cuda_equals_the_plain_exchange():
     """The exchange DDP's hook starts during backward (CUDA tensors, gloo) is the plain path's."""
     for r in distributed.run(overlap_worker, 2):

@@ -13,9 +13,9 @@ import pytest
 from bench import gpu_check, optimizer_step
 
 ROOT = Path(__file__).resolve().parents[1]
-pytestmark = pytest.mark.multiprocess  # runs pytest and the check as subprocesses
 
 
+@pytest.mark.multiprocess  # runs Python in a subprocess
 def test_without_cuda_it_prints_one_line_and_exits_0(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, "-m", "bench.gpu_check", "--out-dir", str(tmp_path)], cwd=ROOT, env=env,
@@ -26,6 +26,7 @@ def test_without_cuda_it_prints_one_line_and_exits_0(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.multiprocess  # runs Python in a subprocess
 def test_every_gpu_marked_test_is_in_the_files_it_runs():
     proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider",
                            "tests"], cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -34,6 +35,7 @@ def test_every_gpu_marked_test_is_in_the_files_it_runs():
     assert {i.split("::")[0] for i in ids} == set(gpu_check.TEST_FILES)
 
 
+@pytest.mark.multiprocess  # runs Python in a subprocess
 def test_junit_rows_read_a_real_pytest_report(tmp_path):
     (tmp_path / "test_sample.py").write_text(
         "import pytest\n"

@@ -128,6 +128,7 @@ def count_worker(rank, world):
     return None
 
 
+@pytest.mark.multiprocess
 def test_ranks_with_other_masks_are_refused_at_the_first_step():
     errors = distributed.run(count_worker, 2)
     assert all(e is not None and "select different numbers of momentum entries" in e for e in errors)
@@ -192,6 +193,7 @@ def overlap_worker(rank, world, mode, steps=5):
 
 
 @pytest.mark.parametrize("mode", ["told", "untold", "clip"])
+@pytest.mark.multiprocess
 def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode):
     """A loss scale given as grad_scale is divided out in the hook (the same bits as the plain path);
     one not given, or clipping, is detected at step() and the step falls back to the plain exchange."""
@@ -233,6 +235,7 @@ def harness_fp16_worker(rank, world, steps=4):
     return out
 
 
+@pytest.mark.multiprocess
 def test_harness_fp16_tells_an_overlapping_slamb_its_loss_scale():
     """An fp16 run with overlap through the harness: the exchange started in backward is the plain path's
     (no fallback, the same momentum bytes per step, the same parameters)."""

@@ -102,6 +102,7 @@ def runs(request):
     return request.param, distributed.run(hierarchy_worker, 2 * L, CONFIGS[request.param])
 
 
+@pytest.mark.multiprocess
 def test_hierarchical_equals_flat_slamb_on_the_nodes_mean_gradients(runs):
     _, res = runs
     worst = 0.0
@@ -115,6 +116,7 @@ def test_hierarchical_equals_flat_slamb_on_the_nodes_mean_gradients(runs):
     assert not torch.equal(res[0]["hier"][2]["params"][0], res[L]["hier"][2]["params"][0])
 
 
+@pytest.mark.multiprocess
 def test_every_rank_of_a_node_holds_the_same_parameters_after_every_step(runs):
     _, res = runs
     for node in range(2):
@@ -124,6 +126,7 @@ def test_every_rank_of_a_node_holds_the_same_parameters_after_every_step(runs):
                     assert torch.equal(a, b)
 
 
+@pytest.mark.multiprocess
 def test_inter_node_momentum_bytes_are_the_selection_split_over_the_local_ranks(runs):
     name, res = runs
     numel = sum(math.prod(s) for s in SHAPES)
@@ -147,6 +150,7 @@ def test_inter_node_momentum_bytes_are_the_selection_split_over_the_local_ranks(
                 assert "params" not in h["stats"]
 
 
+@pytest.mark.multiprocess
 def test_resume_continues_bit_for_bit_and_every_rank_keeps_its_own_file(runs):
     _, res = runs
     for r in res:
@@ -155,6 +159,7 @@ def test_resume_continues_bit_for_bit_and_every_rank_keeps_its_own_file(runs):
     assert [r["file"] for r in res] == [f"optimizer.rank{i}-of-4.pt" for i in range(4)]
 
 
+@pytest.mark.multiprocess
 def test_ddp_keeps_no_second_copy_of_the_gradients(runs):
     for r in runs[1]:
         storages, storage_bytes, grad_bytes = r["grad_memory"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 import slamb
@@ -11,6 +12,8 @@ from slamb import comm
 from tests import distributed
 from tests.test_hierarchical import L, hierarchical_run
 from tests.test_slamb import SYNC, OverlapNet
+
+pytestmark = pytest.mark.multiprocess
 
 N = 4
 D = 10_007  # not a multiple of N: the last chunk is padded

@@ -127,6 +127,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     assert res[0]["stats"]["steps"] == res[1]["stats"]["steps"]
 
 
+@pytest.mark.multiprocess
 def test_the_integrations_package_imports_no_framework():
     import subprocess
     import sys

@@ -153,6 +153,7 @@ def _unbiased_worker(rank, world, draws):
     return {"dense": local_dense, "mean": [t / draws for t in total], "counts": counts, "prob": prob}
 
 
+@pytest.mark.multiprocess
 def test_sparse_estimate_is_unbiased_2_ranks():
     draws = 400
     out = run(_unbiased_worker, 2, draws)
@@ -207,6 +208,7 @@ def _comm_worker(rank, world, rounds):
             "total": opt.comm_stats()["total"]}
 
 
+@pytest.mark.multiprocess
 def test_inactive_layers_get_no_gradient_and_send_no_bytes_3_ranks():
     rounds = 25
     out = run(_comm_worker, 3, rounds)
@@ -261,6 +263,7 @@ def _train_worker(rank, world, rounds):
     return out
 
 
+@pytest.mark.multiprocess
 def test_both_variants_train_and_ranks_agree_2_ranks():
     rounds = 150
     results = run(_train_worker, 2, rounds)

@@ -30,6 +30,8 @@ needs_netns = pytest.mark.skipif(WHY is not None, reason=f"network namespaces un
 
 
 @needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.netns
 def test_cluster_creates_shaped_hosts_and_removes_them():
     with Cluster(2, rate_mbit=100) as c:
         assert sorted(list_namespaces(c.prefix)) == sorted([c.switch, *c.ns])
@@ -50,6 +52,7 @@ def test_cluster_creates_shaped_hosts_and_removes_them():
 
 
 @needs_netns
+@pytest.mark.netns
 def test_cluster_is_removed_when_the_body_fails():
     with pytest.raises(RuntimeError, match="a run failed"), Cluster(2) as c:
         assert len(list_namespaces(c.prefix)) == 3
@@ -58,6 +61,9 @@ def test_cluster_is_removed_when_the_body_fails():
 
 
 @needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+@pytest.mark.netns
 def test_cluster_is_removed_when_the_process_is_killed():
     # a cluster with a process running inside one host (as the bench's workers do), then SIGTERM
     code = ("import subprocess, sys, time; from bench.netns import Cluster; c = Cluster(3, rate_mbit=50); "
@@ -72,6 +78,7 @@ def test_cluster_is_removed_when_the_process_is_killed():
     assert not Path(f"/proc/{worker}").exists()  # the process inside the host was stopped, not orphaned
 
 
+@pytest.mark.e2e
 def test_invalid_settings_are_rejected_with_the_setting_named():
     with pytest.raises(ValueError, match="hosts"):
         Cluster(0)
@@ -83,6 +90,7 @@ def test_invalid_settings_are_rejected_with_the_setting_named():
     assert (a.hosts, a.rates, a.optimizers, a.timing_epochs) == ([2], [10], ["LAMB", "SLAMB"], 2)
 
 
+@pytest.mark.e2e
 def test_only_the_full_matrix_writes_the_committed_results():
     committed, scratch = ROOT / "results" / "netbench.md", ROOT / "runs" / "netbench" / "netbench.md"
     assert Path(netbench.parse_args([]).out) == committed
@@ -94,6 +102,9 @@ def test_only_the_full_matrix_writes_the_committed_results():
 
 
 @needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+@pytest.mark.netns
 def test_quick_bench_measures_link_bytes_against_the_ledger(tmp_path):
     before = set(list_namespaces())
     out = tmp_path / "netbench.md"
@@ -133,6 +144,7 @@ def test_quick_bench_measures_link_bytes_against_the_ledger(tmp_path):
     assert time.perf_counter() - tic < 150
 
 
+@pytest.mark.e2e
 def test_hosts_with_several_processes_settings():
     a = netbench.parse_args(["--procs-per-host", "2"])
     assert a.optimizers == netbench.MULTI_PROC_ROWS and Path(a.out).parent == ROOT / "runs" / "netbench"
@@ -150,6 +162,9 @@ def test_hosts_with_several_processes_settings():
 
 
 @needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+@pytest.mark.netns
 def test_hierarchical_slamb_on_hosts_with_two_processes(tmp_path):
     """2 hosts x 2 processes: the dense gradient stays on each host's loopback, the veth carries the
     ledger's inter-level bytes."""

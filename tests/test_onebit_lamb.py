@@ -121,6 +121,7 @@ def _track_dense_mean(rank, world, numel, calls):
                 ledger=ledger.summary(), padded=memory.padded)
 
 
+@pytest.mark.multiprocess
 def test_compressed_allreduce_converges_to_dense_mean_like_one_over_t():
     world, numel, calls = 3, 1000, 200
     res = run(_track_dense_mean, world, numel, calls)
@@ -171,6 +172,7 @@ def _warmup_vs_lamb(rank, world):
     return out
 
 
+@pytest.mark.multiprocess
 def test_warmup_equals_lamb_under_ddp(two_ranks):
     res = [r["warmup"] for r in two_ranks]
     numel = sum(p.numel() for p in _model().parameters())
@@ -251,6 +253,7 @@ def trained(two_ranks):
     return [r["train"] for r in two_ranks]
 
 
+@pytest.mark.multiprocess
 def test_loss_falls_and_ranks_stay_identical(trained):
     r0, r1 = trained
     losses = r0["losses"]
@@ -262,6 +265,7 @@ def test_loss_falls_and_ranks_stay_identical(trained):
     assert torch.equal(r0["m"], r1["m"])
 
 
+@pytest.mark.multiprocess
 def test_bytes_per_step_warmup_dense_then_one_bit(trained):
     world = 2
     numel = trained[0]["numel"]
@@ -284,6 +288,7 @@ def test_bytes_per_step_warmup_dense_then_one_bit(trained):
     assert warm / onebit > 25  # 32-bit gradients vs 1-bit momentum plus a few scales
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_restores_error_buffers_and_continues_identically(trained):
     for r in trained:
         assert r["saved_errors"] is not None and r["saved_errors"]["worker"].abs().max() > 0
@@ -295,6 +300,7 @@ def test_checkpoint_restores_error_buffers_and_continues_identically(trained):
     assert torch.equal(trained[0]["reset"], trained[1]["reset"])
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_world_size_and_rank_checks(trained):
     saved = trained[1]["saved_opt"]  # rank 1 of 2 workers
     _, strict = _fresh()
@@ -441,6 +447,7 @@ def _phases(rank, world, jobs):
     return [train(cfg, run_dir) for cfg, run_dir in jobs]
 
 
+@pytest.mark.multiprocess
 def test_bert_phase2_row_continues_phase1_and_compresses_after_its_rewarmup(tiny_data, tmp_path):
     """Phase 1: 6 steps, freeze_step 3. Phase 2 (the row's config, seq 64): freeze_step 8 = phase 1's 6 + a 2-step
     re-warm-up; its 4 steps send full gradients twice, then 1-bit momentum. A fresh optimizer would stay in

@@ -240,6 +240,7 @@ def results(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
+@pytest.mark.multiprocess
 def test_resume_from_per_rank_files_ends_bit_exactly_where_the_uninterrupted_run_ends(results, name):
     ranks = [r["resume"][name] for r in results]
     for rank, r in enumerate(ranks):
@@ -300,6 +301,7 @@ def test_checkpoint_errors_name_the_file_and_the_fix(tmp_path):
         slamb.load_optimizer(opt, tmp_path / "renamed")
 
 
+@pytest.mark.multiprocess
 def test_dcp_state_dict_round_trip_continues_bit_exactly(results):
     for name in OPTIMIZERS:
         for r in results:
@@ -308,6 +310,7 @@ def test_dcp_state_dict_round_trip_continues_bit_exactly(results):
             assert r["dcp"][name]["untouched"], name
 
 
+@pytest.mark.multiprocess
 def test_dcp_files_of_per_rank_state_are_refused_on_every_rank_with_the_fix(results):
     for r in results:  # which rank's copy DCP kept varies: each rank gets one of the two refusals
         assert r["dcp_disk"] is not None and "slamb.save_optimizer and slamb.load_optimizer" in r["dcp_disk"]
@@ -317,6 +320,7 @@ def test_dcp_files_of_per_rank_state_are_refused_on_every_rank_with_the_fix(resu
 # ------------------------------------------------------------------------------ the loss scaler
 
 
+@pytest.mark.multiprocess
 def test_overflow_on_one_rank_is_skipped_by_every_rank_and_closes_the_ledger_step(results):
     a, b = (r["scaler"] for r in results)
     assert a == b  # the same decisions, scales and bytes on both ranks
@@ -330,6 +334,7 @@ def test_overflow_on_one_rank_is_skipped_by_every_rank_and_closes_the_ledger_ste
     assert a["state"]["skipped_steps"] == 1 and a["state"]["scale"] == 1024.0
 
 
+@pytest.mark.multiprocess
 def test_scaler_is_torch_gradscaler_with_one_rank():
     def run(scaler):
         torch.manual_seed(0)
@@ -352,6 +357,7 @@ def test_scaler_is_torch_gradscaler_with_one_rank():
 # ------------------------------------------------------------------------------ late gradients, odd steps
 
 
+@pytest.mark.multiprocess
 def test_a_parameter_with_a_late_gradient_joins_the_layout_on_every_rank(results):
     for name in ("slamb", "dgc"):
         a, b = (r["late"][f"{name}-2-False"] for r in results)
@@ -366,6 +372,7 @@ def test_a_parameter_with_a_late_gradient_joins_the_layout_on_every_rank(results
             "OnebitLamb: param[4] (16, 6), param[5] (16,) got a gradient for the first time after freeze_step=2")
 
 
+@pytest.mark.multiprocess
 def test_lr_zero_is_accepted_and_leaves_the_parameters_alone(results):
     for name in OPTIMIZERS:
         for r in results:
@@ -374,6 +381,7 @@ def test_lr_zero_is_accepted_and_leaves_the_parameters_alone(results):
         cls(Net().parameters(), lr=0.0)
 
 
+@pytest.mark.multiprocess
 def test_a_step_without_gradients_on_any_rank_does_nothing(results):
     for name in ("slamb", "dgc"):
         for r in results:
@@ -383,11 +391,13 @@ def test_a_step_without_gradients_on_any_rank_does_nothing(results):
             assert e["after_empty"] == 1 and e["after_one_sided"] == 2
 
 
+@pytest.mark.multiprocess
 def test_compiled_step_equals_the_eager_step(results):
     for r in results:
         assert r["compile"] == {name: True for name in OPTIMIZERS}
 
 
+@pytest.mark.multiprocess
 def test_gradients_averaged_by_someone_else_warn_once_with_the_fix(results):
     for r in results:
         assert len(r["warning"]["ddp"]) == 1

@@ -89,6 +89,7 @@ HEADLINE = {"cifar10": ("test_loss", "test_top1"), "swin": ("test_loss", "test_t
             "bert": (), "squad": ("exact_match", "f1")}
 
 
+@pytest.mark.multiprocess  # the first test of a pipeline starts its module fixture's 2-worker runs
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("pipeline", list(HEADLINE))
 def test_every_pipeline_runs_every_optimizer_and_its_epoch_schedule(request, pipeline, name):
@@ -122,6 +123,7 @@ def test_every_pipeline_runs_every_optimizer_and_its_epoch_schedule(request, pip
         assert summary["bytes_total"]["momentum"] > 0 and "grads" not in summary["bytes_total"]
 
 
+@pytest.mark.multiprocess
 def test_the_evaluated_model_is_the_ranks_average(cifar10_runs, tiny_dir):  # noqa: F811
     """SLAMB without model syncs: the logged test metrics are an independent evaluation of the mean of
     the two ranks' final models (BatchNorm statistics included), not those of the local models."""

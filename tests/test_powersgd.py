@@ -51,6 +51,7 @@ def full_rank_worker(rank, world):
     return sgd, psgd, low
 
 
+@pytest.mark.multiprocess
 def test_full_rank_equals_allreduce_sgd_and_ranks_agree():
     res = run(full_rank_worker, 2)
     for sgd, psgd, low in res:
@@ -86,6 +87,7 @@ def bytes_worker(rank, world):
     return expected_bytes(model, 2, 2.0), sum(4 * p.numel() for p in model.parameters()), hist
 
 
+@pytest.mark.multiprocess
 def test_bytes_per_step_equal_the_formula():
     compressed, whole, hist = run(bytes_worker, 2)[0]
     assert compressed["powersgd_p"] > 0 and compressed["grads"] > 0  # both paths are exercised
@@ -118,6 +120,7 @@ def resume_worker(rank, world):
     return saved["opt"]["powersgd"], straight, resumed
 
 
+@pytest.mark.multiprocess
 def test_checkpoint_round_trip_resumes_bit_exactly():
     for saved, straight, resumed in run(resume_worker, 2):
         assert sorted(saved["error"]) == list(range(6)) and saved["q"]  # error feedback and warm start were saved

@@ -54,6 +54,7 @@ def train_worker(rank, world, names):
     return out
 
 
+@pytest.mark.multiprocess
 def test_every_optimizer_trains_under_two_workers():
     assert set(SETTINGS) == set(slamb.OPTIMIZERS)
     res = distributed.run(train_worker, 2, sorted(SETTINGS))

@@ -207,6 +207,7 @@ def synthetic_records(noise=0.0):
     return records
 
 
+@pytest.mark.e2e
 def test_calibration_recovers_known_constants_from_a_file(tmp_path):
     path = tmp_path / "netbench_raw.json"
     path.write_text(json.dumps(synthetic_records()))
@@ -232,6 +233,7 @@ def test_validation_reports_held_out_error_per_host_count():
         sc.predict_bench_record({"hosts": 2}, TRUE)
 
 
+@pytest.mark.e2e
 def test_ledger_profiles_from_measured_volumes():
     from bench.scaling import ledger_profiles
 
@@ -259,6 +261,7 @@ def test_ledger_profiles_from_measured_volumes():
         + sc.node_exchange_time(m, 128, 8, NVL, NET) + sc.node_exchange_time(h, 128, 8, NVL, NET) / 100, rel=1e-9)
 
 
+@pytest.mark.e2e
 def test_command_with_and_without_bench_file(tmp_path, capsys):
     from bench.scaling import main
 
@@ -280,6 +283,7 @@ def test_command_with_and_without_bench_file(tmp_path, capsys):
         main(["--out", str(out), "--set", "no_such_input=1"])
 
 
+@pytest.mark.e2e
 def test_a_bench_file_too_small_to_validate_is_refused(tmp_path):
     from bench.scaling import main
 

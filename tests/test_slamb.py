@@ -174,6 +174,7 @@ def to_layout(params_by_shape_index):
 
 
 @pytest.mark.parametrize("c", [0, 1, 2, 3, 5])
+@pytest.mark.multiprocess
 def test_matches_per_element_spec(runs, c):
     run, cfg = runs[c], CONFIGS[c]
     variant = cfg["variant"]
@@ -187,6 +188,7 @@ def test_matches_per_element_spec(runs, c):
                                            err_msg=f"{cfg} step {t + 1} rank {w} tensor {SHAPES[i]}")
 
 
+@pytest.mark.multiprocess
 def test_fast_path_equals_reference_path(runs):
     for fast, ref in ((0, 1), (2, 3)):
         for w in range(N):
@@ -195,6 +197,7 @@ def test_fast_path_equals_reference_path(runs):
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-13)
 
 
+@pytest.mark.multiprocess
 def test_masks_agree_across_ranks_and_hold_dense_tensors(runs):
     dense = dense_flags()
     for run in runs:
@@ -204,6 +207,7 @@ def test_masks_agree_across_ranks_and_hold_dense_tensors(runs):
             assert run[0][t]["mask"][dense].all()
 
 
+@pytest.mark.multiprocess
 def test_cyclic_mask_averages_each_coordinate_once_per_period(runs):
     compressed = ~dense_flags()
     for c in (0, 5):  # k = 0.25: period 4
@@ -213,6 +217,7 @@ def test_cyclic_mask_averages_each_coordinate_once_per_period(runs):
             assert torch.equal(counts, torch.ones_like(counts))
 
 
+@pytest.mark.multiprocess
 def test_bernoulli_mask_fraction_is_close_to_k(runs):
     compressed = ~dense_flags()
     for c, k in ((2, 0.3), (4, 0.1)):
@@ -225,6 +230,7 @@ def test_bernoulli_mask_fraction_is_close_to_k(runs):
         assert not torch.equal(masks[0], masks[1])
 
 
+@pytest.mark.multiprocess
 def test_sync_steps_make_ranks_bitwise_identical_and_they_drift_between(runs):
     for run in runs:
         for t in range(1, STEPS + 1):
@@ -233,6 +239,7 @@ def test_sync_steps_make_ranks_bitwise_identical_and_they_drift_between(runs):
             assert same == ((t - 1) % SYNC == 0), f"step {t}"
 
 
+@pytest.mark.multiprocess
 def test_ledger_bytes_follow_the_formula(runs):
     total = sum(int(np.prod(s)) for s in SHAPES)
     for run, cfg in zip(runs, CONFIGS):
@@ -248,6 +255,7 @@ def test_ledger_bytes_follow_the_formula(runs):
                 assert step["bytes"]["control"] == 4 + fp16 + (3 * 8 + 8 if t == 1 else 0)
 
 
+@pytest.mark.multiprocess
 def test_fp16_exchange_is_the_spec_up_to_fp16_rounding(runs):
     run = runs[4]
     expected = spec_run("v2", N, [step["mask"] for step in run[0]])
@@ -537,6 +545,7 @@ def ddp_worker(rank, world):
     return results
 
 
+@pytest.mark.multiprocess
 def test_resume_is_bit_exact_and_other_world_size_is_refused():
     for variant in ("v1", "v2"):
         res = distributed.run(resume_worker, 2, variant)
@@ -550,6 +559,7 @@ def test_resume_is_bit_exact_and_other_world_size_is_refused():
             make_optimizer(params, variant=variant, compress_ratio=0.25).load_state_dict(res[0]["state"])
 
 
+@pytest.mark.multiprocess
 def test_nonfinite_gradients_are_a_joint_decision_that_loses_nothing():
     res = distributed.run(nonfinite_worker, 2)
     for rank, r in enumerate(res):
@@ -561,6 +571,7 @@ def test_nonfinite_gradients_are_a_joint_decision_that_loses_nothing():
             assert r[policy + "_step"] == 1 and r[policy + "_after"] == 2
 
 
+@pytest.mark.multiprocess
 def test_wrap_model_keeps_slamb_gradients_local_and_records_lamb_allreduce():
     res = distributed.run(ddp_worker, 2)
     numel = 40 * 30 + 30 + 30 * 2 + 2
@@ -626,6 +637,7 @@ def overlap_worker(rank, world, variant, steps=6):
 
 
 @pytest.mark.parametrize("variant,world", [("v2", 2), ("v1", 4)])
+@pytest.mark.multiprocess
 def test_overlapped_exchange_equals_the_plain_one(variant, world):
     res = distributed.run(overlap_worker, world, variant)
     for r in res:

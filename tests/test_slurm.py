@@ -44,6 +44,7 @@ def test_slurm_task_environment_becomes_torch_distributed_environment():
     assert (preset["MASTER_ADDR"], preset["MASTER_PORT"]) == ("head", "1234")
 
 
+@pytest.mark.multiprocess
 def test_a_slurm_step_without_rank_information_fails_loudly(monkeypatch):
     partial = {k: v for k, v in SLURM_TASK.items() if k not in ("SLURM_LOCALID", "SLURM_NODELIST")}
     with pytest.raises(RuntimeError, match=r"SLURM step of 8 tasks without \['SLURM_LOCALID', 'SLURM_NODELIST'\].*srun"):
@@ -56,6 +57,7 @@ def test_a_slurm_step_without_rank_information_fails_loudly(monkeypatch):
         launch(_world_and_cfg, {}, "/nonexistent", nproc_per_node=1)
 
 
+@pytest.mark.multiprocess
 def test_workers_are_named_by_module_path():
     assert launch("tests.test_slurm:_world_and_cfg", {"x": 1}, "/nonexistent") == ("1", {"x": 1})
     assert resolve_worker(_world_and_cfg) is _world_and_cfg
@@ -78,6 +80,7 @@ def summary(run_dir: Path) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.multiprocess
 def test_two_workers_under_submitit_local(tiny_dir, tmp_path):
     """The job runs in a process submitit started (its __main__ is submitit's), whose 2 workers import train."""
     args = [*TINY, "epochs=1", f"data.dir={tiny_dir}", "hydra/launcher=local", f"hydra.sweep.dir={tmp_path}",
@@ -90,6 +93,7 @@ def test_two_workers_under_submitit_local(tiny_dir, tmp_path):
     assert (s["world_size"], s["steps"], s["global_batch"]) == (2, 5, 32)
 
 
+@pytest.mark.multiprocess
 def test_two_slurm_tasks_join_one_job(tiny_dir, tmp_path):
     """Two processes with the environment srun gives two tasks on one node: one job of world size 2."""
     args = [*TINY, "epochs=1", f"data.dir={tiny_dir}", f"hydra.run.dir={tmp_path}"]

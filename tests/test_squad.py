@@ -264,6 +264,7 @@ def test_evaluate_takes_the_max_over_ground_truths_and_scores_unanswered_as_zero
         {"exact_match": 100 * 1 / 4, "f1": 100 * (1 + f1_2 + f1_3 + 0) / 4})
 
 
+@pytest.mark.multiprocess
 def test_evaluate_cli_prints_exact_match_and_f1(tmp_path):
     dataset = write_json(tmp_path / "dev.json", squad_json())
     preds = write_json(tmp_path / "pred.json", {"q0": "Warsaw", "q1": "Sorbonne", "q2": "Pierre Curie",
@@ -280,6 +281,7 @@ def test_evaluate_cli_prints_exact_match_and_f1(tmp_path):
     assert bad.returncode != 0 and "is empty" in bad.stderr
 
 
+@pytest.mark.multiprocess
 def test_evaluate_cli_scores_what_the_official_script_scores(tmp_path):
     """evaluate-v1.1.py reads only ids and answer texts: a dev file without answer_start, question or
     context, or with every answer_start wrong, is scored, and the line printed is the official JSON."""
@@ -335,6 +337,7 @@ def test_default_config_is_the_standard_recipe():
     assert tiny["data"]["name"] == "squad_tiny" and tiny["trainer"]["nproc_per_node"] == 2
 
 
+@pytest.mark.e2e
 def test_tiny_docstring_set_is_valid_squad(tmp_path):
     from squad_finetune import tiny
 
@@ -352,6 +355,7 @@ def e2e_worker(rank, world, cfg, run_dir):
     return train(cfg, run_dir)
 
 
+@pytest.mark.multiprocess
 def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, capfd):
     train_file = write_json(tmp_path / "train.json", squad_json())
     dev_file = write_json(tmp_path / "dev.json", squad_json())

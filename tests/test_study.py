@@ -87,6 +87,8 @@ def _run_dirs(runs: Path, table: str) -> dict[tuple[str, int], dict]:
     return out
 
 
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     """Both tasks at tiny sizes (2 workers, LAMB and SLAMB rows): every number the page states is recomputed
     here from the run directories (metrics.json / metrics.jsonl), not from the page's own code."""
@@ -130,6 +132,7 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     assert {r["metric"] for r in record["runs"]["bert"]} == {b["summary"]["final_val_mlm_loss"] for b in bert.values()}
 
 
+@pytest.mark.multiprocess  # bert.prepare_data.prepare shards the corpus over a process pool
 def test_validation_loss_is_the_mean_over_every_masked_token(tmp_path):
     """bert.train's validation: the ranks' strided shares cover every held-out example once, and the loss is
     the cross-entropy averaged over all masked tokens (not over batches), which the model's own MLM loss is

@@ -225,6 +225,7 @@ def fp16_skip_case(rank, name):
             "steps": opt.ledger.steps, "state": amp.state_dict()}
 
 
+@pytest.mark.multiprocess
 def test_fp16_overflow_on_one_rank_is_skipped_by_all_ranks(step_results):
     """SLAMB (collectives inside step(), local gradients) and AdamW: both ranks skip, the scale backs off."""
     results = [r["fp16"] for r in step_results]
@@ -277,6 +278,7 @@ def repeated_batch_case(rank, world, name, precision, lr, tiny_dir):
     return {"losses": losses, "bytes": opt.comm_stats()["total"]["all"]["payload"]}
 
 
+@pytest.mark.multiprocess
 def test_loss_falls_on_a_repeated_batch(step_results):
     results = [r["repeated"] for r in step_results]
     for name, _, _ in REPEATED:
@@ -293,6 +295,7 @@ def history(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.multiprocess
 def test_each_row_trains_end_to_end_on_two_workers_and_the_table_renders(tiny_dir, tmp_path):
     extra = {"adamw": ["trainer.precision=bf16"], "lamb": ["accumulation_steps=2", "trainer.precision=fp32"],
              "slamb": [*SLAMB_TINY, "trainer.precision=bf16"]}
@@ -347,6 +350,7 @@ def test_each_row_trains_end_to_end_on_two_workers_and_the_table_renders(tiny_di
     assert "swin_b_imagenet" in written and "| AdamW | 83.50 |" in table and "| SLAMB | - |" in table
 
 
+@pytest.mark.multiprocess
 def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run([sys.executable, "-m", "swin.train", "trainer.nproc_per_node=1", f"data.dir={tmp_path}",

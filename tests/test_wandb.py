@@ -13,6 +13,8 @@ import yaml
 
 from tests.test_cifar10 import ROOT, TINY, env, history, write_tiny_cifar
 
+pytestmark = pytest.mark.multiprocess
+
 wandb_internal_pb2 = pytest.importorskip("wandb.proto.wandb_internal_pb2")
 
 BLOCK, HEADER = 32768, 7  # wandb's run file: a LevelDB log (32 KiB blocks) behind a 7-byte ":W&B" header

@@ -16,7 +16,7 @@ import torch
 import yaml
 
 import slamb
-import harness as ex
+import harness
 from harness.checkpoint import Checkpointer
 from harness.run import RunLock, RunLogger
 from harness.tables import build_tables, load_runs
@@ -27,8 +27,8 @@ from tests import distributed
 CPU = torch.device("cpu")
 
 
-def solo(rank=0, world=1) -> ex.DistEnv:
-    return ex.DistEnv(rank, world, rank, world, CPU)
+def solo(rank=0, world=1) -> harness.DistEnv:
+    return harness.DistEnv(rank, world, rank, world, CPU)
 
 
 # ------------------------------------------------------------------------------------ schedules
@@ -76,7 +76,7 @@ def test_compression_warmup_list_and_floor():
 
 
 def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
-    shards = [ex.ShardedBatches(103, 10, solo(r, 3), seed=4) for r in range(3)]
+    shards = [harness.ShardedBatches(103, 10, solo(r, 3), seed=4) for r in range(3)]
     assert [len(s) for s in shards] == [3, 3, 3]  # 34 samples per rank, 3 full batches
     epoch0 = [torch.cat(list(s.epoch(0))) for s in shards]
     seen = torch.cat(epoch0)
@@ -84,8 +84,8 @@ def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     assert not torch.equal(epoch0[0], torch.cat(list(shards[0].epoch(1))))  # set_epoch reshuffles
     assert torch.equal(torch.cat(list(shards[1].epoch(0, start=2))), epoch0[1][20:])
     with pytest.raises(ValueError, match="lower data.micro_batch or the number of workers"):
-        ex.ShardedBatches(20, 16, solo(0, 2), seed=0)
-    assert ex.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
+        harness.ShardedBatches(20, 16, solo(0, 2), seed=0)
+    assert harness.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -106,7 +106,7 @@ def _train_steps(model, opt, rank, steps, start):
 
 
 def checkpoint_worker(rank, world, run_dir, name):
-    env = ex.init_distributed("cpu", 1)
+    env = harness.init_distributed("cpu", 1)
     settings = {"min_compress_numel": 100, "sync_interval": 4, "compress_ratio": 0.3} if name == "slamb" else {}
 
     def fresh():
@@ -116,15 +116,15 @@ def checkpoint_worker(rank, world, run_dir, name):
 
     model, opt = fresh()
     ckpt = Checkpointer(run_dir, env)
-    assert ex.restore_training(ckpt, model=model, optimizer=opt) is None
+    assert harness.restore_training(ckpt, model=model, optimizer=opt) is None
     _train_steps(model, opt, rank, 3, 0)
-    ex.save_training(ckpt, {"epoch": 1, "step": 3}, model=model, optimizer=opt, extra={"note": "x"})
+    harness.save_training(ckpt, {"epoch": 1, "step": 3}, model=model, optimizer=opt, extra={"note": "x"})
     _train_steps(model, opt, rank, 4, 3)
     final = [p.detach().clone() for p in model.parameters()]
     total = opt.comm_stats()["total"]["all"]["payload"]
 
     model2, opt2 = fresh()
-    progress, extra = ex.restore_training(ckpt, model=model2, optimizer=opt2)
+    progress, extra = harness.restore_training(ckpt, model=model2, optimizer=opt2)
     _train_steps(model2, opt2, rank, 4, 3)
     files = sorted(os.listdir(ckpt.dir / "step000000003"))
     return {"progress": progress, "extra": extra, "files": files, "total": total,
@@ -134,6 +134,7 @@ def checkpoint_worker(rank, world, run_dir, name):
 
 
 @pytest.mark.parametrize("name", ["slamb", "lamb"])
+@pytest.mark.multiprocess
 def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
     out = distributed.run(checkpoint_worker, 2, str(tmp_path), name)
     for r in out:
@@ -206,7 +207,7 @@ def test_resuming_with_other_inputs_is_refused(tmp_path):
         Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/b"}).load()
     with pytest.raises(ValueError, match=r"init_from=None and this run has init_from='/m'"):
         Checkpointer(tmp_path, solo(), inputs={"data.dir": "/data/a", "init_from": "/m"}).load()
-    assert ex.checkpoint.run_inputs({"data": {"dir": "d"}, "model": {"dir": "???"}, "init_from": None}) == \
+    assert harness.checkpoint.run_inputs({"data": {"dir": "d"}, "model": {"dir": "???"}, "init_from": None}) == \
         {"data.dir": os.path.abspath("d")}
 
 
@@ -219,12 +220,12 @@ def test_checkpoints_load_to_the_cpu_whatever_the_run_device(tmp_path, name):
         opt.begin_step()
         _train_steps(model, opt, 0, 1, 0)
     ckpt = Checkpointer(tmp_path, solo())
-    ex.save_training(ckpt, {"step": 2}, model=model, optimizer=opt)
+    harness.save_training(ckpt, {"step": 2}, model=model, optimizer=opt)
     torch.manual_seed(123)
     model2 = _slamb_model()
     opt2 = slamb.create_optimizer(name, model2, lr=0.01)
-    on_gpu = ex.DistEnv(0, 1, 0, 1, torch.device("meta"))
-    assert ex.restore_training(Checkpointer(tmp_path, on_gpu), model=model2, optimizer=opt2)[0] == {"step": 2}
+    on_gpu = harness.DistEnv(0, 1, 0, 1, torch.device("meta"))
+    assert harness.restore_training(Checkpointer(tmp_path, on_gpu), model=model2, optimizer=opt2)[0] == {"step": 2}
     assert torch.equal(torch.get_rng_state(), torch.load(tmp_path / "ckpt/step000000002/rank0.pt",
                                                          weights_only=False)["rng"]["torch"])
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
@@ -236,9 +237,9 @@ def test_checkpoints_load_to_the_cpu_whatever_the_run_device(tmp_path, name):
 
 
 def test_rng_state_round_trip_restores_every_stream():
-    state = ex.seeding.rng_state()
+    state = harness.seeding.rng_state()
     a = (torch.rand(3), np.random.rand(), random.random())
-    ex.seeding.set_rng_state(state)
+    harness.seeding.set_rng_state(state)
     b = (torch.rand(3), np.random.rand(), random.random())
     assert torch.equal(a[0], b[0]) and a[1:] == b[1:]
     assert state["torch"].dtype == torch.uint8 and state["torch"].device.type == "cpu"
@@ -262,27 +263,28 @@ def _cfg(**over):
 def test_empty_schedules_are_refused():
     for key, value in (("epochs", 0), ("epochs", -1), ("steps", 0), ("trainer__checkpoint__every", 0)):
         with pytest.raises(ValueError, match=f"invalid {key.replace('__', '.')}={value}: must be an integer >= 1"):
-            ex.checkpoint.prepare_run(_cfg(**{key: value}), "/nonexistent")
+            harness.checkpoint.prepare_run(_cfg(**{key: value}), "/nonexistent")
 
 
 def test_a_finished_run_is_reported_finished_and_other_inputs_are_refused(tmp_path, capsys):
     log = RunLogger(tmp_path, _cfg(), solo(), progress=False)
     log.finish({"final_test_top1": 90.0})
     # operational settings do not make it another run
-    assert ex.checkpoint.prepare_run(_cfg(trainer__progress=False), tmp_path) == {"final_test_top1": 90.0}
+    assert harness.checkpoint.prepare_run(_cfg(trainer__progress=False), tmp_path) == {"final_test_top1": 90.0}
     assert f"{tmp_path} is finished" in capsys.readouterr().out
-    assert ex.checkpoint.prepare_run(_cfg(epochs=3), tmp_path) is None  # extended: resumes
-    assert ex.checkpoint.prepare_run(_cfg(seed=1), tmp_path) is None
+    assert harness.checkpoint.prepare_run(_cfg(epochs=3), tmp_path) is None  # extended: resumes
+    assert harness.checkpoint.prepare_run(_cfg(seed=1), tmp_path) is None
     with pytest.raises(ValueError, match="data.dir='/data/a' and this run has data.dir='/data/b'"):
-        ex.checkpoint.prepare_run(_cfg(data__dir="/data/b"), tmp_path)
+        harness.checkpoint.prepare_run(_cfg(data__dir="/data/b"), tmp_path)
     RunLogger(tmp_path, _cfg(), solo(), progress=False)  # a new writer: no longer finished
     assert not (tmp_path / "metrics.json").exists()
-    assert ex.checkpoint.prepare_run(_cfg(), tmp_path) is None
+    assert harness.checkpoint.prepare_run(_cfg(), tmp_path) is None
     Checkpointer(tmp_path, solo()).save({"step": 1}, {}, {})
-    assert ex.checkpoint.prepare_run(_cfg(trainer__resume="never"), tmp_path) is None
+    assert harness.checkpoint.prepare_run(_cfg(trainer__resume="never"), tmp_path) is None
     assert not (tmp_path / "ckpt").exists()
 
 
+@pytest.mark.multiprocess
 def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, capsys):
     with RunLock(tmp_path):
         with pytest.raises(RuntimeError, match=rf"run directory {tmp_path} is being written by process {os.getpid()}"):
@@ -339,13 +341,14 @@ def test_run_logger_writes_the_run_directory_and_truncates_on_resume(tmp_path):
 
 
 def test_comm_metrics_by_kind():
-    cols = ex.comm_metrics({"grads": 300, "control": 8, "all": 308}, {"grads": 100, "all": 100})
+    cols = harness.comm_metrics({"grads": 300, "control": 8, "all": 308}, {"grads": 100, "all": 100})
     assert cols == {"bytes/all": 208, "bytes_cum/all": 308, "bytes/control": 8, "bytes_cum/control": 8,
                     "bytes/grads": 200, "bytes_cum/grads": 300}
 
 
+@pytest.mark.multiprocess
 def test_launch_with_one_worker_runs_in_process():
-    assert ex.launch(_return_world, {"x": 1}, "/nonexistent", nproc_per_node=1) == (1, {"x": 1})
+    assert harness.launch(_return_world, {"x": 1}, "/nonexistent", nproc_per_node=1) == (1, {"x": 1})
 
 
 def _return_world(cfg, run_dir):
@@ -442,6 +445,7 @@ def _demo_run(root, row, seed, top1, local, bytes_total):
         "compressed_share": 0.9 if row == "SLAMB" else None}))
 
 
+@pytest.mark.e2e
 def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
     from cifar10.demo import report
 

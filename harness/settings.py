@@ -1,0 +1,108 @@
+"""A run's settings: which of them define what it computes, and the checks every pipeline shares.
+
+:data:`NOT_COMPUTED` is the one list of settings that stay out of a run's identity, each with its
+kind:
+
+* ``operational``: how the run is operated (progress bar, resume, restarts, threads, device,
+  checkpointing, logger, loader workers and prefetch, the phase timer's device syncs); two runs
+  that differ only in these compute the same thing (:data:`OPERATIONAL_KEYS`);
+* ``label``: what names the run or files it (the ``experiment`` and ``sweep`` config groups,
+  which set ``name`` and the settings themselves; the tables' ``paper`` and ``study`` entries),
+  also left out of what a run computes;
+* ``input``: what the run reads (data, the model it starts from). They change what is computed,
+  but a dataset can move and the experiment that picks a model names the run: they stay out of the
+  run directory's name and are checked on resume instead (:data:`INPUT_KEYS`,
+  :func:`harness.checkpoint.run_inputs`).
+
+A key covers its subtree (``logger`` covers ``logger.wandb``). From this list come: the settings
+compared to decide that two runs are one configuration (:func:`effective_config`, for the tables
+and for a finished run found again), the inputs recorded in checkpoints, and the overrides Hydra
+leaves out of the run directory's name (the ``run_dir_excluded`` resolver, named in
+``configs/hydra/default.yaml``).
+"""
+from __future__ import annotations
+
+from omegaconf import OmegaConf
+
+OPERATIONAL, LABEL, INPUT = "operational", "label", "input"
+NOT_COMPUTED = {
+    "trainer.progress": OPERATIONAL, "trainer.resume": OPERATIONAL, "trainer.max_restarts": OPERATIONAL,
+    "trainer.threads_per_worker": OPERATIONAL, "trainer.device": OPERATIONAL, "trainer.checkpoint": OPERATIONAL,
+    "logger": OPERATIONAL, "data.workers": OPERATIONAL, "data.prefetch": OPERATIONAL,
+    "time_breakdown": OPERATIONAL,
+    "experiment": LABEL, "sweep": LABEL, "paper": LABEL, "study": LABEL,
+    "data.dir": INPUT, "data.train_file": INPUT, "data.dev_file": INPUT, "model.dir": INPUT, "init_from": INPUT,
+}
+# what two runs may differ in and still be one configuration
+OPERATIONAL_KEYS = tuple(k for k, kind in NOT_COMPUTED.items() if kind in (OPERATIONAL, LABEL))
+INPUT_KEYS = tuple(k for k, kind in NOT_COMPUTED.items() if kind == INPUT)
+# settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
+SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
+
+
+def covers(keys, key: str) -> bool:
+    """Whether ``key`` is one of ``keys`` or lies in the subtree of one."""
+    return any(key == k or key.startswith(k + ".") for k in keys)
+
+
+def lookup(cfg, dotted: str, default=None):
+    """``cfg["a"]["b"]`` for ``"a.b"`` in a dict or DictConfig, ``default`` where a level is missing."""
+    node = cfg
+    for key in dotted.split("."):
+        if not hasattr(node, "get"):
+            return default
+        node = node.get(key, default)
+    return node
+
+
+def check_count(key: str, value, why: str = "") -> None:
+    """A setting that counts something (epochs, steps, workers) must be an integer >= 1; ``why`` ends the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1{why}")
+
+
+def check_schedule(cfg) -> None:
+    """Clear errors for an empty schedule (``epochs=0``), before any worker starts."""
+    for key in SCHEDULE_KEYS:
+        value = lookup(cfg, key)
+        if value is not None:
+            check_count(key, value, f" (an empty schedule trains nothing); set {key} to 1 or more")
+
+
+def flatten(cfg: dict, prefix: str = "") -> dict:
+    """``{"a.b": value}`` for every leaf of a nested dict (lists are leaves, as tuples)."""
+    out = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = tuple(value) if isinstance(value, list) else value
+    return out
+
+
+def effective_config(cfg: dict, drop: tuple[str, ...] = ()) -> dict:
+    """The flattened settings of ``cfg`` that determine what a run computes (less those under ``drop``)."""
+    skip = OPERATIONAL_KEYS + tuple(drop)
+    return {k: v for k, v in flatten(cfg).items() if not covers(skip, k)}
+
+
+def same_configuration(a: dict, b: dict) -> bool:
+    return effective_config(a) == effective_config(b)
+
+
+def run_dir_excluded(overrides) -> list[str]:
+    """The keys of ``overrides`` (Hydra's ``key=value`` lines) that :data:`NOT_COMPUTED` covers.
+
+    Hydra's ``override_dirname.exclude_keys`` matches keys exactly; given the job's own overrides,
+    this list covers subtrees too (``logger.project=x`` stays out because ``logger`` does).
+    """
+    keys = [line.split("=", 1)[0].lstrip("+~").split("@", 1)[0] for line in overrides]
+    return [k for k in keys if covers(NOT_COMPUTED, k)]
+
+
+# the pipelines import the harness before Hydra composes their config, which names this resolver
+OmegaConf.register_new_resolver(
+    "run_dir_excluded", lambda overrides: run_dir_excluded(
+        OmegaConf.to_container(overrides, resolve=False) if OmegaConf.is_config(overrides) else overrides),
+    replace=True)
