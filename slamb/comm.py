@@ -36,6 +36,9 @@ import torch.distributed as dist
 
 from .topology import NodeTopology
 
+# newer torch names all_gather_into_tensor all_gather_single and warns on the old name; 2.11 has only the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = [
     "CommLedger",
     "world_size",
@@ -412,7 +415,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
         return output
     if ledger is not None:
         ledger.record(kind, "all_gather", _nbytes(input), n)
-    dist.all_gather_single(output, input, group=group)
+    _all_gather_single(output, input, group=group)
     return output
 
 
