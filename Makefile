@@ -8,9 +8,10 @@ export HF_HUB_OFFLINE ?= 1
 
 .PHONY: demo study test test-quick bench comm-volume tables gpu-check clean
 
-$(STAMP): pyproject.toml
+# the library requires ranges (pyproject.toml); the checkout installs the exact versions it is tested with
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -e '.[all]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[all]'
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -36,6 +36,9 @@ import torch.distributed as dist
 
 from .topology import NodeTopology
 
+# newer torch names all_gather_into_tensor all_gather_single and warns on the old name; 2.11 has only the old
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
 __all__ = [
     "CommLedger",
     "world_size",
@@ -277,10 +280,6 @@ def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: str, ledger, asy
     work = MeanWork(tensor, inner, finish=gather)
     return work if async_op else work.wait()
 
-
-# torch 2.14 renamed all_gather_into_tensor (deprecated there, with a warning) to all_gather_single; older
-# releases have only the former
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 # fp16's largest finite value: a sum of n terms each at most this / n cannot overflow
 _FP16_MAX = 65504.0

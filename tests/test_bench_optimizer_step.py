@@ -2,14 +2,12 @@
 the measuring function returns, the targets computed from the rows, and ``--quick`` kept out of results/."""
 from __future__ import annotations
 
-import inspect
 import math
 import statistics
 
 import pytest
 import torch
 
-import slamb
 from bench import optimizer_step as bench
 
 pytestmark = pytest.mark.e2e
@@ -18,11 +16,10 @@ SHAPES = [(64, 32), (32,), (128, 16)]
 NUMEL = 64 * 32 + 32 + 128 * 16
 
 
-def test_rows_follow_the_build_fused_only_where_the_optimizers_take_it():
+def test_every_row_builds_and_steps_fused_ones_included():
     rows = bench.optimizers()
-    assert {"lamb", "adamw_foreach", "adamw_fused", "timm_lamb", "slamb_v1", "slamb_v2"} <= set(rows)
-    assert ("slamb_v2_fused" in rows) == ("fused" in inspect.signature(slamb.SLAMB).parameters)
-    assert ("lamb_fused" in rows) == ("fused" in inspect.signature(slamb.LAMB).parameters)
+    assert set(rows) == {"lamb", "lamb_fused", "adamw_foreach", "adamw_fused", "timm_lamb", "slamb_v1", "slamb_v2",
+                         "slamb_v2_nocheck", "slamb_v1_fused", "slamb_v2_fused"}
     for name, build in rows.items():  # every row builds and steps
         params = bench._model_params(SHAPES, torch.device("cpu"))
         build(params).step()

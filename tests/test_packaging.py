@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import email
+import os
 import re
 import shutil
 import subprocess
@@ -10,6 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,7 +47,7 @@ def test_wheel_declares_what_the_library_imports(wheel):
     (meta_name,) = [n for n in zf.namelist() if n.endswith(".dist-info/METADATA")]
     meta = email.message_from_bytes(zf.read(meta_name))
     required = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
-    assert {r.split("=")[0].split(">")[0].strip() for r in required} == {"torch", "torchvision", "numpy"}
+    assert {r.split("=")[0].split(">")[0].strip() for r in required} == {"torch", "numpy"}
     # the library imports nothing beyond those, except each framework integration its framework, which the
     # `integrations` extra declares
     extras = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if 'extra == "integrations"' in r]
@@ -62,3 +64,44 @@ def test_wheel_declares_what_the_library_imports(wheel):
         allowed = {"torch", "numpy"} | (declared if name.startswith("slamb/integrations/") else set())
         assert imported - stdlib <= allowed, (name, imported - stdlib - allowed)
     assert {"transformers", "accelerate", "lightning"} <= declared
+
+
+def test_the_library_requires_a_torch_range_not_a_pin(wheel):
+    """``pip install slamb`` keeps a user's torch where it is in the tested range; torchvision is the
+    pipelines' (timm's models), not the library's."""
+    meta = email.message_from_bytes(zipfile.ZipFile(wheel).read(
+        next(n for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".dist-info/METADATA"))))
+    reqs = [Requirement(r) for r in meta.get_all("Requires-Dist")]
+    (torch_req,) = [r for r in reqs if r.name == "torch" and r.marker is None]
+    assert [s.operator for s in torch_req.specifier] == [">="]
+    floor = next(iter(torch_req.specifier)).version
+    assert not any(r.name == "torchvision" and r.marker is None for r in reqs)
+    assert any(r.name == "torchvision" and r.marker.evaluate({"extra": "vision"}) for r in reqs if r.marker)
+    # the README names the oldest torch the library's tests pass on: the same as the requirement's floor
+    assert f"torch {floor}" in (ROOT / "README.md").read_text()
+    # the exact versions the checkout installs fall in the library's ranges
+    pins = {Requirement(line).name: Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
+            if line.strip() and not line.startswith("#")}
+    assert all([s.operator for s in r.specifier] == ["=="] for r in pins.values())
+    for r in reqs:
+        if r.marker is None:
+            assert r.specifier.contains(next(iter(pins[r.name].specifier)).version), (r, pins[r.name])
+    assert {"torch", "torchvision", "numpy", "timm", "pytest"} <= set(pins)
+
+
+def test_the_makefile_installs_the_constraints_and_reinstalls_when_they_change(tmp_path):
+    for name in ("Makefile", "pyproject.toml", "constraints.txt"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    stamp = tmp_path / ".venv" / ".installed"
+    stamp.parent.mkdir()
+    stamp.touch()
+    later = max((tmp_path / n).stat().st_mtime for n in ("Makefile", "pyproject.toml", "constraints.txt")) + 10
+    os.utime(stamp, (later, later))
+
+    def dry_run(*args):  # what `make` would do for the venv, without doing it
+        return subprocess.run(["make", "-n", *args, ".venv/.installed"], cwd=tmp_path, capture_output=True, text=True,
+                              check=True).stdout
+
+    assert "pip install" not in dry_run()  # up to date
+    for changed in ("constraints.txt", "pyproject.toml"):
+        assert "pip install -q -c constraints.txt -e '.[all]'" in dry_run("-W", changed), changed
