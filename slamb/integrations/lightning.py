@@ -159,9 +159,9 @@ class SLAMBStrategy(DDPStrategy):
         if not (opt.per_rank_state or opt.params_differ) or self._loaded_from is None:
             return super().load_optimizer_state_dict(checkpoint)
         if not os.path.isdir(own_state_dir(self._loaded_from)):
-            raise FileNotFoundError(f"{own_state_dir(self._loaded_from)} is missing: {type(opt).__name__} keeps a state "
-                                    f"per rank, which SLAMBStrategy writes beside each checkpoint; copy it along "
-                                    f"with {self._loaded_from}, or resume from a checkpoint SLAMBStrategy saved")
+            raise FileNotFoundError(f"{own_state_dir(self._loaded_from)} is missing: {type(opt).__name__} keeps a "
+                                    f"state per rank, which SLAMBStrategy writes beside each checkpoint; copy it "
+                                    f"along with {self._loaded_from}, or resume from a checkpoint SLAMBStrategy saved")
         load_optimizer(opt, own_state_dir(self._loaded_from))
         if opt.params_differ:  # after DDP's broadcast of rank 0's copy at wrapping
             load_local_model(self.lightning_module, own_state_dir(self._loaded_from))
