@@ -105,6 +105,11 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
     ``ddp_kwargs`` go to :class:`DistributedDataParallel` (``device_ids``, ...).
     """
     adopt(optimizer)
+    if isinstance(model, DistributedDataParallel):
+        # caught here, not 3 steps later by SLAMB's warning: the inner DDP's reducer would still all-reduce
+        # every gradient under whatever hook the outer one gets
+        raise ValueError(f"slamb.wrap_model got a DistributedDataParallel, whose own all-reduce of every gradient "
+                         f"{type(optimizer).__name__} cannot undo: pass the module it wraps (model.module)")
     topology = getattr(optimizer, "process_group", None)
     if isinstance(topology, NodeTopology):
         process_group = topology.group

@@ -35,11 +35,11 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in getattr(model, "module", model).parameters()])
 
 
-def train_worker(rank, n, plain, name, ckpt, resume, overflow_at):
+def train_worker(rank, n, plain, name, ckpt, resume, overflow_at, export=None):
     from accelerate import Accelerator
 
     import slamb.integrations.accelerate as integration
-    from slamb.integrations._common import unwrap_optimizer
+    from slamb.integrations.support import unwrap_optimizer
 
     model, opt, loader = _setup(rank, name=name)
     accelerator = Accelerator(cpu=True)
@@ -73,11 +73,24 @@ def train_worker(rank, n, plain, name, ckpt, resume, overflow_at):
             out["at_save"] = {k: v.clone() for k, v in model.module.state_dict().items()}
             accelerator.save_state(ckpt)
     out.update(probe.intervals(), params=_params(model), stats=base.comm_stats())
+    if export is not None:
+        x, y = _eval_data()
+        with integration.averaged(model):
+            out["eval_loss"] = F.mse_loss(model(x), y).item()
+        out["after_eval"] = _params(model)
+        integration.save_model(accelerator, model, export)
+        out["after_save"] = _params(model)
     return out
 
 
-def _run(plain=False, name="slamb", ckpt=None, resume=False, overflow_at=None):
-    return support.run(train_worker, 2, plain, name, ckpt, resume, overflow_at)
+def _eval_data():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(16, 8, generator=g)
+    return x, torch.tanh(x @ torch.randn(8, 4, generator=g))
+
+
+def _run(plain=False, name="slamb", ckpt=None, resume=False, overflow_at=None, export=None):
+    return support.run(train_worker, 2, plain, name, ckpt, resume, overflow_at, export)
 
 
 def _no_gradient_traffic(res):
@@ -121,6 +134,58 @@ def test_resume_from_save_state_ends_bit_exactly_and_the_saved_model_is_the_aver
         assert torch.equal(saved[k], (own[0][k] + own[1][k]) / 2), k
 
 
+def test_evaluation_and_save_model_see_the_ranks_average_and_leave_each_rank_its_own():
+    with tempfile.TemporaryDirectory() as d:
+        res = _run(export=d)
+        from safetensors.torch import load_file
+
+        saved = load_file(os.path.join(d, "model.safetensors"))
+    assert not torch.equal(res[0]["params"], res[1]["params"])  # the ranks had drifted apart
+    for r in res:
+        assert torch.equal(r["after_eval"], r["params"]) and torch.equal(r["after_save"], r["params"])
+    average = (res[0]["params"] + res[1]["params"]) / 2
+    model = _setup(0)[0]
+    torch.nn.utils.vector_to_parameters(average, model.parameters())
+    assert torch.equal(torch.cat([saved[k].reshape(-1) for k, _ in model.named_parameters()]), average)
+    x, y = _eval_data()
+    expected = F.mse_loss(model(x), y).item()
+    assert [r["eval_loss"] for r in res] == pytest.approx([expected] * 2, rel=1e-6)
+
+
+def refused_worker(rank, n):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU case, on any machine
+    from accelerate import Accelerator
+
+    import slamb.integrations.accelerate as integration
+
+    model, opt, loader = _setup(rank)
+    try:
+        integration.prepare(Accelerator(), model, opt, loader)
+    except RuntimeError as e:
+        return str(e)
+    return "prepared"
+
+
+def test_prepare_refuses_an_accelerator_that_sees_one_of_the_ranks_launched():
+    for message in support.run(refused_worker, 2):
+        assert "runs 1 process(es) of the 2 launched" in message and "Accelerator(cpu=True)" in message
+        assert "\n" not in message
+
+
+def test_the_scaler_becomes_rank_agreed_with_every_setting_and_state_of_the_installed_gradscaler():
+    from slamb import RankAgreedGradScaler
+    from slamb.integrations.support import rank_agreed_scaler
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_factor=3.0, backoff_factor=0.25, growth_interval=7)
+    agreed = rank_agreed_scaler(scaler, "cpu")
+    assert isinstance(agreed, RankAgreedGradScaler) and agreed.is_enabled()
+    assert {k: v for k, v in agreed.state_dict().items() if k != "skipped_steps"} == scaler.state_dict()
+    assert (agreed.get_scale(), agreed.get_growth_factor(), agreed.get_backoff_factor(),
+            agreed.get_growth_interval()) == (8.0, 3.0, 0.25, 7)
+    assert not rank_agreed_scaler(torch.amp.GradScaler("cpu", enabled=False), "cpu").is_enabled()
+    assert rank_agreed_scaler(agreed, "cpu") is agreed and rank_agreed_scaler(None, "cpu") is None
+
+
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     res = _run(overflow_at=2)
     assert [r["skipped"] for r in res] == [[False, False, True, False, False, False]] * 2
@@ -132,7 +197,7 @@ def test_the_integrations_package_imports_no_framework():
     import subprocess
     import sys
 
-    code = ("import sys, slamb.integrations, slamb.integrations._common; "
+    code = ("import sys, slamb.integrations, slamb.integrations.support; "
             "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

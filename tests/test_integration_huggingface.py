@@ -22,7 +22,8 @@ class Tiny(torch.nn.Module):
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
 
     def forward(self, x, labels):
-        return {"loss": F.mse_loss(self.net(x), labels)}
+        out = self.net(x)
+        return {"loss": F.mse_loss(out, labels), "logits": out}
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -46,7 +47,7 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in getattr(model, "module", model).parameters()])
 
 
-def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
+def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", evaluate=False):
     from transformers import Trainer, TrainingArguments
 
     import slamb
@@ -57,7 +58,7 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=STEPS, save_steps=SAVE_AT,
                              save_strategy="steps" if out_dir else "no", logging_steps=1000, use_cpu=True,
                              report_to=[], learning_rate=0.02, lr_scheduler_type="constant", max_grad_norm=0.0,
-                             disable_tqdm=True, seed=0)
+                             disable_tqdm=True, seed=0, per_device_eval_batch_size=8)
     out = {}
 
     if plain:
@@ -86,6 +87,11 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
     out.update(params=_params(trainer.model), stats=base.comm_stats(), steps=getattr(base, "_step", None))
     if probe is not None:
         out.update(probe.intervals())
+    if evaluate:
+        out["eval_loss"] = trainer.evaluate(eval_dataset=Pairs(16))["eval_loss"]
+        out["after_eval"] = _params(trainer.model)
+        out["predictions"] = torch.as_tensor(trainer.predict(Pairs(16)).predictions)
+        out["after_predict"] = _params(trainer.model)
     if overflow_at is not None:
         out["skipped"] = trainer.accelerator.scaler.skipped_steps
     if out_dir is not None and not resume:
@@ -98,8 +104,8 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb"):
     return out
 
 
-def _run(plain=False, out_dir=None, resume=False, overflow_at=None, name="slamb"):
-    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at, name)
+def _run(plain=False, out_dir=None, resume=False, overflow_at=None, name="slamb", evaluate=False):
+    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at, name, evaluate)
 
 
 def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
@@ -132,6 +138,41 @@ def test_resume_from_checkpoint_ends_bit_exactly_and_save_model_is_the_average()
         assert f["steps"] == r["steps"] == STEPS
     assert not torch.equal(full[0]["local_at_save"], full[1]["local_at_save"])  # the ranks had drifted apart
     assert torch.equal(full[0]["saved"], (full[0]["local_at_save"] + full[1]["local_at_save"]) / 2)
+
+
+def test_evaluate_and_predict_score_the_ranks_average_and_leave_each_rank_its_own():
+    res = _run(evaluate=True)
+    assert not torch.equal(res[0]["params"], res[1]["params"])  # the ranks had drifted apart
+    for r in res:
+        assert torch.equal(r["after_eval"], r["params"]) and torch.equal(r["after_predict"], r["params"])
+    model = Tiny()
+    torch.nn.utils.vector_to_parameters((res[0]["params"] + res[1]["params"]) / 2, model.parameters())
+    data = Pairs(16)
+    with torch.no_grad():
+        expected = model(data.x, data.y)
+    for r in res:
+        assert r["eval_loss"] == pytest.approx(expected["loss"].item(), rel=1e-6)
+        torch.testing.assert_close(r["predictions"], expected["logits"])
+
+
+def refused_worker(rank, n):
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU case, on any machine
+    from transformers import TrainingArguments
+
+    from slamb.integrations.huggingface import SLAMBTrainer
+
+    args = TrainingArguments(output_dir="unused", report_to=[], max_steps=1)  # no use_cpu=True
+    try:
+        SLAMBTrainer(model=Tiny(), args=args, train_dataset=Pairs(), optimizer_settings=SETTINGS)
+    except RuntimeError as e:
+        return str(e)
+    return "built"
+
+
+def test_a_trainer_that_sees_one_of_the_ranks_launched_is_refused():
+    for message in support.run(refused_worker, 2):
+        assert "runs 1 process(es) of the 2 launched" in message and "TrainingArguments(use_cpu=True)" in message
+        assert "\n" not in message
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():

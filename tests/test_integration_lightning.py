@@ -18,7 +18,14 @@ SETTINGS = dict(lr=0.02, compress_ratio=0.25, min_compress_numel=16, sync_interv
 OTHERS = dict(dgc=dict(lr=0.1, density=0.25), onebit_lamb=dict(lr=0.02, freeze_step=2), jointspar=dict(lr=0.1))
 
 
-def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
+def _val_data():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 8, generator=g)
+    return torch.utils.data.TensorDataset(x, torch.tanh(x @ torch.randn(8, 4, generator=g)))
+
+
+def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb", epochs=EPOCHS, save_last=None,
+                 evaluate=False):
     import lightning as L
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.plugins import MixedPrecision
@@ -37,6 +44,21 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
             loss = F.mse_loss(self.net(x), y)
             return loss * float("inf") if rank == 1 and self.trainer.global_step == overflow_at else loss
 
+        def on_validation_start(self):  # the module's hook runs before the strategy's: the rank's own copy
+            self.own_at_validation.append(params(self))
+            self.validation_losses.append([])
+
+        def validation_step(self, batch, batch_idx):
+            loss = F.mse_loss(self.net(batch[0]), batch[1])
+            self.validation_losses[-1].append(loss.item())
+            self.log("loss", loss)  # the rank's own batch (sync_dist's mean reduces a long on this backend)
+
+        def test_step(self, batch, batch_idx):
+            self.log("loss", F.mse_loss(self.net(batch[0]), batch[1]))
+
+        def predict_step(self, batch, batch_idx):
+            return batch[0], self.net(batch[0])
+
         def configure_optimizers(self):
             opt = slamb.create_optimizer(name, self, **(SETTINGS if name == "slamb" else OTHERS[name]))
             self.probe = support.StepProbe(opt)
@@ -48,20 +70,36 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
             data = torch.utils.data.TensorDataset(x, torch.tanh(x @ torch.randn(8, 4, generator=g)))
             return torch.utils.data.DataLoader(data, batch_size=4)  # Lightning's sampler: each rank its own
 
+    def params(module):
+        return torch.cat([p.detach().reshape(-1).clone() for p in module.parameters()])
+
     torch.manual_seed(0)
     model = Tiny()
-    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1)] if ckpt_dir else []
+    model.own_at_validation, model.validation_losses = [], []
+    # on evaluation, the checkpoint is saved in on_validation_end: the strategy's evaluation hooks bracket it
+    callbacks = [ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, save_last=save_last,
+                                 save_on_train_epoch_end=not evaluate)] if ckpt_dir else []
     plugins = [MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**8))] \
         if overflow_at is not None else []
     strategy = DDPStrategy() if plain else SLAMBStrategy()
-    trainer = L.Trainer(accelerator="cpu", devices=n, strategy=strategy, max_epochs=EPOCHS, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=n, strategy=strategy, max_epochs=epochs, logger=False,
                         enable_checkpointing=bool(ckpt_dir), callbacks=callbacks, plugins=plugins,
                         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0)
-    ckpt = os.path.join(ckpt_dir, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt") if resume else None
-    trainer.fit(model, ckpt_path=ckpt)
+    ckpt = os.path.join(ckpt_dir, resume if isinstance(resume, str) else f"epoch=0-step={STEPS_PER_EPOCH}.ckpt") \
+        if resume else None
+    val = torch.utils.data.DataLoader(_val_data(), batch_size=4)
+    trainer.fit(model, ckpt_path=ckpt, val_dataloaders=val if evaluate else None)
     base = model.probe.optimizer
-    out = dict(params=torch.cat([p.detach().reshape(-1) for p in model.parameters()]), stats=base.comm_stats(),
-               steps=getattr(base, "_step", None), **model.probe.intervals())
+    out = dict(params=params(model), stats=base.comm_stats(), steps=getattr(base, "_step", None),
+               **model.probe.intervals())
+    if evaluate:
+        out.update(own_at_validation=model.own_at_validation, validation_losses=model.validation_losses)
+        out["validated"] = trainer.validate(model, val, verbose=False)[0]["loss"]
+        out["after_validate"] = params(model)
+        out["tested"] = trainer.test(model, val, verbose=False)[0]["loss"]
+        out["after_test"] = params(model)
+        out["predicted"] = trainer.predict(model, val)
+        out["after_predict"] = params(model)
     if overflow_at is not None:
         out["skipped"] = trainer.strategy.precision_plugin.scaler.skipped_steps
     if ckpt_dir and not resume:
@@ -71,8 +109,15 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb"):
     return out
 
 
-def _run(plain=False, ckpt_dir=None, resume=False, overflow_at=None, name="slamb"):
-    return support.run(train_worker, 2, plain, ckpt_dir, resume, overflow_at, name)
+def _run(plain=False, ckpt_dir=None, resume=False, overflow_at=None, name="slamb", epochs=EPOCHS, save_last=None,
+         evaluate=False):
+    return support.run(train_worker, 2, plain, ckpt_dir, resume, overflow_at, name, epochs, save_last, evaluate)
+
+
+def _averaged_net(flat_params_by_rank):
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    torch.nn.utils.vector_to_parameters(sum(flat_params_by_rank) / len(flat_params_by_rank), net.parameters())
+    return net
 
 
 def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
@@ -109,6 +154,49 @@ def test_resume_from_checkpoint_ends_bit_exactly_and_the_checkpoint_holds_the_av
     assert not all(torch.equal(own[0][k], own[1][k]) for k in own[0])  # the ranks had drifted apart
     for k in own[0]:  # the checkpoint's state_dict is the ranks' average, not rank 0's copy
         assert torch.equal(full[0]["saved"][k], (own[0][k] + own[1][k]) / 2), k
+
+
+def test_resume_from_the_link_of_save_last_link_ends_where_the_uninterrupted_run_ends():
+    with tempfile.TemporaryDirectory() as d:
+        full = _run()
+        _run(ckpt_dir=d, epochs=1, save_last="link")
+        assert os.path.islink(os.path.join(d, "last.ckpt"))
+        resumed = _run(ckpt_dir=d, resume="last.ckpt")
+    for f, r in zip(full, resumed):
+        assert torch.equal(f["params"], r["params"])
+        assert f["steps"] == r["steps"] == STEPS
+
+
+def test_validation_test_and_predict_score_the_ranks_average_and_leave_each_rank_its_own():
+    with tempfile.TemporaryDirectory() as d:
+        res = _run(ckpt_dir=d, evaluate=True)
+        first = os.path.join(d, f"epoch=0-step={STEPS_PER_EPOCH}.ckpt")
+        saved = torch.load(first, weights_only=False)["state_dict"]
+        own_saved = [torch.load(os.path.join(f"{first}.ranks", f"model.rank{r}-of-2.pt")) for r in range(2)]
+    x, y = _val_data().tensors
+    final = [r["params"] for r in res]
+    assert not torch.equal(*final)  # the ranks had drifted apart
+    with torch.no_grad():
+        expected = F.mse_loss(_averaged_net(final)(x), y).item()
+        for r in res:
+            assert torch.equal(r["after_validate"], r["params"]) and torch.equal(r["after_test"], r["params"])
+            assert torch.equal(r["after_predict"], r["params"])
+            for batch_x, out in r["predicted"]:
+                torch.testing.assert_close(out, _averaged_net(final)(batch_x))
+        # one batch of 4 per rank: the mean of the ranks' losses is the loss over the 8 samples
+        assert sum(r["validated"] for r in res) / 2 == pytest.approx(expected, rel=1e-6)
+        assert sum(r["tested"] for r in res) / 2 == pytest.approx(expected, rel=1e-6)
+        # the validation inside fit: each epoch scores the ranks' average of that time
+        for epoch in range(EPOCHS):
+            own = [r["own_at_validation"][epoch] for r in res]
+            assert not torch.equal(*own)
+            scored = sum(r["validation_losses"][epoch][0] for r in res) / 2
+            assert scored == pytest.approx(F.mse_loss(_averaged_net(own)(x), y).item(), rel=1e-6)
+    # the checkpoint saved in on_validation_end holds each rank's own copy beside the ranks' average
+    for r, own in zip(res, own_saved):
+        assert torch.equal(torch.cat([v.reshape(-1) for v in own.values()]), r["own_at_validation"][0])
+    assert torch.equal(torch.cat([v.reshape(-1) for v in saved.values()]),
+                       (res[0]["own_at_validation"][0] + res[1]["own_at_validation"][0]) / 2)
 
 
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():

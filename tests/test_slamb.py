@@ -534,6 +534,11 @@ def ddp_worker(rank, world):
         model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Tanh(), torch.nn.Linear(30, 2))
         opt = slamb.create_optimizer(name, model, lr=0.01)
         ddp = slamb.wrap_model(model, opt)
+        try:
+            slamb.wrap_model(ddp, opt)
+            results[name + "_rewrap"] = "accepted"
+        except ValueError as e:
+            results[name + "_rewrap"] = str(e)
         gen = torch.Generator().manual_seed(rank)
         x = torch.randn(16, 40, generator=gen)
         y = torch.randint(0, 2, (16,), generator=gen)
@@ -579,6 +584,8 @@ def test_wrap_model_keeps_slamb_gradients_local_and_records_lamb_allreduce():
     for a, b in zip(res[0]["lamb"]["grads"], res[1]["lamb"]["grads"]):
         torch.testing.assert_close(a, b)
     assert res[0]["lamb"]["stats"]["grads"]["payload"] == numel * 4
+    for r in res:  # a DDP handed to wrap_model is refused when wrapped, with the fix
+        assert all("pass the module it wraps (model.module)" in r[name + "_rewrap"] for name in ("slamb", "lamb"))
     assert torch.equal(res[0]["lamb"]["params"][0], res[1]["lamb"]["params"][0])
     # SLAMB: DDP broadcast rank 0's weights, gradients stay local, no gradient bytes
     assert not torch.equal(res[0]["slamb"]["grads"][0], res[1]["slamb"]["grads"][0])

@@ -13,10 +13,13 @@ resume) and rank 0's local model, and its fp16 scaler lets one rank skip a step
 the others take. Here the DDP gets the optimizer's communication hook (none
 for ``communication="no_ddp"``), each ``checkpoint-N/`` also holds one
 optimizer state per rank (and each rank's own model when the ranks' parameters
-differ), ``save_model()`` saves the ranks' average, the scaler is a
+differ), ``save_model()`` saves the ranks' average, ``evaluate()`` and
+``predict()`` score it (each rank's own copy comes back after), the scaler is a
 :class:`slamb.RankAgreedGradScaler`, and the optimizer's schedules
 (``begin_epoch``, ``begin_step``) run at the trainer's epoch and step starts.
-Every optimizer of the registry works the same way.
+Every optimizer of the registry works the same way. On the CPU, pass
+``TrainingArguments(use_cpu=True)``: without it each process trains alone
+(``SLAMBTrainer`` refuses to).
 """
 from __future__ import annotations
 
@@ -27,10 +30,11 @@ from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
 from transformers import Trainer, TrainerCallback
 
-from .. import averaged_model, comm, create_optimizer, load_optimizer, save_optimizer
+from .. import create_optimizer, load_optimizer, save_optimizer
 from ..contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
 from ..registry import optimizer_class
-from ._common import load_local_model, rank_agreed_scaler, register_comm_hook, save_local_model, unwrap_optimizer
+from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_undistributed, register_comm_hook,
+                      save_local_model, unwrap_optimizer)
 
 __all__ = ["SLAMBTrainer"]
 
@@ -66,6 +70,8 @@ class SLAMBTrainer(Trainer):
         self._communication = adopt(given).communication if given is not None else \
             getattr(optimizer_class(optimizer_name), "communication", GRADIENT_ALLREDUCE)
         super().__init__(*args, **kwargs)
+        refuse_undistributed(self.args.world_size, "the Trainer",
+                             "on the CPU, pass TrainingArguments(use_cpu=True)")
         self.add_callback(_Schedules(self))
 
     def _build_accelerator_args(self, **kwargs) -> dict:
@@ -94,7 +100,7 @@ class SLAMBTrainer(Trainer):
 
     def _prepare_for_training(self, max_steps, train_dataloader, resume_from_checkpoint):
         # before the optimizer is prepared: accelerate's optimizer wrapper keeps the scaler it finds
-        self.accelerator.scaler = rank_agreed_scaler(self.accelerator.scaler)
+        self.accelerator.scaler = rank_agreed_scaler(self.accelerator.scaler, self.accelerator.device.type)
         model, train_dataloader = super()._prepare_for_training(max_steps, train_dataloader, resume_from_checkpoint)
         if isinstance(model, DistributedDataParallel) and self.base_optimizer.communication == NO_DDP:
             # the optimizer averages the gradients itself; DDP's reducer stays idle when its forward is not used
@@ -104,10 +110,18 @@ class SLAMBTrainer(Trainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """The ranks' average of the model (collective: every rank calls it, as ``Trainer`` does)."""
-        if self.optimizer is None or not self.base_optimizer.params_differ or comm.world_size() == 1:
-            return super().save_model(output_dir, _internal_call)
-        with averaged_model(self.model):
+        with ranks_average(self.model, self.optimizer):
             super().save_model(output_dir, _internal_call)
+
+    def evaluate(self, *args, **kwargs) -> dict:
+        """The ranks' average scored; each rank's own copy comes back after (collective, as ``Trainer``'s)."""
+        with ranks_average(self.model, self.optimizer):
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args, **kwargs):
+        """The ranks' average's predictions; each rank's own copy comes back after (collective, as ``Trainer``'s)."""
+        with ranks_average(self.model, self.optimizer):
+            return super().predict(*args, **kwargs)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         opt = self.base_optimizer

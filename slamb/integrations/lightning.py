@@ -14,10 +14,14 @@ comes with ``x.ckpt.ranks/`` holding one optimizer state per rank (and each
 rank's own model when the ranks' parameters differ, the checkpoint's
 ``state_dict`` being the ranks' average), the precision plugin's scaler is a
 :class:`slamb.RankAgreedGradScaler`, and the optimizer's schedules run at each
-epoch and optimizer-step start. Every optimizer of the registry works the same way.
+epoch and optimizer-step start. Validation, test and predict score the ranks'
+average (``DDPStrategy`` gives every rank rank 0's copy outside ``fit``) and
+leave each rank its own copy. Every optimizer of the registry works the same way.
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 
 from lightning.pytorch.strategies import DDPStrategy
@@ -27,7 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import comm, load_optimizer, save_optimizer
 from ..averaging import average_tensors_
 from ..contract import NO_DDP
-from ._common import load_local_model, rank_agreed_scaler, register_comm_hook, save_local_model, unwrap_optimizer
+from .support import (load_local_model, rank_agreed_scaler, ranks_average, register_comm_hook, save_local_model,
+                      unwrap_optimizer)
 
 __all__ = ["SLAMBStrategy"]
 
@@ -46,6 +51,7 @@ class SLAMBStrategy(DDPStrategy):
         super().__init__(*args, **kwargs)
         self._loaded_from = None
         self._epoch = None
+        self._evaluation = contextlib.ExitStack()
 
     @property
     def base_optimizer(self):
@@ -55,10 +61,18 @@ class SLAMBStrategy(DDPStrategy):
         return unwrap_optimizer(self.optimizers[0])
 
     def setup(self, trainer) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        own = None
+        if not fitting and self._params_differ():
+            own = {k: v.clone() for k, v in self.lightning_module.state_dict().items()}
         super().setup(trainer)
+        if own is not None:
+            # outside fit, DDPStrategy gives every rank rank 0's copy; evaluation scores the ranks' average
+            # (on_validation_start, ...) and each rank goes on from its own
+            self.lightning_module.load_state_dict(own)
         scaler = getattr(self.precision_plugin, "scaler", None)
-        self.precision_plugin.scaler = rank_agreed_scaler(scaler)
-        if trainer.state.fn != TrainerFn.FITTING:
+        self.precision_plugin.scaler = rank_agreed_scaler(scaler, self.root_device.type)
+        if not fitting:
             return
         opt = self.base_optimizer
         if isinstance(self.model, DistributedDataParallel) and opt.communication == NO_DDP:
@@ -78,8 +92,43 @@ class SLAMBStrategy(DDPStrategy):
     def _params_differ(self) -> bool:
         return bool(self.optimizers) and self.base_optimizer.params_differ and comm.world_size() > 1
 
+    def _begin_evaluation(self) -> None:
+        """The ranks' average in the module until :meth:`_end_evaluation` (collective: every rank evaluates)."""
+        self._evaluation.enter_context(ranks_average(self.lightning_module,
+                                                     self.base_optimizer if self.optimizers else None))
+
+    def _end_evaluation(self) -> None:
+        self._evaluation.close()
+
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._begin_evaluation()
+
+    def on_test_start(self) -> None:
+        super().on_test_start()
+        self._begin_evaluation()
+
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        self._begin_evaluation()
+
+    def on_validation_end(self) -> None:
+        self._end_evaluation()
+        super().on_validation_end()
+
+    def on_test_end(self) -> None:
+        self._end_evaluation()
+        super().on_test_end()
+
+    def on_predict_end(self) -> None:
+        self._end_evaluation()
+        super().on_predict_end()
+
     def lightning_module_state_dict(self) -> dict:
         """The ranks' average when their parameters differ (collective: every rank dumps the checkpoint)."""
+        # ModelCheckpoint saves in its on_validation_end, before the strategy's: the checkpoint needs each
+        # rank's own copy (its per-rank file), the ranks' average is taken again below
+        self._end_evaluation()
         state = super().lightning_module_state_dict()
         if not self._params_differ():
             return state
@@ -101,13 +150,18 @@ class SLAMBStrategy(DDPStrategy):
             shutil.rmtree(own_state_dir(filepath), ignore_errors=True)
 
     def load_checkpoint(self, checkpoint_path, weights_only=None) -> dict:
-        self._loaded_from = checkpoint_path
+        # ModelCheckpoint(save_last="link") makes last.ckpt a link to the checkpoint beside its .ranks/
+        self._loaded_from = os.path.realpath(checkpoint_path) if os.path.islink(checkpoint_path) else checkpoint_path
         return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_optimizer_state_dict(self, checkpoint) -> None:
         opt = self.base_optimizer
         if not (opt.per_rank_state or opt.params_differ) or self._loaded_from is None:
             return super().load_optimizer_state_dict(checkpoint)
+        if not os.path.isdir(own_state_dir(self._loaded_from)):
+            raise FileNotFoundError(f"{own_state_dir(self._loaded_from)} is missing: {type(opt).__name__} keeps a "
+                                    f"state per rank, which SLAMBStrategy writes beside each checkpoint; copy it "
+                                    f"along with {self._loaded_from}, or resume from a checkpoint SLAMBStrategy saved")
         load_optimizer(opt, own_state_dir(self._loaded_from))
         if opt.params_differ:  # after DDP's broadcast of rank 0's copy at wrapping
             load_local_model(self.lightning_module, own_state_dir(self._loaded_from))

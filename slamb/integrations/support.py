@@ -1,13 +1,17 @@
-"""What the framework integrations share: the optimizer behind a framework's
-wrappers, the DDP communication it needs, its schedules, per-rank checkpoints."""
+"""What the framework integrations share: the optimizer behind a framework's wrappers, the check that the
+framework sees every rank, the DDP communication the optimizer needs, the ranks' average for evaluation and
+export, per-rank model checkpoints, the rank-agreed loss scaler."""
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
+from ..averaging import averaged_model
 from ..contract import NO_DDP, adopt
 from ..ddp import comm_hook
 
@@ -19,6 +23,19 @@ def unwrap_optimizer(optimizer):
         if not isinstance(inner, torch.optim.Optimizer) or inner is optimizer:
             return adopt(optimizer)
         optimizer = inner
+
+
+def refuse_undistributed(framework_ranks: int, framework: str, fix: str) -> None:
+    """Refuse a framework that sees fewer ranks than were launched (``fix``: how to make it see them).
+
+    On the CPU, without its CPU flag, each framework runs every process as a
+    world of one: each rank would train alone on all the data, with no DDP and
+    no exchange, and nothing would fail.
+    """
+    launched = max(comm.world_size(), int(os.environ.get("WORLD_SIZE", "1")))
+    if framework_ranks < launched:
+        raise RuntimeError(f"{framework} runs {framework_ranks} process(es) of the {launched} launched: each would "
+                           f"train alone on all the data; {fix}")
 
 
 def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:
@@ -35,6 +52,19 @@ def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:
         raise ValueError(f"{type(optimizer).__name__} has communication='no_ddp': the model must not be wrapped in "
                          "DDP, pass the plain model (the integration does so when it builds the wrapping)")
     ddp.register_comm_hook(*comm_hook(optimizer, ddp.process_group))
+
+
+def ranks_average(model: torch.nn.Module, optimizer):
+    """``with ranks_average(model, optimizer):`` the body sees the ranks' average of ``model`` when the ranks'
+    copies differ under ``optimizer`` (:class:`slamb.averaged_model`), ``model`` itself otherwise.
+
+    Collective when the copies differ: every rank enters it. With no
+    optimizer yet (nothing trained) or a data-parallel one, the copies are
+    equal and an all-reduce would only round them.
+    """
+    if optimizer is None or not unwrap_optimizer(optimizer).params_differ or comm.world_size() == 1:
+        return contextlib.nullcontext()
+    return averaged_model(model)
 
 
 def local_model_file(directory) -> Path:
@@ -60,17 +90,21 @@ def load_local_model(model: torch.nn.Module, directory) -> None:
     getattr(model, "module", model).load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
 
 
-def rank_agreed_scaler(scaler):
-    """``scaler`` (a ``torch.amp.GradScaler``) as a :class:`slamb.RankAgreedGradScaler` with its settings and state."""
+def rank_agreed_scaler(scaler, device: str):
+    """``scaler`` (a ``torch.amp.GradScaler`` for ``device``, the framework's device type) as a
+    :class:`slamb.RankAgreedGradScaler` with its settings and state.
+
+    Through ``GradScaler``'s public API only: its ``state_dict()`` holds every
+    setting (scale, growth and backoff factors, growth interval) and the
+    growth tracker; a disabled scaler's is empty, and none is needed.
+    """
     if scaler is None:
         return None
     from .. import RankAgreedGradScaler
 
     if isinstance(scaler, RankAgreedGradScaler):
         return scaler
-    agreed = RankAgreedGradScaler(scaler._device, init_scale=scaler._init_scale, growth_factor=scaler._growth_factor,
-                                  backoff_factor=scaler._backoff_factor, growth_interval=scaler._growth_interval,
-                                  enabled=scaler.is_enabled())
+    agreed = RankAgreedGradScaler(device, enabled=scaler.is_enabled())
     if scaler.is_enabled():
         agreed.load_state_dict(scaler.state_dict())
     return agreed
