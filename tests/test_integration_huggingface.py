@@ -13,6 +13,8 @@ pytest.importorskip("accelerate")
 
 from tests import integration_support as support  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # the framework runs in 2 gloo worker processes
+
 STEPS, SAVE_AT = 6, 3
 
 

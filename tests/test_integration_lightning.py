@@ -12,6 +12,8 @@ pytest.importorskip("lightning")
 
 from tests import integration_support as support  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # the framework runs in 2 gloo worker processes
+
 STEPS_PER_EPOCH, EPOCHS = 3, 2
 STEPS = STEPS_PER_EPOCH * EPOCHS
 SETTINGS = dict(lr=0.02, compress_ratio=0.25, min_compress_numel=16, sync_interval=4, nonfinite="skip")
