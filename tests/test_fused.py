@@ -292,3 +292,37 @@ def test_fused_refuses_a_beta3_its_age_cannot_carry():
         advance(params, opt, [2])
     after = opt.state_dict()["state"][0]
     assert all(torch.equal(before[k], after[k]) for k in before)  # refused before anything changed
+
+
+def test_fused_graphs_are_compiled_with_the_deterministic_inductor_settings(monkeypatch):
+    """No per-process autotuning of reductions, no split by the multiprocessor count: the settings that let
+    fused replicas and resumes agree bit for bit on GPUs (the installed torch has both)."""
+    from slamb.optim import fused
+
+    seen = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: seen.append(kw) or compile_(fn, **kw))
+    assert float(fused.compile_once(lambda x: x.sum())(torch.ones(5))) == 5.0
+    assert seen == [{"dynamic": False, "options": {"deterministic": True, "split_reductions": False}}]
+
+
+def fused_replica_worker(rank, world):
+    """Fused LAMB under DDP, each rank its own data: the averaged gradients are the same bits on every rank,
+    so the compiled step must leave every rank the same parameters."""
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(300, 400), torch.nn.Tanh(), torch.nn.Linear(400, 10))
+    opt = slamb.LAMB(model.parameters(), lr=1e-2, weight_decay=0.01, fused=True)
+    net = slamb.wrap_model(model, opt)
+    gen = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        opt.zero_grad()
+        net(torch.randn(16, 300, generator=gen)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.multiprocess
+def test_fused_lamb_replicas_stay_bit_identical():
+    a, b = distributed.run(fused_replica_worker, 2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -92,14 +92,28 @@ def update_pass(params, ms, vs, ages, table):
         p.sub_((a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
 
 
+# Inductor settings that make a graph's numbers a function of its code and shapes alone: no on-device
+# benchmarking that picks a reduction's configuration in each process (the replicas of a fused LAMB under
+# DDP would drift apart bit by bit), and no reduction split by the GPU's multiprocessor count (a resume on
+# another GPU model would not be bit-exact). What stays: a CPU's reductions follow its thread count.
+DETERMINISTIC = {"deterministic": True, "split_reductions": False}
+
+
+def compile_options() -> dict:
+    """:data:`DETERMINISTIC`, less the settings the installed torch does not have."""
+    import torch._inductor.config as inductor
+
+    return {k: v for k, v in DETERMINISTIC.items() if hasattr(inductor, k)}
+
+
 def compile_once(fn):
-    """``torch.compile`` (``dynamic=False``) of ``fn`` as a function of its own code object: dynamo's
-    recompile limit counts the graphs of one code object (closures of one function share it), so each
-    layout or run of shapes needs its own."""
+    """``torch.compile`` (``dynamic=False``, :func:`compile_options`) of ``fn`` as a function of its own code
+    object: dynamo's recompile limit counts the graphs of one code object (closures of one function share
+    it), so each layout or run of shapes needs its own."""
     def bound(*args):
         return fn(*args)
     own = types.FunctionType(bound.__code__.replace(), bound.__globals__, fn.__name__, None, bound.__closure__)
-    return torch.compile(own, dynamic=False)
+    return torch.compile(own, dynamic=False, options=compile_options())
 
 
 class CompileFailed(RuntimeError):
