@@ -6,6 +6,7 @@ Layout under ``<run_dir>/ckpt/``::
                                  (model when parameters agree, LR scheduler, progress, extra)
     step000000480/rank{r}.pt     every rank: optimizer state, its ledger, its RNG
                                  streams, and its model when parameters differ by rank
+    step000000480/*.pt.sha256    each file's sha256 (``sha256sum -c`` format), checked before it is loaded
     step000000480/complete.json  written once every rank's file is on disk: the folder is usable
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
@@ -18,7 +19,10 @@ state) therefore resume exactly; so do parameters that differ between SLAMB's
 model syncs.
 
 The last ``keep`` complete checkpoints stay (two by default): when the newest
-cannot be read on some rank, every rank falls back to the previous one.
+cannot be read on some rank, or its content differs from the digest written
+beside it (torch.load ignores the zip's CRCs: a flipped bit loads as a changed
+value), every rank falls back to the previous one, and rank 0 prints one line
+naming the damaged file, whichever rank found it.
 
 A run's data and model inputs (:data:`INPUT_KEYS`) are recorded with each
 checkpoint; resuming from it with other inputs is refused, because the
@@ -31,36 +35,90 @@ resume on another device layout than the one that saved it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
-from slamb import comm
 from .distributed import DistEnv, barrier
 from .seeding import rng_state, set_rng_state
 
-LATEST, COMPLETE = "latest.json", "complete.json"
+LATEST, COMPLETE, DIGEST = "latest.json", "complete.json", ".sha256"
 # config settings naming what a run reads: data and the model it starts from. They stay out of the run
 # directory's name, so they are checked on resume instead.
 INPUT_KEYS = ("data.dir", "data.train_file", "data.dev_file", "model.dir", "init_from")
 
 
-def atomic_write_bytes(path: Path, write) -> None:
-    """``write(file)`` into a temporary sibling, fsync, then rename over ``path``."""
+class _Hashing:
+    """A write-only file that hashes what passes through it: the digest costs no second read of a large file."""
+
+    def __init__(self, f):
+        self.f, self.sha = f, hashlib.sha256()
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def atomic_write_bytes(path: Path, write) -> str:
+    """``write(file)`` into a temporary sibling, fsync, then rename over ``path``; returns the sha256 of the bytes.
+
+    A failed write (a full disk) removes its temporary file: a rerun on that disk must not find it fuller.
+    """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            out = _Hashing(f)
+            write(out)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out.sha.hexdigest()
+
+
+def digest_path(path: Path) -> Path:
+    return path.with_name(path.name + DIGEST)
 
 
 def atomic_torch_save(obj, path: Path) -> None:
-    atomic_write_bytes(path, lambda f: torch.save(obj, f))
+    """``torch.save`` atomically, with ``<path>.sha256`` beside it (``sha256sum -c`` reads it): torch.load
+    ignores the zip's CRCs, so that a flipped bit would otherwise load as a changed value."""
+    path = Path(path)
+    digest = atomic_write_bytes(path, lambda f: torch.save(obj, f))
+    atomic_write_bytes(digest_path(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+
+
+def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            sha.update(block)
+    return sha.hexdigest()
+
+
+def verified_torch_load(path: Path):
+    """``torch.load`` to the CPU after checking the file against its ``.sha256`` (absent in checkpoints
+    written before digests were: those load unchecked)."""
+    path = Path(path)
+    recorded = digest_path(path)
+    if recorded.exists():
+        expected = (recorded.read_text().split() or [""])[0]
+        actual = file_sha256(path)
+        if actual != expected:
+            raise ValueError(f"its sha256 {actual[:16]}... differs from the {expected[:16] or 'empty'}... "
+                             f"recorded in {recorded.name} when it was written: the file changed on disk")
+    return torch.load(path, map_location="cpu", weights_only=False)
 
 
 def atomic_write_json(obj, path: Path) -> None:
@@ -106,6 +164,13 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
 def _unreadable(path: Path, err: Exception) -> str:
     return (f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); delete that checkpoint "
             f"folder to resume from an older one, or start over with trainer.resume=never")
+
+
+def _gather_objects(obj) -> list:
+    """Every rank's ``obj``, by rank (bookkeeping of the resume, outside the ledger)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
 
 
 class Checkpointer:
@@ -165,8 +230,8 @@ class Checkpointer:
         loaded = {}
         for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
             try:
-                loaded[key] = torch.load(folder / name, map_location="cpu", weights_only=False)
-            except Exception as err:  # truncated, corrupt or missing: torch.load raises many kinds
+                loaded[key] = verified_torch_load(folder / name)
+            except Exception as err:  # changed, truncated or missing: torch.load raises many kinds
                 return None, _unreadable(folder / name, err)
         return loaded, None
 
@@ -186,18 +251,17 @@ class Checkpointer:
             check_inputs(latest.get("inputs"), self.inputs, self.dir)
         for i, entry in enumerate(candidates):
             loaded, why = self._read(self.dir / entry["dir"])
-            # one rank's unreadable file sends every rank back, so that all resume from the same step
-            failed = loaded is None if self.env.world_size == 1 else \
-                comm.agree_any(torch.tensor(loaded is None, device=self.env.device), ledger=None)
-            if not failed:
+            # one rank's unreadable file sends every rank back, so that all resume from the same step; every
+            # rank learns which file it was (on a node of its own, rank 0's line is the one a user reads)
+            whys = [why] if self.env.world_size == 1 else _gather_objects(why)
+            why = next((w for w in whys if w is not None), None)
+            if why is None:
                 shared = loaded["shared"]
                 return shared.pop("progress"), shared, loaded["mine"]
             if i + 1 == len(candidates):
-                raise RuntimeError(why or f"checkpoint {self.dir / entry['dir']} is unreadable on another rank; "
-                                   "start over with trainer.resume=never")
+                raise RuntimeError(why)
             if self.env.is_main:
-                print(f"{why or 'checkpoint ' + entry['dir'] + ' is unreadable on another rank'}: "
-                      f"resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
+                print(f"{why}: resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
         return None
 
 

@@ -1,0 +1,110 @@
+"""Faults a run meets on disk and how it comes through them: damaged checkpoints, full disks, torn logs."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import os
+
+import pytest
+import torch
+
+import harness as ex
+from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes
+from tests import distributed
+
+CPU = torch.device("cpu")
+
+
+def solo(rank=0, world=1) -> ex.DistEnv:
+    return ex.DistEnv(rank, world, rank, world, CPU)
+
+
+def flip_byte(path, at: float = 0.5) -> None:
+    """Flip every bit of one byte ``at`` (a fraction) into the file, as a disk's silent corruption would."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_older_one_with_one_line(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.arange(10_000.0) + step})
+    newest = ckpt.dir / "step000000002" / "rank0.pt"
+    assert (ckpt.dir / "step000000002" / "rank0.pt.sha256").read_text().endswith("  rank0.pt\n")
+    flip_byte(newest)  # the middle of the tensor's data
+    # torch.load alone does not see it: the zip's CRCs go unchecked, the values change
+    damaged = torch.load(newest, weights_only=False)["b"]
+    assert not torch.equal(damaged, torch.arange(10_000.0) + 2)
+    progress, shared, mine = ckpt.load()
+    assert progress == {"step": 1} and shared == {"a": 1} and torch.equal(mine["b"], torch.arange(10_000.0) + 1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint file {newest} is unreadable (ValueError: its sha256 ")
+    assert lines[0].endswith("the file changed on disk); delete that checkpoint folder to resume from an older "
+                             "one, or start over with trainer.resume=never: resuming from the previous checkpoint, "
+                             "step000000001")
+
+
+def test_a_checkpoint_without_digests_still_loads(tmp_path):
+    """Checkpoints written before the digests were: nothing to check them against, they load as before."""
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
+    for digest in ckpt.dir.glob("step*/*.sha256"):
+        digest.unlink()
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+
+
+def damaged_rank_worker(rank, world, run_dir):
+    env = ex.init_distributed("cpu", 1)
+    ckpt = Checkpointer(run_dir, env)
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.full((1000,), float(10 * step + rank))})
+    if rank == 1:  # only rank 1's own file is damaged; rank 0 reads all of its files
+        flip_byte(ckpt.dir / "step000000002" / "rank1.pt")
+    ex.distributed.barrier()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        progress, _, mine = ckpt.load()
+    if rank == 1:
+        flip_byte(ckpt.dir / "step000000001" / "rank1.pt")
+    ex.distributed.barrier()
+    try:
+        ckpt.load()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"progress": progress, "b": mine["b"][0].item(), "printed": printed.getvalue(), "error": error}
+
+
+def test_a_damaged_file_on_another_rank_sends_every_rank_back_and_is_named(tmp_path):
+    out = distributed.run(damaged_rank_worker, 2, str(tmp_path))
+    bad = tmp_path / "ckpt" / "step000000002" / "rank1.pt"
+    for rank, r in enumerate(out):
+        assert r["progress"] == {"step": 1} and r["b"] == 10 + rank  # both ranks at the older checkpoint
+        # no other checkpoint left: the error every rank raises names rank 1's file
+        assert r["error"].startswith(f"checkpoint file {tmp_path / 'ckpt' / 'step000000001' / 'rank1.pt'} is "
+                                     "unreadable (ValueError: its sha256 ")
+    # rank 0 prints the one line, naming the file rank 1 found damaged
+    assert out[0]["printed"].startswith(f"checkpoint file {bad} is unreadable (ValueError: its sha256 ")
+    assert out[0]["printed"].count("\n") == 1 and out[1]["printed"] == ""
+
+
+def test_a_failed_write_removes_its_temporary_file(tmp_path):
+    def full_disk(f):
+        f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device"):
+        atomic_write_bytes(tmp_path / "rank0.pt", full_disk)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    with pytest.raises(TypeError, match="cannot pickle this"):
+        atomic_torch_save({"x": torch.zeros(100), "y": Unpicklable()}, tmp_path / "shared.pt")
+    assert list(tmp_path.iterdir()) == []  # neither the files nor their temporary siblings
