@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import atomic_write_json
+from .checkpoint import atomic_write_bytes, atomic_write_json
 from .distributed import DistEnv
 
 # Settings that change how a run is operated, not what it computes: two runs that differ only in
@@ -179,6 +179,28 @@ def compressed_share(optimizer, model) -> float | None:
     return big / sum(p.numel() for p in params)
 
 
+def read_jsonl(path: Path, notice=print) -> list[dict]:
+    """The records of a JSON-lines file ([] when it is absent).
+
+    A last line that is not JSON was torn by an interrupted append (a full disk, a killed job): it is dropped,
+    with a ``notice`` naming the file. A damaged line before the last is refused, naming the file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path} line {n} is not JSON ({e}): repair or delete that line") from None
+            notice(f"dropping the torn last line of {path} (line {n}, {len(line)} characters that are not JSON: "
+                   "an interrupted write)")
+    return out
+
+
 def _position(line: dict) -> int:
     return line.get("epoch", line.get("step", 0))
 
@@ -213,9 +235,9 @@ class RunLogger:
         path = self.dir / "metrics.jsonl"
         if not path.exists():
             return
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and _position(json.loads(line)) <= resume_epoch]
-        path.write_text("".join(line + "\n" for line in keep))
+        keep = [line for line in read_jsonl(path) if _position(line) <= resume_epoch]
+        # atomically: a job killed here, or a full disk, must leave the old lines rather than none
+        atomic_write_bytes(path, lambda f: f.write("".join(json.dumps(line) + "\n" for line in keep).encode()))
 
     def _init_wandb(self, cfg: dict, project: str):
         import uuid
@@ -250,8 +272,7 @@ class RunLogger:
               flush=True)
 
     def history(self) -> list[dict]:
-        path = self.dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return read_jsonl(self.dir / "metrics.jsonl")
 
     def finish(self, summary: dict) -> None:
         if not self.env.is_main:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import os
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 
 import harness as ex
 from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes
+from harness.run import RunLogger, read_jsonl
+from harness.tables import load_runs
 from tests import distributed
 
 CPU = torch.device("cpu")
@@ -108,3 +111,83 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path):
     with pytest.raises(TypeError, match="cannot pickle this"):
         atomic_torch_save({"x": torch.zeros(100), "y": Unpicklable()}, tmp_path / "shared.pt")
     assert list(tmp_path.iterdir()) == []  # neither the files nor their temporary siblings
+
+
+# ---------------------------------------------------------------------------------- metrics.jsonl
+
+
+def _history(path, epochs, torn: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"epoch": e, "step": 10 * e, "test_top1": 50.0 + e}) + "\n"
+                            for e in epochs) + torn)
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1, 2, 3), torn='{"epoch": 4, "step": 40, "te')  # a full disk during the append
+    log = RunLogger(tmp_path, {"name": "t"}, solo(), progress=False, resume_epoch=3)
+    assert capsys.readouterr().out == (f"dropping the torn last line of {path} (line 4, 28 characters that are not "
+                                       "JSON: an interrupted write)\n")
+    assert [h["epoch"] for h in log.history()] == [1, 2, 3] and path.read_text().endswith("}\n")
+    # the tables read finished runs the same way, their notice in the tables' log
+    _history(path, (1, 2), torn='{"epo')
+    (tmp_path / "metrics.json").write_text(json.dumps({"final_test_top1": 52.0, "epochs": 2}))
+    messages = []
+    assert [h["epoch"] for h in load_runs(tmp_path, log=messages.append)[0]["history"]] == [1, 2]
+    assert messages == [f"dropping the torn last line of {path} (line 3, 5 characters that are not JSON: an "
+                        "interrupted write)"]
+
+
+def test_a_damaged_metrics_line_before_the_last_is_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1,), torn='{"epo\n' + json.dumps({"epoch": 2}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path} line 2 is not JSON \(.*\): repair or delete that line$"):
+        RunLogger(tmp_path, {"name": "t"}, solo(), progress=False, resume_epoch=2)
+
+
+def test_truncating_the_metrics_on_resume_is_atomic(tmp_path, monkeypatch):
+    log = RunLogger(tmp_path, {"name": "t"}, solo(), progress=False)
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1, 2, 3))
+    before = path.read_text()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        log._truncate_metrics(1)
+    # the old lines stand, whole, and no temporary file is left beside them
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.yaml", "meta.json", "metrics.jsonl"]
+    monkeypatch.undo()
+    log._truncate_metrics(1)
+    assert [h["epoch"] for h in log.history()] == [1]
+
+
+# ------------------------------------------------------------------------------- through a pipeline
+
+
+def test_a_rerun_comes_through_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path):
+    """``python -m cifar10.train``: the newest checkpoint's byte flipped and a torn metrics line appended; the
+    rerun (one epoch longer, so that it resumes) drops the line, resumes from the older checkpoint, finishes."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    run = tmp_path / "run"
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
+              "experiment=cifar10/lamb", f"data.dir={data}", f"hydra.run.dir={run}"]
+    first = cli([*common, "epochs=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    older, newest = sorted((run / "ckpt").glob("step*"))  # epochs 1 and 2
+    newest = newest / "rank0.pt"
+    flip_byte(newest, at=0.6)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 3, "st')
+    again = cli([*common, "epochs=3"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"dropping the torn last line of {run / 'metrics.jsonl'} (line 3, " in again.stdout
+    assert f"checkpoint file {newest} is unreadable (ValueError: its sha256 " in again.stdout
+    assert f"resuming from the previous checkpoint, {older.name}" in again.stdout
+    assert f"resumed from {run}/ckpt at epoch 1" in again.stdout
+    assert [h["epoch"] for h in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
