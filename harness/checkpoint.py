@@ -29,12 +29,20 @@ checkpoint; resuming from it with other inputs is refused, because the
 directory name leaves them out (a dataset can move) and a resumed run would
 otherwise report one model's results under another's name.
 
+So are the settings of what it computes (:func:`run_settings`): resuming with
+another learning rate, compression ratio or any other of them is refused,
+naming each one (only the run's length, :data:`RESUMABLE_KEYS`, may grow). The
+checkpoint's optimizer and scheduler state would otherwise keep the old
+learning rate under a config.yaml that shows the new one, or a new ratio would
+take effect mid-run: results that belong to neither configuration.
+
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
 resume on another device layout than the one that saved it.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -51,6 +59,9 @@ LATEST, COMPLETE, DIGEST = "latest.json", "complete.json", ".sha256"
 # config settings naming what a run reads: data and the model it starts from. They stay out of the run
 # directory's name, so they are checked on resume instead.
 INPUT_KEYS = ("data.dir", "data.train_file", "data.dev_file", "model.dir", "init_from")
+# settings a resumed run may change: its length (an extended run continues where the shorter one stopped).
+# Every other setting of what the run computes must match the checkpoint's (see check_settings).
+RESUMABLE_KEYS = ("epochs", "steps")
 
 
 class _Hashing:
@@ -161,6 +172,64 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
+def check_world_size(latest: dict, world_size: int, where) -> None:
+    """Refuse to resume the checkpoint ``latest`` (in ``where``) with another number of workers."""
+    if latest["world_size"] != world_size:
+        raise ValueError(
+            f"the checkpoint in {where} was written by {latest['world_size']} workers and this run has "
+            f"{world_size}: per-rank optimizer state cannot be redistributed. Resume with "
+            f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
+        )
+
+
+def check_writable(folder: Path) -> None:
+    """Refuse a checkpoint directory that cannot be written now (its nearest existing folder, which is left
+    as it was), rather than at the first checkpoint, after a period of training."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    probe = existing / f".writable{os.getpid()}"
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"checkpoint directory {folder} is not writable ({existing}: {e.strerror or e}): make "
+                         "it writable, choose another run directory (hydra.run.dir=...), or set "
+                         "trainer.checkpoint.enabled=false") from None
+
+
+def run_settings(cfg) -> dict:
+    """What a run computes with (:func:`harness.run.effective_config`) as JSON holds it, less the settings a
+    resume checks on their own (:data:`INPUT_KEYS`; the worker count, as the checkpoint's world size) and
+    those a resume may change (:data:`RESUMABLE_KEYS`)."""
+    from .run import effective_config
+
+    return json.loads(json.dumps(effective_config(cfg, drop=(*INPUT_KEYS, *RESUMABLE_KEYS, "trainer.nproc_per_node"))))
+
+
+def check_settings(saved: dict | None, current: dict, where) -> None:
+    """Refuse to resume the run in ``where`` (trained with ``saved``) with other settings, naming each one.
+
+    The checkpoint holds the optimizer's state and the schedule's: its learning rate would override a new
+    ``optimizer.lr`` while config.yaml showed the new one, and a new ``compress_ratio`` would hold for the
+    rest of the run only; either way the run's results would belong to neither configuration.
+    """
+    if saved is None:  # written before settings were recorded
+        return
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, ()) != current.get(k, ())]
+    if changed:
+        def shown(settings):
+            return ", ".join(f"{k}={settings[k]!r}" if k in settings else f"{k} unset" for k in changed)
+
+        raise ValueError(
+            f"the run in {where} was trained with {shown(saved)} and this run has {shown(current)}: its "
+            f"checkpoint's optimizer and schedule would hold the old values, or the new ones would hold for part "
+            f"of the run only. Set {', '.join(changed)} back to resume, or start this run over with "
+            "trainer.resume=never (or another run directory)")
+
+
 def _unreadable(path: Path, err: Exception) -> str:
     return (f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); delete that checkpoint "
             f"folder to resume from an older one, or start over with trainer.resume=never")
@@ -174,13 +243,15 @@ def _gather_objects(obj) -> list:
 
 
 class Checkpointer:
-    def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None):
+    def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None,
+                 settings: dict | None = None):
         if keep < 1:
             raise ValueError(f"invalid checkpoint.keep={keep}: must be >= 1 (the last checkpoint resumes the run)")
         self.dir = Path(run_dir) / "ckpt"
         self.env = env
         self.keep = keep
         self.inputs = inputs
+        self.settings = settings
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
@@ -217,6 +288,8 @@ class Checkpointer:
             record = {"world_size": self.env.world_size, **progress}
             if self.inputs is not None:
                 record["inputs"] = self.inputs
+            if self.settings is not None:
+                record["settings"] = self.settings
             atomic_write_json(record, folder / COMPLETE)
             atomic_write_json({"dir": name, **record}, self.dir / LATEST)
             old = sorted(p for p in self.dir.glob("step*") if p.is_dir() and p.name != name)
@@ -241,14 +314,11 @@ class Checkpointer:
         if not candidates:
             return None
         latest = candidates[0]
-        if latest["world_size"] != self.env.world_size:
-            raise ValueError(
-                f"the checkpoint in {self.dir} was written by {latest['world_size']} workers and this run has "
-                f"{self.env.world_size}: per-rank optimizer state cannot be redistributed. Resume with "
-                f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
-            )
+        check_world_size(latest, self.env.world_size, self.dir)
         if self.inputs is not None:
             check_inputs(latest.get("inputs"), self.inputs, self.dir)
+        if self.settings is not None:
+            check_settings(latest.get("settings"), self.settings, self.dir)
         for i, entry in enumerate(candidates):
             loaded, why = self._read(self.dir / entry["dir"])
             # one rank's unreadable file sends every rank back, so that all resume from the same step; every
@@ -308,7 +378,7 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     from .run import RunLogger
 
     t = cfg.trainer
-    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain))
+    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain), settings=run_settings(plain))
     restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
         if t.resume == "auto" else None
     progress, extra = restored or ({**start, "resumed_from": []}, None)
@@ -322,10 +392,11 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     return ckpt, progress, restored is not None, log
 
 
-def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
+def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None) -> dict | None:
     """What :func:`harness.build.run_from_hydra` checks before any worker starts.
 
-    Refuses an empty schedule and a resume with other inputs; with ``trainer.resume=never`` removes
+    Refuses an empty schedule, an unwritable checkpoint directory, and a resume with other inputs, other
+    settings or another number of workers (``world_size``, where known); with ``trainer.resume=never`` removes
     the old checkpoints (``clear``: not under torchrun, where every worker runs this). Returns the
     summary of a run that already finished with this configuration (nothing to train), else None.
     """
@@ -337,9 +408,16 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
     if cfg["trainer"]["resume"] == "never":
         if clear and ckpt.exists():
             shutil.rmtree(ckpt)
+    else:
+        for entry in Checkpointer(run_dir, None).complete()[:1]:
+            check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
+            check_settings(entry.get("settings"), run_settings(cfg), ckpt)
+            if world_size is not None:
+                check_world_size(entry, world_size, ckpt)
+    if lookup(cfg, "trainer.checkpoint.enabled", True):
+        check_writable(ckpt)
+    if cfg["trainer"]["resume"] == "never":
         return None
-    for entry in Checkpointer(run_dir, None).complete()[:1]:
-        check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
     summary, config = run_dir / "metrics.json", run_dir / "config.yaml"
     if summary.exists() and config.exists():
         import yaml

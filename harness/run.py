@@ -22,6 +22,7 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ from .distributed import DistEnv
 # Settings that change how a run is operated, not what it computes: two runs that differ only in
 # these are the same configuration (same table row, same finished run). A key covers its subtree.
 OPERATIONAL_KEYS = ("trainer.progress", "trainer.resume", "trainer.max_restarts", "trainer.threads_per_worker",
+                    "trainer.timeout_s",
                     "trainer.device", "trainer.checkpoint", "logger", "data.workers", "data.prefetch", "paper", "study")
 # settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
 SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
@@ -70,18 +72,32 @@ def same_configuration(a: dict, b: dict) -> bool:
     return effective_config(a) == effective_config(b)
 
 
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` of this host started (clock ticks since boot, /proc), None where unknown: with the
+    pid it names one process, since a pid is reused once its process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name's closing parenthesis
+
+
 class RunLock:
     """``<run_dir>/run.lock`` while a job writes the run directory; a second writer gets a clear error.
 
-    The file names the holder (host, pid); a lock whose process is gone on this host is stale and is
-    taken over with a message. ``hold=False`` makes it a no-op (the workers torchrun starts beside
-    the one that holds it).
+    The file names the holder (host, pid, the process's start time); a lock whose process is gone on
+    this host (or whose pid now names another process) is stale and is taken over with a message. A lock
+    file still empty is being written by its holder: it is stale only once it stays empty past
+    :attr:`EMPTY_GRACE_S`. ``hold=False`` makes it a no-op (the workers torchrun starts beside the one
+    that holds it).
     """
+
+    EMPTY_GRACE_S = 10.0  # far beyond the instant between a holder's creating the file and writing it
 
     def __init__(self, run_dir, hold: bool = True):
         self.path = Path(run_dir) / "run.lock"
         self.hold = hold
-        self.me = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}
 
     def _holder(self) -> dict | None:
         try:
@@ -99,7 +115,19 @@ class RunLock:
             return False
         except PermissionError:  # there is, run by another user
             pass
-        return True
+        started = holder.get("started")  # absent from locks written before it was recorded
+        return started is None or process_start(int(holder["pid"])) in (None, started)
+
+    def _unwritten(self) -> bool:
+        """The lock file exists and is not (yet) a record: wait for its holder to write it, up to the grace."""
+        while True:
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return False
+            if self._holder() is not None or age > self.EMPTY_GRACE_S:
+                return self._holder() is None
+            time.sleep(0.05)
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -108,14 +136,19 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
+                unwritten = self._unwritten()
                 holder = self._holder()
                 if holder is not None and self._alive(holder):
                     raise RuntimeError(
                         f"run directory {self.path.parent} is being written by process {holder['pid']} on "
                         f"{holder['host']} (since {holder.get('since')}): wait for it to finish or use another run "
                         f"directory; if that process is gone, delete {self.path}") from None
-                print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
-                      flush=True)
+                if unwritten:
+                    print(f"removing the stale lock {self.path} (empty for over {self.EMPTY_GRACE_S:.0f} s: its "
+                          "holder died before writing it)", flush=True)
+                else:
+                    print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
+                          flush=True)
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:

@@ -1,4 +1,5 @@
-"""Faults a run meets on disk and how it comes through them: damaged checkpoints, full disks, torn logs."""
+"""Faults a run meets and how it comes through them: damaged checkpoints, full disks, torn logs, resumes with
+other settings, damaged shards, stale locks, the launcher's leftovers."""
 from __future__ import annotations
 
 import contextlib
@@ -6,13 +7,20 @@ import errno
 import io
 import json
 import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import harness as ex
-from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes
-from harness.run import RunLogger, read_jsonl
+from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes, run_settings
+from harness.run import RunLock, RunLogger, process_start, read_jsonl
 from harness.tables import load_runs
 from tests import distributed
 
@@ -191,3 +199,113 @@ def test_a_rerun_comes_through_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_
     assert f"resuming from the previous checkpoint, {older.name}" in again.stdout
     assert f"resumed from {run}/ckpt at epoch 1" in again.stdout
     assert [h["epoch"] for h in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+# -------------------------------------------------------------------------- resuming with other settings
+
+
+def _settings(**optimizer):
+    return run_settings({"name": "r", "seed": 0, "epochs": 2, "data": {"dir": "/d", "micro_batch": 16},
+                         "optimizer": {"name": "slamb", "lr": 0.01, "compress_ratio": 0.1, "betas": [0.9, 0.999],
+                                       **optimizer},
+                         "trainer": {"nproc_per_node": 2, "progress": False, "checkpoint": {"every": 1}}})
+
+
+def test_resuming_with_other_settings_is_refused_naming_each_one(tmp_path):
+    saved = _settings()
+    assert "epochs" not in saved and "data.dir" not in saved and "trainer.nproc_per_node" not in saved
+    assert saved["optimizer.betas"] == [0.9, 0.999]  # as JSON holds it: a list compares equal after the round trip
+    Checkpointer(tmp_path, solo(), settings=saved).save({"step": 1}, {}, {})
+    assert Checkpointer(tmp_path, solo(), settings=_settings()).load()[0] == {"step": 1}
+    with pytest.raises(ValueError, match=r"^the run in .*ckpt was trained with optimizer.compress_ratio=0.1, "
+                                         r"optimizer.lr=0.01 and this run has optimizer.compress_ratio=0.05, "
+                                         r"optimizer.lr=0.05: .* Set optimizer.compress_ratio, optimizer.lr back "
+                                         r"to resume, or start this run over with trainer.resume=never"):
+        Checkpointer(tmp_path, solo(), settings=_settings(lr=0.05, compress_ratio=0.05)).load()
+    with pytest.raises(ValueError, match=r"with optimizer.sync_interval unset and this run has "
+                                         r"optimizer.sync_interval=10"):
+        Checkpointer(tmp_path, solo(), settings=_settings(sync_interval=10)).load()
+
+
+def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_resumes(tmp_path):
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    run = tmp_path / "run"
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
+              "experiment=cifar10/lamb", "optimizer.lr=0.01", f"data.dir={data}", f"hydra.run.dir={run}"]
+    first = cli([*common, "epochs=1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    changed = cli([*common, "epochs=2", "optimizer.lr=0.05"])
+    assert changed.returncode == 2 and changed.stderr.count("\n") == 1, changed.stderr[-3000:]
+    assert changed.stderr.startswith(f"error: the run in {run / 'ckpt'} was trained with optimizer.lr=0.01 and this "
+                                     "run has optimizer.lr=0.05: "), changed.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01  # still says what ran
+    longer = cli([*common, "epochs=2"])  # only the length changed: resumes
+    assert longer.returncode == 0 and f"resumed from {run}/ckpt at epoch 1" in longer.stdout, longer.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- smaller
+
+
+def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
+    import h5py
+    import numpy as np
+
+    from bert.data import load_shard, shard_length
+
+    path = tmp_path / "part_training_0.hdf5"
+    with h5py.File(path, "w") as f:
+        for name in ("input_ids", "input_mask", "segment_ids"):
+            f[name] = np.ones((64, 16), np.int32)
+        for name in ("masked_lm_positions", "masked_lm_ids"):
+            f[name] = np.ones((64, 3), np.int32)
+        f["next_sentence_labels"] = np.zeros(64, np.int32)
+    assert shard_length(path) == 64
+    path.write_bytes(path.read_bytes()[:3000])  # a copy cut short
+    for read in (lambda: shard_length(path), lambda: load_shard(path, 16)):
+        with pytest.raises(OSError, match=rf"^cannot read the pre-training shard {path} \(.*\): the file is "
+                                          r"truncated or damaged; prepare it again"):
+            read()
+
+
+def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_written(tmp_path, capsys):
+    lock = RunLock(tmp_path)
+    with lock:
+        record = json.loads((tmp_path / "run.lock").read_text())
+    assert record["host"] == socket.gethostname() and record["pid"] == os.getpid() and record["since"]
+    assert record["started"] == process_start(os.getpid()) is not None
+    # a pid whose process started at another time is another process: the holder (pid reused) is gone
+    (tmp_path / "run.lock").write_text(json.dumps({**record, "started": "1"}))
+    with RunLock(tmp_path):
+        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} is gone)" in \
+            capsys.readouterr().out
+    # an empty lock file: its holder is between creating and writing it; once written, it is refused
+    (tmp_path / "run.lock").write_text("")
+    writer = threading.Timer(0.5, lambda: (tmp_path / "run.lock").write_text(json.dumps(record)))
+    writer.start()
+    with pytest.raises(RuntimeError, match=rf"is being written by process {os.getpid()}"):
+        RunLock(tmp_path).acquire()
+    writer.join()
+    # one that stays empty past the grace is a holder's that died before writing it
+    (tmp_path / "run.lock").write_text("")
+    old = time.time() - RunLock.EMPTY_GRACE_S - 1
+    os.utime(tmp_path / "run.lock", (old, old))
+    with RunLock(tmp_path):
+        assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
+    assert not (tmp_path / "run.lock").exists()
+
+
+def _world(cfg, run_dir):
+    return int(os.environ["WORLD_SIZE"])  # set by the launcher for each worker it started
+
+
+def test_a_launch_leaves_no_launcher_folder_behind(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("from harness.distributed import launch; "
+            f"print(launch('tests.test_faults:_world', {{}}, {str(tmp_path)!r}, nproc_per_node=2))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300, check=False, env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 0 and done.stdout.strip().endswith("2"), done.stderr[-3000:]
+    assert list(tmp.glob("torchelastic_*")) == []
