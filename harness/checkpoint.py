@@ -59,9 +59,10 @@ LATEST, COMPLETE, DIGEST = "latest.json", "complete.json", ".sha256"
 # config settings naming what a run reads: data and the model it starts from. They stay out of the run
 # directory's name, so they are checked on resume instead.
 INPUT_KEYS = ("data.dir", "data.train_file", "data.dev_file", "model.dir", "init_from")
-# settings a resumed run may change: its length (an extended run continues where the shorter one stopped).
-# Every other setting of what the run computes must match the checkpoint's (see check_settings).
-RESUMABLE_KEYS = ("epochs", "steps")
+# settings a resumed run may change: its length (an extended run continues where the shorter one stopped) and
+# Swin's time_breakdown (device syncs that split the step time: what is measured, not computed). Every other
+# setting of what the run computes must match the checkpoint's (see check_settings).
+RESUMABLE_KEYS = ("epochs", "steps", "time_breakdown")
 
 
 class _Hashing:

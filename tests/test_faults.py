@@ -296,16 +296,20 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
     assert not (tmp_path / "run.lock").exists()
 
 
-def _world(cfg, run_dir):
-    return int(os.environ["WORLD_SIZE"])  # set by the launcher for each worker it started
+def _world_and_timeout(cfg, run_dir):
+    import torch.distributed as dist
+
+    env = ex.init_distributed("cpu", 1, cfg["timeout_s"])
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return env.world_size, backend.options._timeout.total_seconds()
 
 
-def test_a_launch_leaves_no_launcher_folder_behind(tmp_path):
+def test_a_launch_takes_the_configured_timeout_and_leaves_no_launcher_folder_behind(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    code = ("from harness.distributed import launch; "
-            f"print(launch('tests.test_faults:_world', {{}}, {str(tmp_path)!r}, nproc_per_node=2))")
+    code = ("from harness.distributed import launch; print(launch('tests.test_faults:_world_and_timeout', "
+            f"{{'timeout_s': 77}}, {str(tmp_path)!r}, nproc_per_node=2))")
     done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
                           text=True, timeout=300, check=False, env={**os.environ, "TMPDIR": str(tmp)})
-    assert done.returncode == 0 and done.stdout.strip().endswith("2"), done.stderr[-3000:]
-    assert list(tmp.glob("torchelastic_*")) == []
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "(2, 77.0)", done.stderr[-3000:]
+    assert list(tmp.glob("torchelastic_*")) == []  # the launcher's folder went with the launch
