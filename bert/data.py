@@ -15,6 +15,7 @@ that the training loop only starts an asynchronous copy to the device.
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 from pathlib import Path
@@ -44,10 +45,21 @@ def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN) -> list[Path
     return files
 
 
-def shard_length(path: Path) -> int:
+@contextlib.contextmanager
+def open_shard(path: Path):
+    """``h5py.File(path)``; h5py's errors for a truncated or damaged file (at opening or reading) name no file."""
     import h5py
 
-    with h5py.File(path, "r") as f:
+    try:
+        with h5py.File(path, "r") as f:
+            yield f
+    except OSError as e:
+        raise OSError(f"cannot read the pre-training shard {path} ({e}): the file is truncated or damaged; "
+                      "prepare it again (python -m bert.prepare_data) or copy it again") from None
+
+
+def shard_length(path: Path) -> int:
+    with open_shard(path) as f:
         missing = [k for k in FIELDS if k not in f]
         if missing:
             raise ValueError(f"{path} is not a BERT pre-training shard: missing fields {missing} (need {list(FIELDS)})")
@@ -55,9 +67,7 @@ def shard_length(path: Path) -> int:
 
 
 def load_shard(path: Path, seq_len: int) -> dict[str, np.ndarray]:
-    import h5py
-
-    with h5py.File(path, "r") as f:
+    with open_shard(path) as f:
         arrays = {k: np.asarray(f[k][:], dtype=np.int64) for k in FIELDS}
     if arrays["input_ids"].shape[1] != seq_len:
         raise ValueError(f"{path} holds sequences of length {arrays['input_ids'].shape[1]}, the run expects "

@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
         cfg = OmegaConf.to_container(compose("bert", overrides=overrides), resolve=True)
     check_trainer(cfg["trainer"])
     summary = launch(train, cfg, str(out / "run"), nproc_per_node=a.workers)
-    keys = ("final_loss", "final_mlm_acc", "final_nsp_acc", "seqs_per_s", "bytes_total", "params", "model_dir")
+    keys = ("final_loss", "final_mlm_acc", "final_nsp_acc", "mean_seqs_per_s", "bytes_total", "params", "model_dir")
     print({k: summary[k] for k in keys}, flush=True)
     return summary
 

@@ -23,3 +23,11 @@ def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> 
             f"{world_size} workers = {per_step}: choose a micro-batch (or worker count) whose product divides it"
         )
     return global_batch // per_step
+
+
+def split_batch(global_batch: int, world_size: int) -> int:
+    """Each worker's equal share of a global batch taken in one micro-batch (SQuAD fine-tuning)."""
+    if global_batch < world_size or global_batch % world_size:
+        raise ValueError(f"data.global_batch={global_batch} must be a multiple of the {world_size} workers "
+                         "(each worker takes an equal share)")
+    return global_batch // world_size

@@ -2,29 +2,45 @@
 from __future__ import annotations
 
 import inspect
+import math
+import os
 import re
 import sys
+from pathlib import Path
 
 import torch
 
 from slamb import registry
 from slamb.optim.checks import check_choice
+from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, lookup, run_inputs
 from .distributed import launch
 from .settings import check_count
 
 RESUME = ("auto", "never")
+# every trainer setting, with its default: a key not in it is refused (a misspelt override would be ignored)
+TRAINER_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "trainer" / "default.yaml"
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
 HARNESS_KEYS = ("name", "weight_decay", "no_decay", "decay_all")
 
 
+def check_known(node: dict, known: dict, prefix: str) -> None:
+    """Refuse keys of ``node`` that ``known`` (the defaults) lacks: a misspelt ``+trainer.*`` would be ignored."""
+    for key, value in node.items():
+        if key not in known:
+            raise ValueError(f"unknown setting {prefix}{key}={value!r}; known: {sorted(known)}")
+        if isinstance(value, dict) and isinstance(known[key], dict):
+            check_known(value, known[key], f"{prefix}{key}.")
+
+
 def check_trainer(t) -> None:
     """Clear errors for trainer settings, before any worker starts."""
+    import yaml
+
+    check_known(t, yaml.safe_load(TRAINER_DEFAULTS.read_text()), "trainer.")
     check_count("trainer.nproc_per_node", t["nproc_per_node"], " (local workers)")
-    r = t["max_restarts"]
-    if not (isinstance(r, int) and r >= 0):
-        raise ValueError(f"invalid trainer.max_restarts={r!r}: must be an integer >= 0")
+    check_count("trainer.max_restarts", t["max_restarts"], minimum=0)
     check_choice("trainer.precision", t["precision"], PRECISIONS)
     check_choice("trainer.resume", t["resume"], RESUME)
     try:
@@ -32,6 +48,33 @@ def check_trainer(t) -> None:
     except RuntimeError as e:
         raise ValueError(f"invalid trainer.device={t['device']!r}: use auto, cpu, cuda, ... ({e})") from None
     check_count("trainer.checkpoint.every", t["checkpoint"]["every"], " (epochs, or BERT's steps)")
+    check_count("trainer.checkpoint.keep", t["checkpoint"]["keep"], " (the last checkpoint resumes the run)")
+    check_choice("trainer.checkpoint.enabled", t["checkpoint"]["enabled"], (False, True))
+    timeout = t["timeout_s"]
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < math.inf:
+        raise ValueError(f"invalid trainer.timeout_s={timeout!r}: must be a number of seconds > 0 (how long a "
+                         "collective waits for a worker before the job fails)")
+
+
+def check_data(d: dict, world_size: int) -> None:
+    """Clear errors for the batch settings a pipeline's data config has, for ``world_size`` workers."""
+    for key in ("micro_batch", "eval_batch", "global_batch"):
+        if key in d:
+            check_count(f"data.{key}", d[key])
+    if "augment" in d:
+        check_choice("data.augment", d["augment"], (False, True))
+    if "global_batch" in d and "micro_batch" in d:  # BERT: accumulation fills the global batch
+        accumulation_steps(d["global_batch"], d["micro_batch"], world_size)
+    elif "global_batch" in d:  # SQuAD: one micro-batch per worker and step
+        split_batch(d["global_batch"], world_size)
+
+
+def check_inputs_exist(cfg: dict) -> None:
+    """The files and directories a run reads exist: a worker would fail on a missing one at every attempt,
+    ``trainer.max_restarts`` times over."""
+    for key, path in run_inputs(cfg).items():
+        if not os.path.exists(path):
+            raise ValueError(f"invalid {key}={lookup(cfg, key)!r}: {path} does not exist")
 
 
 def optimizer_kwargs(ocfg) -> dict:
@@ -110,12 +153,17 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     name = ocfg.get("name")
     key = re.match(r"invalid ([\w.]+?)(?:\[\d+\])?=", message)
     key = key[1].removeprefix("optimizer.") if key else None
+    unknown = re.match(r"unknown setting (trainer\.[\w.]+)=", message)
     if message.startswith("unknown optimizer"):
         fix = "pick optimizer=<one of those> (configs/optimizer/)"
+    elif unknown:
+        fix = f"drop {unknown[1]} or correct its name (configs/trainer/default.yaml)"
     elif message.startswith("unknown setting"):
         fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
     elif key and key.startswith("trainer."):
         fix = f"set {key} to an allowed value (command line or configs/trainer/default.yaml)"
+    elif key and key.startswith("data."):
+        fix = f"set {key} to an allowed value (command line or the pipeline's configs/data/*.yaml)"
     elif key in (*registry.optimizer_settings(name), *HARNESS_KEYS):
         fix = f"set optimizer.{key} to an allowed value (command line or configs/optimizer/{name}.yaml)"
     else:
@@ -135,26 +183,34 @@ def run_from_hydra(worker, cfg):
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
     (a usage error, as argparse).
     """
-    import os
-
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from .checkpoint import prepare_run
-    from .distributed import started_externally
+    from .distributed import planned_world_size, started_externally
     from .run import RunLock
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+
+    def refuse(error: ValueError):
+        print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
+        sys.exit(2)
+
     try:
         check_trainer(container["trainer"])
         check_optimizer(container["optimizer"])
+        world_size = planned_world_size(container["trainer"]["nproc_per_node"])
+        check_data(container.get("data") or {}, world_size)
+        check_inputs_exist(container)
     except ValueError as e:
-        print(user_error(e, container["optimizer"]), file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir
     local = not started_externally()
     with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
-        finished = prepare_run(container, run_dir, clear=local)
+        try:
+            finished = prepare_run(container, run_dir, clear=local, world_size=world_size)
+        except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
+            refuse(e)
         if finished is not None:
             return finished
         return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],

@@ -6,6 +6,7 @@ Layout under ``<run_dir>/ckpt/``::
                                  (model when parameters agree, LR scheduler, progress, extra)
     step000000480/rank{r}.pt     every rank: optimizer state, its ledger, its RNG
                                  streams, and its model when parameters differ by rank
+    step000000480/*.pt.sha256    each file's sha256 (``sha256sum -c`` format), checked before it is loaded
     step000000480/complete.json  written once every rank's file is on disk: the folder is usable
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
@@ -18,12 +19,22 @@ state) therefore resume exactly; so do parameters that differ between SLAMB's
 model syncs.
 
 The last ``keep`` complete checkpoints stay (two by default): when the newest
-cannot be read on some rank, every rank falls back to the previous one.
+cannot be read on some rank, or its content differs from the digest written
+beside it (torch.load ignores the zip's CRCs: a flipped bit loads as a changed
+value), every rank falls back to the previous one, and rank 0 prints one line
+naming the damaged file, whichever rank found it.
 
 A run's data and model inputs (:data:`harness.settings.INPUT_KEYS`) are recorded with each
 checkpoint; resuming from it with other inputs is refused, because the
 directory name leaves them out (a dataset can move) and a resumed run would
 otherwise report one model's results under another's name.
+
+So are the settings of what it computes (:func:`run_settings`): resuming with
+another learning rate, compression ratio or any other of them is refused,
+naming each one (only the run's length, :data:`RESUMABLE_KEYS`, may grow). The
+checkpoint's optimizer and scheduler state would otherwise keep the old
+learning rate under a config.yaml that shows the new one, or a new ratio would
+take effect mid-run: results that belong to neither configuration.
 
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
@@ -31,21 +42,27 @@ resume on another device layout than the one that saved it.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from slamb import comm
-from .atomic import atomic_torch_save, atomic_write_json
+from .atomic import atomic_torch_save, atomic_write_json, verified_torch_load
 from .distributed import DistEnv, barrier
 from .run import RunLogger
 from .seeding import rng_state, set_rng_state
-from .settings import INPUT_KEYS, check_schedule, lookup, same_configuration
+from .settings import INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration
 
 LATEST, COMPLETE = "latest.json", "complete.json"
+# settings a resumed run may change: its length (an extended run continues where the shorter one stopped) and
+# Swin's time_breakdown (device syncs that split the step time: what is measured, not computed). Every other
+# setting of what the run computes must match the checkpoint's (see check_settings).
+RESUMABLE_KEYS = ("epochs", "steps", "time_breakdown")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -74,19 +91,85 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
+def check_world_size(latest: dict, world_size: int, where) -> None:
+    """Refuse to resume the checkpoint ``latest`` (in ``where``) with another number of workers."""
+    if latest["world_size"] != world_size:
+        raise ValueError(
+            f"the checkpoint in {where} was written by {latest['world_size']} workers and this run has "
+            f"{world_size}: per-rank optimizer state cannot be redistributed. Resume with "
+            f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
+        )
+
+
+def check_writable(folder: Path) -> None:
+    """Refuse a checkpoint directory that cannot be written now (its nearest existing folder, which is left
+    as it was), rather than at the first checkpoint, after a period of training."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    probe = existing / f".writable{os.getpid()}"
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"checkpoint directory {folder} is not writable ({existing}: {e.strerror or e}): make "
+                         "it writable, choose another run directory (hydra.run.dir=...), or set "
+                         "trainer.checkpoint.enabled=false") from None
+
+
+def run_settings(cfg) -> dict:
+    """What a run computes with (:func:`harness.settings.effective_config`) as JSON holds it, less the settings a
+    resume checks on their own (:data:`INPUT_KEYS`; the worker count, as the checkpoint's world size) and
+    those a resume may change (:data:`RESUMABLE_KEYS`)."""
+
+    return json.loads(json.dumps(effective_config(cfg, drop=(*INPUT_KEYS, *RESUMABLE_KEYS, "trainer.nproc_per_node"))))
+
+
+def check_settings(saved: dict | None, current: dict, where) -> None:
+    """Refuse to resume the run in ``where`` (trained with ``saved``) with other settings, naming each one.
+
+    The checkpoint holds the optimizer's state and the schedule's: its learning rate would override a new
+    ``optimizer.lr`` while config.yaml showed the new one, and a new ``compress_ratio`` would hold for the
+    rest of the run only; either way the run's results would belong to neither configuration.
+    """
+    if saved is None:  # written before settings were recorded
+        return
+    changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, ()) != current.get(k, ())]
+    if changed:
+        def shown(settings):
+            return ", ".join(f"{k}={settings[k]!r}" if k in settings else f"{k} unset" for k in changed)
+
+        raise ValueError(
+            f"the run in {where} was trained with {shown(saved)} and this run has {shown(current)}: its "
+            f"checkpoint's optimizer and schedule would hold the old values, or the new ones would hold for part "
+            f"of the run only. Set {', '.join(changed)} back to resume, or start this run over with "
+            "trainer.resume=never (or another run directory)")
+
+
 def _unreadable(path: Path, err: Exception) -> str:
     return (f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); delete that checkpoint "
             f"folder to resume from an older one, or start over with trainer.resume=never")
 
 
+def _gather_objects(obj) -> list:
+    """Every rank's ``obj``, by rank (bookkeeping of the resume, outside the ledger)."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 class Checkpointer:
-    def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None):
+    def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None,
+                 settings: dict | None = None):
         if keep < 1:
             raise ValueError(f"invalid checkpoint.keep={keep}: must be >= 1 (the last checkpoint resumes the run)")
         self.dir = Path(run_dir) / "ckpt"
         self.env = env
         self.keep = keep
         self.inputs = inputs
+        self.settings = settings
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
@@ -123,6 +206,8 @@ class Checkpointer:
             record = {"world_size": self.env.world_size, **progress}
             if self.inputs is not None:
                 record["inputs"] = self.inputs
+            if self.settings is not None:
+                record["settings"] = self.settings
             atomic_write_json(record, folder / COMPLETE)
             atomic_write_json({"dir": name, **record}, self.dir / LATEST)
             old = sorted(p for p in self.dir.glob("step*") if p.is_dir() and p.name != name)
@@ -136,8 +221,8 @@ class Checkpointer:
         loaded = {}
         for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
             try:
-                loaded[key] = torch.load(folder / name, map_location="cpu", weights_only=False)
-            except Exception as err:  # truncated, corrupt or missing: torch.load raises many kinds
+                loaded[key] = verified_torch_load(folder / name)
+            except Exception as err:  # changed, truncated or missing: torch.load raises many kinds
                 return None, _unreadable(folder / name, err)
         return loaded, None
 
@@ -147,28 +232,24 @@ class Checkpointer:
         if not candidates:
             return None
         latest = candidates[0]
-        if latest["world_size"] != self.env.world_size:
-            raise ValueError(
-                f"the checkpoint in {self.dir} was written by {latest['world_size']} workers and this run has "
-                f"{self.env.world_size}: per-rank optimizer state cannot be redistributed. Resume with "
-                f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
-            )
+        check_world_size(latest, self.env.world_size, self.dir)
         if self.inputs is not None:
             check_inputs(latest.get("inputs"), self.inputs, self.dir)
+        if self.settings is not None:
+            check_settings(latest.get("settings"), self.settings, self.dir)
         for i, entry in enumerate(candidates):
             loaded, why = self._read(self.dir / entry["dir"])
-            # one rank's unreadable file sends every rank back, so that all resume from the same step
-            failed = loaded is None if self.env.world_size == 1 else \
-                comm.agree_any(torch.tensor(loaded is None, device=self.env.device), ledger=None)
-            if not failed:
+            # one rank's unreadable file sends every rank back, so that all resume from the same step; every
+            # rank learns which file it was (on a node of its own, rank 0's line is the one a user reads)
+            whys = [why] if self.env.world_size == 1 else _gather_objects(why)
+            why = next((w for w in whys if w is not None), None)
+            if why is None:
                 shared = loaded["shared"]
                 return shared.pop("progress"), shared, loaded["mine"]
             if i + 1 == len(candidates):
-                raise RuntimeError(why or f"checkpoint {self.dir / entry['dir']} is unreadable on another rank; "
-                                   "start over with trainer.resume=never")
+                raise RuntimeError(why)
             if self.env.is_main:
-                print(f"{why or 'checkpoint ' + entry['dir'] + ' is unreadable on another rank'}: "
-                      f"resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
+                print(f"{why}: resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
         return None
 
 
@@ -213,7 +294,7 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     epochs (or steps, for step-based loops) the run was resumed at.
     """
     t = cfg.trainer
-    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain))
+    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain), settings=run_settings(plain))
     restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
         if t.resume == "auto" else None
     progress, extra = restored or ({**start, "resumed_from": []}, None)
@@ -227,10 +308,11 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     return ckpt, progress, restored is not None, log
 
 
-def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
+def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None) -> dict | None:
     """What :func:`harness.build.run_from_hydra` checks before any worker starts.
 
-    Refuses an empty schedule and a resume with other inputs; with ``trainer.resume=never`` removes
+    Refuses an empty schedule, an unwritable checkpoint directory, and a resume with other inputs, other
+    settings or another number of workers (``world_size``, where known); with ``trainer.resume=never`` removes
     the old checkpoints (``clear``: not under torchrun, where every worker runs this). Returns the
     summary of a run that already finished with this configuration (nothing to train), else None.
     """
@@ -240,9 +322,16 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True) -> dict | None:
     if cfg["trainer"]["resume"] == "never":
         if clear and ckpt.exists():
             shutil.rmtree(ckpt)
+    else:
+        for entry in Checkpointer(run_dir, None).complete()[:1]:
+            check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
+            check_settings(entry.get("settings"), run_settings(cfg), ckpt)
+            if world_size is not None:
+                check_world_size(entry, world_size, ckpt)
+    if lookup(cfg, "trainer.checkpoint.enabled", True):
+        check_writable(ckpt)
+    if cfg["trainer"]["resume"] == "never":
         return None
-    for entry in Checkpointer(run_dir, None).complete()[:1]:
-        check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
     summary, config = run_dir / "metrics.json", run_dir / "config.yaml"
     if summary.exists() and config.exists():
         import yaml

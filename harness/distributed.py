@@ -31,6 +31,7 @@ import os
 import re
 import socket
 import sys
+import tempfile
 import uuid
 
 import torch
@@ -101,6 +102,13 @@ def slurm_env(environ=os.environ) -> dict[str, str]:
 def started_externally() -> bool:
     """True in a worker that torchrun, the elastic launcher or a multi-task SLURM step started."""
     return under_torchrun() or slurm_tasks() > 1
+
+
+def planned_world_size(nproc_per_node: int) -> int:
+    """The workers a job will have, known before any starts: torchrun's or SLURM's, else ``nproc_per_node``."""
+    if under_torchrun():
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    return slurm_tasks() if slurm_tasks() > 1 else nproc_per_node
 
 
 def restart_count() -> int:
@@ -217,12 +225,15 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
         os.environ.update(slurm_env())
     if under_torchrun() or nproc_per_node <= 1:
         return _worker_entry(worker, cfg, run_dir)
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    config = LaunchConfig(
-        min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-        start_method="spawn", monitor_interval=0.2,
-    )
-    results = elastic_launch(config, _worker_entry)(worker, cfg, run_dir)
+    # the launcher's folder (its workers' error files): by default a temporary folder it never removes
+    with tempfile.TemporaryDirectory(prefix="torchelastic_") as logs:
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
+            rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
+            start_method="spawn", monitor_interval=0.2, logs_specs=DefaultLogsSpecs(log_dir=logs),
+        )
+        results = elastic_launch(config, _worker_entry)(worker, cfg, run_dir)
     return results[0]

@@ -22,28 +22,43 @@ import platform
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 from slamb.optim.slamb import always_averaged
 
-from .atomic import atomic_write_json
+from .atomic import atomic_write_bytes, atomic_write_json
 from .distributed import DistEnv
+
+
+def process_start(pid: int) -> str | None:
+    """When process ``pid`` of this host started (clock ticks since boot, /proc), None where unknown: with the
+    pid it names one process, since a pid is reused once its process is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name's closing parenthesis
 
 
 class RunLock:
     """``<run_dir>/run.lock`` while a job writes the run directory; a second writer gets a clear error.
 
-    The file names the holder (host, pid); a lock whose process is gone on this host is stale and is
-    taken over with a message. ``hold=False`` makes it a no-op (the workers torchrun starts beside
-    the one that holds it).
+    The file names the holder (host, pid, the process's start time); a lock whose process is gone on
+    this host (or whose pid now names another process) is stale and is taken over with a message. A lock
+    file still empty is being written by its holder: it is stale only once it stays empty past
+    :attr:`EMPTY_GRACE_S`. ``hold=False`` makes it a no-op (the workers torchrun starts beside the one
+    that holds it).
     """
+
+    EMPTY_GRACE_S = 10.0  # far beyond the instant between a holder's creating the file and writing it
 
     def __init__(self, run_dir, hold: bool = True):
         self.path = Path(run_dir) / "run.lock"
         self.hold = hold
-        self.me = {"host": socket.gethostname(), "pid": os.getpid()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}
 
     def _holder(self) -> dict | None:
         try:
@@ -61,7 +76,19 @@ class RunLock:
             return False
         except PermissionError:  # there is, run by another user
             pass
-        return True
+        started = holder.get("started")  # absent from locks written before it was recorded
+        return started is None or process_start(int(holder["pid"])) in (None, started)
+
+    def _unwritten(self) -> bool:
+        """The lock file exists and is not (yet) a record: wait for its holder to write it, up to the grace."""
+        while True:
+            try:
+                age = time.time() - self.path.stat().st_mtime
+            except FileNotFoundError:
+                return False
+            if self._holder() is not None or age > self.EMPTY_GRACE_S:
+                return self._holder() is None
+            time.sleep(0.05)
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -70,14 +97,19 @@ class RunLock:
             try:
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
             except FileExistsError:
+                unwritten = self._unwritten()
                 holder = self._holder()
                 if holder is not None and self._alive(holder):
                     raise RuntimeError(
                         f"run directory {self.path.parent} is being written by process {holder['pid']} on "
                         f"{holder['host']} (since {holder.get('since')}): wait for it to finish or use another run "
                         f"directory; if that process is gone, delete {self.path}") from None
-                print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
-                      flush=True)
+                if unwritten:
+                    print(f"removing the stale lock {self.path} (empty for over {self.EMPTY_GRACE_S:.0f} s: its "
+                          "holder died before writing it)", flush=True)
+                else:
+                    print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
+                          flush=True)
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
@@ -141,6 +173,28 @@ def compressed_share(optimizer, model) -> float | None:
     return big / sum(p.numel() for p in params)
 
 
+def read_jsonl(path: Path, notice=print) -> list[dict]:
+    """The records of a JSON-lines file ([] when it is absent).
+
+    A last line that is not JSON was torn by an interrupted append (a full disk, a killed job): it is dropped,
+    with a ``notice`` naming the file. A damaged line before the last is refused, naming the file and line.
+    """
+    path = Path(path)
+    if not path.exists():
+        return []
+    lines = [(n, line) for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+    out = []
+    for i, (n, line) in enumerate(lines):
+        try:
+            out.append(json.loads(line))
+        except ValueError as e:
+            if i + 1 < len(lines):
+                raise ValueError(f"{path} line {n} is not JSON ({e}): repair or delete that line") from None
+            notice(f"dropping the torn last line of {path} (line {n}, {len(line)} characters that are not JSON: "
+                   "an interrupted write)")
+    return out
+
+
 def _position(line: dict) -> int:
     return line.get("epoch", line.get("step", 0))
 
@@ -175,9 +229,9 @@ class RunLogger:
         path = self.dir / "metrics.jsonl"
         if not path.exists():
             return
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and _position(json.loads(line)) <= resume_epoch]
-        path.write_text("".join(line + "\n" for line in keep))
+        keep = [line for line in read_jsonl(path) if _position(line) <= resume_epoch]
+        # atomically: a job killed here, or a full disk, must leave the old lines rather than none
+        atomic_write_bytes(path, lambda f: f.write("".join(json.dumps(line) + "\n" for line in keep).encode()))
 
     def _init_wandb(self, cfg: dict, project: str):
         import uuid
@@ -212,8 +266,7 @@ class RunLogger:
               flush=True)
 
     def history(self) -> list[dict]:
-        path = self.dir / "metrics.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        return read_jsonl(self.dir / "metrics.jsonl")
 
     def finish(self, summary: dict) -> None:
         if not self.env.is_main:

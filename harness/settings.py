@@ -28,6 +28,7 @@ OPERATIONAL, LABEL, INPUT = "operational", "label", "input"
 NOT_COMPUTED = {
     "trainer.progress": OPERATIONAL, "trainer.resume": OPERATIONAL, "trainer.max_restarts": OPERATIONAL,
     "trainer.threads_per_worker": OPERATIONAL, "trainer.device": OPERATIONAL, "trainer.checkpoint": OPERATIONAL,
+    "trainer.timeout_s": OPERATIONAL,
     "logger": OPERATIONAL, "data.workers": OPERATIONAL, "data.prefetch": OPERATIONAL,
     "time_breakdown": OPERATIONAL,
     "experiment": LABEL, "sweep": LABEL, "paper": LABEL, "study": LABEL,
@@ -55,10 +56,11 @@ def lookup(cfg, dotted: str, default=None):
     return node
 
 
-def check_count(key: str, value, why: str = "") -> None:
-    """A setting that counts something (epochs, steps, workers) must be an integer >= 1; ``why`` ends the message."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"invalid {key}={value!r}: must be an integer >= 1{why}")
+def check_count(key: str, value, why: str = "", minimum: int = 1) -> None:
+    """A setting that counts something (epochs, steps, workers) must be an integer >= ``minimum`` (1); ``why``
+    ends the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"invalid {key}={value!r}: must be an integer >= {minimum}{why}")
 
 
 def check_schedule(cfg) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import yaml
 
+from .run import read_jsonl
 from .settings import INPUT_KEYS, effective_config
 
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
@@ -72,9 +73,7 @@ def load_runs(root, log=None) -> list[dict]:
             log(f"left out of the tables: {folder}: {why}")
             continue
         config = yaml.safe_load((folder / "config.yaml").read_text()) if (folder / "config.yaml").exists() else {}
-        history_path = folder / "metrics.jsonl"
-        history = [json.loads(line) for line in history_path.read_text().splitlines() if line.strip()] \
-            if history_path.exists() else []
+        history = read_jsonl(folder / "metrics.jsonl", notice=log)
         runs.append({"dir": folder, "summary": summary, "config": config, "history": history})
     return runs
 

@@ -29,6 +29,7 @@ from omegaconf import OmegaConf
 import slamb
 from slamb import comm
 import harness
+from harness.accumulate import split_batch
 from harness.amp import MixedPrecision
 from harness.atomic import atomic_write_json
 from slamb.optim.checks import check_choice
@@ -57,13 +58,6 @@ def load_model(model_dir, vocab_size: int):
         raise ValueError(f"the vocabulary of {d} has {vocab_size} tokens but the model embeds only "
                          f"{model.config.vocab_size}: the tokenizer does not belong to this checkpoint")
     return model
-
-
-def split_batch(global_batch: int, world_size: int) -> int:
-    if global_batch < world_size or global_batch % world_size:
-        raise ValueError(f"data.global_batch={global_batch} must be a multiple of the {world_size} workers "
-                         "(each worker takes an equal share)")
-    return global_batch // world_size
 
 
 def subset(examples, limit):
@@ -110,7 +104,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     harness.check_counts(cfg, "epochs")
     # fp16 stays refused: the shared step's loss scaling has not been tried on fine-tuning (bf16 needs none)
     check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
-    env = harness.init_distributed(t.device, t.threads_per_worker)
+    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s)
 
     tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
     shape = {"max_length": d.max_length, "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}

@@ -142,7 +142,8 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
         assert r["same"] and r["diverged"]  # resumed == uninterrupted, and training did move the weights
         assert r["total_resumed"] == r["total"] > 0  # cumulative bytes survive resume (ledger saved)
     # SLAMB's moments and parameters are per rank: both in every rank's file; LAMB's model once, on rank 0
-    assert out[0]["files"] == ["complete.json", "rank0.pt", "rank1.pt", "shared.pt"]
+    assert out[0]["files"] == ["complete.json", "rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256",
+                               "shared.pt", "shared.pt.sha256"]
     per_rank = torch.load(tmp_path / "ckpt/step000000003/rank1.pt", weights_only=False)
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")

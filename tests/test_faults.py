@@ -1,0 +1,315 @@
+"""Faults a run meets and how it comes through them: damaged checkpoints, full disks, torn logs, resumes with
+other settings, damaged shards, stale locks, the launcher's leftovers."""
+from __future__ import annotations
+
+import contextlib
+import errno
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+import harness
+from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes, run_settings
+from harness.run import RunLock, RunLogger, process_start, read_jsonl
+from harness.tables import load_runs
+from tests import distributed
+
+CPU = torch.device("cpu")
+
+
+def solo(rank=0, world=1) -> harness.DistEnv:
+    return harness.DistEnv(rank, world, rank, world, CPU)
+
+
+def flip_byte(path, at: float = 0.5) -> None:
+    """Flip every bit of one byte ``at`` (a fraction) into the file, as a disk's silent corruption would."""
+    data = bytearray(path.read_bytes())
+    data[int(len(data) * at)] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ---------------------------------------------------------------------------------- checkpoints
+
+
+def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_older_one_with_one_line(tmp_path, capsys):
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.arange(10_000.0) + step})
+    newest = ckpt.dir / "step000000002" / "rank0.pt"
+    assert (ckpt.dir / "step000000002" / "rank0.pt.sha256").read_text().endswith("  rank0.pt\n")
+    flip_byte(newest)  # the middle of the tensor's data
+    # torch.load alone does not see it: the zip's CRCs go unchecked, the values change
+    damaged = torch.load(newest, weights_only=False)["b"]
+    assert not torch.equal(damaged, torch.arange(10_000.0) + 2)
+    progress, shared, mine = ckpt.load()
+    assert progress == {"step": 1} and shared == {"a": 1} and torch.equal(mine["b"], torch.arange(10_000.0) + 1)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"checkpoint file {newest} is unreadable (ValueError: its sha256 ")
+    assert lines[0].endswith("the file changed on disk); delete that checkpoint folder to resume from an older "
+                             "one, or start over with trainer.resume=never: resuming from the previous checkpoint, "
+                             "step000000001")
+
+
+def test_a_checkpoint_without_digests_still_loads(tmp_path):
+    """Checkpoints written before the digests were: nothing to check them against, they load as before."""
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
+    for digest in ckpt.dir.glob("step*/*.sha256"):
+        digest.unlink()
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+
+
+def damaged_rank_worker(rank, world, run_dir):
+    env = harness.init_distributed("cpu", 1)
+    ckpt = Checkpointer(run_dir, env)
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.full((1000,), float(10 * step + rank))})
+    if rank == 1:  # only rank 1's own file is damaged; rank 0 reads all of its files
+        flip_byte(ckpt.dir / "step000000002" / "rank1.pt")
+    harness.distributed.barrier()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        progress, _, mine = ckpt.load()
+    if rank == 1:
+        flip_byte(ckpt.dir / "step000000001" / "rank1.pt")
+    harness.distributed.barrier()
+    try:
+        ckpt.load()
+        error = None
+    except RuntimeError as e:
+        error = str(e)
+    return {"progress": progress, "b": mine["b"][0].item(), "printed": printed.getvalue(), "error": error}
+
+
+def test_a_damaged_file_on_another_rank_sends_every_rank_back_and_is_named(tmp_path):
+    out = distributed.run(damaged_rank_worker, 2, str(tmp_path))
+    bad = tmp_path / "ckpt" / "step000000002" / "rank1.pt"
+    for rank, r in enumerate(out):
+        assert r["progress"] == {"step": 1} and r["b"] == 10 + rank  # both ranks at the older checkpoint
+        # no other checkpoint left: the error every rank raises names rank 1's file
+        assert r["error"].startswith(f"checkpoint file {tmp_path / 'ckpt' / 'step000000001' / 'rank1.pt'} is "
+                                     "unreadable (ValueError: its sha256 ")
+    # rank 0 prints the one line, naming the file rank 1 found damaged
+    assert out[0]["printed"].startswith(f"checkpoint file {bad} is unreadable (ValueError: its sha256 ")
+    assert out[0]["printed"].count("\n") == 1 and out[1]["printed"] == ""
+
+
+def test_a_failed_write_removes_its_temporary_file(tmp_path):
+    def full_disk(f):
+        f.write(b"x" * 1000)
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(OSError, match="No space left on device"):
+        atomic_write_bytes(tmp_path / "rank0.pt", full_disk)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("cannot pickle this")
+
+    with pytest.raises(TypeError, match="cannot pickle this"):
+        atomic_torch_save({"x": torch.zeros(100), "y": Unpicklable()}, tmp_path / "shared.pt")
+    assert list(tmp_path.iterdir()) == []  # neither the files nor their temporary siblings
+
+
+# ---------------------------------------------------------------------------------- metrics.jsonl
+
+
+def _history(path, epochs, torn: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"epoch": e, "step": 10 * e, "test_top1": 50.0 + e}) + "\n"
+                            for e in epochs) + torn)
+
+
+def test_a_torn_last_metrics_line_is_dropped_with_a_notice_naming_the_file(tmp_path, capsys):
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1, 2, 3), torn='{"epoch": 4, "step": 40, "te')  # a full disk during the append
+    log = RunLogger(tmp_path, {"name": "t"}, solo(), progress=False, resume_epoch=3)
+    assert capsys.readouterr().out == (f"dropping the torn last line of {path} (line 4, 28 characters that are not "
+                                       "JSON: an interrupted write)\n")
+    assert [h["epoch"] for h in log.history()] == [1, 2, 3] and path.read_text().endswith("}\n")
+    # the tables read finished runs the same way, their notice in the tables' log
+    _history(path, (1, 2), torn='{"epo')
+    (tmp_path / "metrics.json").write_text(json.dumps({"final_test_top1": 52.0, "epochs": 2}))
+    messages = []
+    assert [h["epoch"] for h in load_runs(tmp_path, log=messages.append)[0]["history"]] == [1, 2]
+    assert messages == [f"dropping the torn last line of {path} (line 3, 5 characters that are not JSON: an "
+                        "interrupted write)"]
+
+
+def test_a_damaged_metrics_line_before_the_last_is_refused_naming_file_and_line(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1,), torn='{"epo\n' + json.dumps({"epoch": 2}) + "\n")
+    with pytest.raises(ValueError, match=rf"^{path} line 2 is not JSON \(.*\): repair or delete that line$"):
+        RunLogger(tmp_path, {"name": "t"}, solo(), progress=False, resume_epoch=2)
+
+
+def test_truncating_the_metrics_on_resume_is_atomic(tmp_path, monkeypatch):
+    log = RunLogger(tmp_path, {"name": "t"}, solo(), progress=False)
+    path = tmp_path / "metrics.jsonl"
+    _history(path, (1, 2, 3))
+    before = path.read_text()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    with pytest.raises(OSError, match="No space left on device"):
+        log._truncate_metrics(1)
+    # the old lines stand, whole, and no temporary file is left beside them
+    assert path.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == [
+        "config.yaml", "meta.json", "metrics.jsonl"]
+    monkeypatch.undo()
+    log._truncate_metrics(1)
+    assert [h["epoch"] for h in log.history()] == [1]
+
+
+# ------------------------------------------------------------------------------- through a pipeline
+
+
+def test_a_rerun_comes_through_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path):
+    """``python -m cifar10.train``: the newest checkpoint's byte flipped and a torn metrics line appended; the
+    rerun (one epoch longer, so that it resumes) drops the line, resumes from the older checkpoint, finishes."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    run = tmp_path / "run"
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
+              "experiment=cifar10/lamb", f"data.dir={data}", f"hydra.run.dir={run}"]
+    first = cli([*common, "epochs=2"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    older, newest = sorted((run / "ckpt").glob("step*"))  # epochs 1 and 2
+    newest = newest / "rank0.pt"
+    flip_byte(newest, at=0.6)
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"epoch": 3, "st')
+    again = cli([*common, "epochs=3"])
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"dropping the torn last line of {run / 'metrics.jsonl'} (line 3, " in again.stdout
+    assert f"checkpoint file {newest} is unreadable (ValueError: its sha256 " in again.stdout
+    assert f"resuming from the previous checkpoint, {older.name}" in again.stdout
+    assert f"resumed from {run}/ckpt at epoch 1" in again.stdout
+    assert [h["epoch"] for h in read_jsonl(run / "metrics.jsonl")] == [1, 2, 3]
+
+
+# -------------------------------------------------------------------------- resuming with other settings
+
+
+def _settings(**optimizer):
+    return run_settings({"name": "r", "seed": 0, "epochs": 2, "data": {"dir": "/d", "micro_batch": 16},
+                         "optimizer": {"name": "slamb", "lr": 0.01, "compress_ratio": 0.1, "betas": [0.9, 0.999],
+                                       **optimizer},
+                         "trainer": {"nproc_per_node": 2, "progress": False, "checkpoint": {"every": 1}}})
+
+
+def test_resuming_with_other_settings_is_refused_naming_each_one(tmp_path):
+    saved = _settings()
+    assert "epochs" not in saved and "data.dir" not in saved and "trainer.nproc_per_node" not in saved
+    assert saved["optimizer.betas"] == [0.9, 0.999]  # as JSON holds it: a list compares equal after the round trip
+    Checkpointer(tmp_path, solo(), settings=saved).save({"step": 1}, {}, {})
+    assert Checkpointer(tmp_path, solo(), settings=_settings()).load()[0] == {"step": 1}
+    with pytest.raises(ValueError, match=r"^the run in .*ckpt was trained with optimizer.compress_ratio=0.1, "
+                                         r"optimizer.lr=0.01 and this run has optimizer.compress_ratio=0.05, "
+                                         r"optimizer.lr=0.05: .* Set optimizer.compress_ratio, optimizer.lr back "
+                                         r"to resume, or start this run over with trainer.resume=never"):
+        Checkpointer(tmp_path, solo(), settings=_settings(lr=0.05, compress_ratio=0.05)).load()
+    with pytest.raises(ValueError, match=r"with optimizer.sync_interval unset and this run has "
+                                         r"optimizer.sync_interval=10"):
+        Checkpointer(tmp_path, solo(), settings=_settings(sync_interval=10)).load()
+
+
+def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_resumes(tmp_path):
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    run = tmp_path / "run"
+    common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
+              "experiment=cifar10/lamb", "optimizer.lr=0.01", f"data.dir={data}", f"hydra.run.dir={run}"]
+    first = cli([*common, "epochs=1"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    changed = cli([*common, "epochs=2", "optimizer.lr=0.05"])
+    assert changed.returncode == 2 and changed.stderr.count("\n") == 1, changed.stderr[-3000:]
+    assert changed.stderr.startswith(f"error: the run in {run / 'ckpt'} was trained with optimizer.lr=0.01 and this "
+                                     "run has optimizer.lr=0.05: "), changed.stderr
+    assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01  # still says what ran
+    longer = cli([*common, "epochs=2"])  # only the length changed: resumes
+    assert longer.returncode == 0 and f"resumed from {run}/ckpt at epoch 1" in longer.stdout, longer.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------- smaller
+
+
+def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
+    import h5py
+    import numpy as np
+
+    from bert.data import load_shard, shard_length
+
+    path = tmp_path / "part_training_0.hdf5"
+    with h5py.File(path, "w") as f:
+        for name in ("input_ids", "input_mask", "segment_ids"):
+            f[name] = np.ones((64, 16), np.int32)
+        for name in ("masked_lm_positions", "masked_lm_ids"):
+            f[name] = np.ones((64, 3), np.int32)
+        f["next_sentence_labels"] = np.zeros(64, np.int32)
+    assert shard_length(path) == 64
+    path.write_bytes(path.read_bytes()[:3000])  # a copy cut short
+    for read in (lambda: shard_length(path), lambda: load_shard(path, 16)):
+        with pytest.raises(OSError, match=rf"^cannot read the pre-training shard {path} \(.*\): the file is "
+                                          r"truncated or damaged; prepare it again"):
+            read()
+
+
+def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_written(tmp_path, capsys):
+    lock = RunLock(tmp_path)
+    with lock:
+        record = json.loads((tmp_path / "run.lock").read_text())
+    assert record["host"] == socket.gethostname() and record["pid"] == os.getpid() and record["since"]
+    assert record["started"] == process_start(os.getpid()) is not None
+    # a pid whose process started at another time is another process: the holder (pid reused) is gone
+    (tmp_path / "run.lock").write_text(json.dumps({**record, "started": "1"}))
+    with RunLock(tmp_path):
+        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} is gone)" in \
+            capsys.readouterr().out
+    # an empty lock file: its holder is between creating and writing it; once written, it is refused
+    (tmp_path / "run.lock").write_text("")
+    writer = threading.Timer(0.5, lambda: (tmp_path / "run.lock").write_text(json.dumps(record)))
+    writer.start()
+    with pytest.raises(RuntimeError, match=rf"is being written by process {os.getpid()}"):
+        RunLock(tmp_path).acquire()
+    writer.join()
+    # one that stays empty past the grace is a holder's that died before writing it
+    (tmp_path / "run.lock").write_text("")
+    old = time.time() - RunLock.EMPTY_GRACE_S - 1
+    os.utime(tmp_path / "run.lock", (old, old))
+    with RunLock(tmp_path):
+        assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
+    assert not (tmp_path / "run.lock").exists()
+
+
+def _world_and_timeout(cfg, run_dir):
+    import torch.distributed as dist
+
+    env = harness.init_distributed("cpu", 1, cfg["timeout_s"])
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
+    return env.world_size, backend.options._timeout.total_seconds()
+
+
+def test_a_launch_takes_the_configured_timeout_and_leaves_no_launcher_folder_behind(tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    code = ("from harness.distributed import launch; print(launch('tests.test_faults:_world_and_timeout', "
+            f"{{'timeout_s': 77}}, {str(tmp_path)!r}, nproc_per_node=2))")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300, check=False, env={**os.environ, "TMPDIR": str(tmp)})
+    assert done.returncode == 0 and done.stdout.splitlines()[-1] == "(2, 77.0)", done.stderr[-3000:]
+    assert list(tmp.glob("torchelastic_*")) == []  # the launcher's folder went with the launch

@@ -1,0 +1,119 @@
+"""Settings a run cannot use end the command before any worker starts, as the optimizer's do
+(tests/test_cli_errors.py): one line on stderr naming the setting and the fix, exit status 2, no traceback.
+These were found late before: after an epoch (data.eval_batch), at the first checkpoint (an unwritable
+directory), in the workers (checkpoint.keep, the batch split, the checkpoint's world size), or with a
+traceback and exit 1 (an empty schedule, a resume with other inputs)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import harness
+from harness.build import check_data, check_trainer
+from harness.checkpoint import Checkpointer
+from tests.test_configs import ROOTS, compose_root
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def refused(module: str, args: list[str], run_dir: Path) -> str:
+    """Run ``python -m module args`` and return its one stderr line, checking it ended before any worker."""
+    tic = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False,
+                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    elapsed = time.perf_counter() - tic
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: "), done.stderr
+    assert not (run_dir / "meta.json").exists()  # no worker wrote its run directory
+    assert elapsed < 120  # the interpreter's imports and Hydra's composition, no process group, no data
+    return done.stderr
+
+
+# two workers and no CIFAR-10 files: a worker that started would fail on them instead
+CIFAR = ["experiment=cifar10/lamb", "trainer.nproc_per_node=2"]
+
+
+@pytest.mark.parametrize("override, line", [
+    ("data.eval_batch=0", "error: invalid data.eval_batch=0: must be an integer >= 1; fix: set data.eval_batch to an "
+                          "allowed value (command line or the pipeline's configs/data/*.yaml)"),
+    ("data.micro_batch=-4", "error: invalid data.micro_batch=-4: must be an integer >= 1; fix: set data.micro_batch"),
+    ("data.augment=maybe", "error: invalid data.augment='maybe': must be one of [False, True]; fix: set data.augment"),
+    ("epochs=0", "error: invalid epochs=0: must be an integer >= 1 (an empty schedule trains nothing)"),
+    ("trainer.checkpoint.keep=0", "error: invalid trainer.checkpoint.keep=0: must be an integer >= 1 (the last "
+                                  "checkpoint resumes the run); fix: set trainer.checkpoint.keep to an allowed value"),
+    ("trainer.timeout_s=0", "error: invalid trainer.timeout_s=0: must be a number of seconds > 0"),
+    ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3; known: ['checkpoint', 'deterministic', "
+                               "'device', 'max_restarts', "),
+    ("+trainer.checkpoint.evry=5", "error: unknown setting trainer.checkpoint.evry=5; known: ['enabled', 'every', "
+                                   "'keep']; fix: drop trainer.checkpoint.evry or correct its name "
+                                   "(configs/trainer/default.yaml)"),
+])
+def test_a_rejected_setting_ends_the_command_before_any_worker(tmp_path, override, line):
+    (tmp_path / "empty").mkdir()  # data that exists, so that the check of each setting is what ends the command
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'empty'}", override], tmp_path / "run")
+    assert stderr.startswith(line), stderr
+
+
+def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "ckpt").write_text("a file where the checkpoints go")  # unwritable, even for root
+    (tmp_path / "empty").mkdir()
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'empty'}"], run)
+    assert stderr.startswith(f"error: checkpoint directory {run / 'ckpt'} is not writable ({run / 'ckpt'}: Not a "
+                             "directory): make it writable, choose another run directory"), stderr
+    # a run without checkpoints has nothing to write there: it gets past this check (to the data it lacks)
+    done = subprocess.run([sys.executable, "-m", "cifar10.train", *CIFAR, "trainer.nproc_per_node=1",
+                           f"data.dir={tmp_path / 'empty'}", "trainer.checkpoint.enabled=false",
+                           f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False, env={**os.environ, "WANDB_MODE": "offline"})
+    assert done.returncode == 1 and "CIFAR-10 not found" in done.stderr
+
+
+def test_resuming_with_other_inputs_or_another_world_size_is_refused_before_any_worker(tmp_path):
+    run, data = tmp_path / "run", tmp_path / "data"
+    data.mkdir()
+    (tmp_path / "other").mkdir()
+    # the checkpoint of a run of two workers on data/
+    two = harness.DistEnv(0, 2, 0, 2, torch.device("cpu"))
+    Checkpointer(run, two, inputs={"data.dir": str(data)}).save({"epoch": 1, "step": 4}, {}, {})
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'other'}"], run)
+    assert f"was trained with data.dir='{data}' and this run has data.dir='{tmp_path / 'other'}'" in stderr
+    stderr = refused("cifar10.train", [*CIFAR[:1], "trainer.nproc_per_node=3", f"data.dir={data}"], run)
+    assert f"the checkpoint in {run / 'ckpt'} was written by 2 workers and this run has 3" in stderr
+    assert not (run / "run.lock").exists()  # released on the way out
+
+
+@pytest.mark.parametrize("module, args, line", [
+    ("bert.train", ["experiment=bert/phase1_lamb", "data.global_batch=64", "data.micro_batch=48",
+                    "trainer.nproc_per_node=2"],
+     "error: data.global_batch=64 is not a multiple of data.micro_batch=48 x 2 workers = 96"),
+    ("squad_finetune.train", ["experiment=squad/tiny", "data.global_batch=3", "trainer.nproc_per_node=2"],
+     "error: data.global_batch=3 must be a multiple of the 2 workers"),
+])
+def test_a_batch_that_does_not_split_over_the_workers_is_refused_before_any_worker(tmp_path, module, args, line):
+    stderr = refused(module, [*args, f"data.dir={tmp_path / 'absent'}"] if module == "bert.train" else args,
+                     tmp_path / "run")
+    assert stderr.startswith(line), stderr
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_every_pipelines_defaults_pass_the_checks(root):
+    cfg = compose_root(root)
+    check_trainer(cfg["trainer"])
+    check_data(cfg["data"], cfg["trainer"]["nproc_per_node"])
+
+
+def test_missing_data_is_refused_before_any_worker_and_never_retried(tmp_path):
+    """A worker would fail on it at every attempt, ``trainer.max_restarts`` times over."""
+    stderr = refused("cifar10.train", [*CIFAR, "trainer.max_restarts=3", f"data.dir={tmp_path / 'absent'}"],
+                     tmp_path / "run")
+    assert stderr == (f"error: invalid data.dir='{tmp_path / 'absent'}': {tmp_path / 'absent'} does not exist; fix: "
+                      "set data.dir to an allowed value (command line or the pipeline's configs/data/*.yaml)\n")
