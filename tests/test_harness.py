@@ -300,6 +300,7 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, 
     assert RunLock(tmp_path, hold=False).__enter__() and not (tmp_path / "run.lock").exists()
 
 
+@pytest.mark.multiprocess  # runs the pipeline's command line as a subprocess
 def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
     """Through ``python -m cifar10.train``: the checks run before any worker starts."""
     from tests.test_cifar10 import TINY, cli, write_tiny_cifar
