@@ -19,7 +19,8 @@ import torch
 import yaml
 
 import harness
-from harness.checkpoint import Checkpointer, atomic_torch_save, atomic_write_bytes, run_settings
+from harness.atomic import atomic_torch_save, atomic_write_bytes
+from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
 from harness.tables import load_runs
 from tests import distributed
