@@ -146,3 +146,10 @@ class StepProbe:
         """Bytes sent and bytes in the ledger between consecutive step pre-hooks (one fewer than the steps)."""
         diff = lambda xs: [b - a for a, b in zip(xs, xs[1:])]  # noqa: E731
         return {"grads": self.grads, "sent": diff(self.marks), "ledger": diff(self.ledger)}
+
+
+def assert_refused_in_one_line(worker, fix: str) -> None:
+    """Each rank of a 2-process launch whose framework sees one process refuses, in one line naming ``fix``."""
+    for message in run(worker, 2):
+        assert "runs 1 process(es) of the 2 launched" in message and fix in message
+        assert "\n" not in message
