@@ -148,6 +148,15 @@ class StepProbe:
         return {"grads": self.grads, "sent": diff(self.marks), "ledger": diff(self.ledger)}
 
 
+def refusal(build) -> str:
+    """On a worker: the error ``build()`` (a framework's set-up) raises, or "built"."""
+    try:
+        build()
+    except RuntimeError as e:
+        return str(e)
+    return "built"
+
+
 def assert_refused_in_one_line(worker, fix: str) -> None:
     """Each rank of a 2-process launch whose framework sees one process refuses, in one line naming ``fix``."""
     for message in run(worker, 2):

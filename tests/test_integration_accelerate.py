@@ -160,12 +160,7 @@ def refused_worker(rank, n):
 
     import slamb.integrations.accelerate as integration
 
-    model, opt, loader = _setup(rank)
-    try:
-        integration.prepare(Accelerator(), model, opt, loader)
-    except RuntimeError as e:
-        return str(e)
-    return "prepared"
+    return support.refusal(lambda: integration.prepare(Accelerator(), *_setup(rank)))
 
 
 def test_prepare_refuses_an_accelerator_that_sees_one_of_the_ranks_launched():
