@@ -1,11 +1,14 @@
 """What a GPU run depends on, tested on the CPU: masks that are a pure function of
 (seed, step, k, position), overlap under loss scaling and clipping (and the
 harness's fp16 telling it the scale), the fp16 exchange at large n, host
-synchronisations in a step, 1-bit LAMB under fp16."""
+synchronisations in a step, 1-bit LAMB under fp16, each rank bound to its own GPU."""
 from __future__ import annotations
 
 import collections
 import math
+import re
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -307,3 +310,84 @@ def test_onebit_packing_makes_no_tensor_from_host_data(monkeypatch):
     bits = torch.rand(1000) > 0.5
     pack_bits(bits)
     assert host_reads(lambda: unpack_bits(pack_bits(bits), 1000), monkeypatch) == {}
+
+
+# ----------------------------------------------------------------------------- device binding
+
+
+class OnCuda(torch.nn.Module):
+    """A model whose parameters report a CUDA device (torch.device objects need no GPU)."""
+
+    def __init__(self, *indices):
+        super().__init__()
+        self.indices = indices
+
+    def parameters(self, recurse=True):
+        return iter([types.SimpleNamespace(device=torch.device("cuda", i)) for i in self.indices])
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """A node of 8 GPUs whose current device the test sets (``cuda.current = i``)."""
+    cuda = types.SimpleNamespace(current=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    return cuda
+
+
+@pytest.mark.parametrize("local_rank, current, indices, refused", [
+    (3, 0, (0,), True),  # the README's old snippet: no set_device, every rank on cuda:0
+    (3, 3, (0,), True),  # set_device(3), model still built on cuda:0
+    (0, 0, (0, 1), True),  # split over two GPUs
+    (3, 3, (3,), False),
+    (0, 0, (0,), False),
+])
+def test_wrap_model_refuses_a_model_off_the_current_device(eight_gpus, monkeypatch, local_rank, current, indices,
+                                                           refused):
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    eight_gpus.current = current
+    if not refused:
+        slamb.ddp.check_current_device(OnCuda(*indices))
+        return
+    with pytest.raises(ValueError) as caught:
+        slamb.ddp.check_current_device(OnCuda(*indices))
+    message = str(caught.value)
+    assert "\n" not in message and "torch.cuda.set_device(local_rank) before building the model" in message
+    assert f"current CUDA device is cuda:{current} (LOCAL_RANK={local_rank})" in message
+
+
+def test_a_cpu_model_is_not_asked_for_a_cuda_device(monkeypatch):
+    def no_cuda():
+        raise AssertionError("a CPU model must not query CUDA")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    slamb.ddp.check_current_device(torch.nn.Linear(2, 2))
+
+
+def test_wrap_model_checks_the_device_before_building_ddp(eight_gpus, monkeypatch):
+    """Under a process group of several ranks the check runs before DDP's first broadcast."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(slamb.ddp.comm, "world_size", lambda group=None: 2)
+
+    def no_ddp(*args, **kwargs):
+        raise AssertionError("DDP built before the device check")
+
+    monkeypatch.setattr(slamb.ddp, "DistributedDataParallel", no_ddp)
+    opt = slamb.create_optimizer("lamb", torch.nn.Linear(2, 2), lr=0.1)
+    with pytest.raises(ValueError, match=r"call torch\.cuda\.set_device\(local_rank\)"):
+        slamb.wrap_model(OnCuda(0), opt)
+
+
+def test_snippets_bind_each_rank_to_its_gpu_before_cuda_work():
+    """Every Python snippet of the README and docs that starts NCCL or moves a model to CUDA calls
+    torch.cuda.set_device first: without it every rank of a node builds on cuda:0."""
+    root = Path(__file__).resolve().parents[1]
+    checked = 0
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+            uses = [m.start() for m in re.finditer(r'init_process_group\("nccl"|\.cuda\(\)|device="cuda"', block)]
+            if uses:
+                checked += 1
+                bind = block.find("torch.cuda.set_device(")
+                assert 0 <= bind < min(uses), f"{page.name}: a snippet uses CUDA before torch.cuda.set_device"
+    assert checked >= 1  # the README's own-loop snippet
