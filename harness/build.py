@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 import re
 import sys
 
@@ -11,7 +12,7 @@ from slamb import registry
 from slamb.optim._common import check_choice
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer
-from .distributed import launch
+from .distributed import check_device, cpu_fallback_notice, launch, local_workers
 
 RESUME = ("auto", "never")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
@@ -126,6 +127,18 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
+def check_settings(cfg: dict) -> None:
+    """Every check made before any worker starts (``ValueError``: one line naming the setting), then
+    the one-line notice on stderr of a ``trainer.device=auto`` that falls back to the CPU (rank 0 only,
+    where torchrun or SLURM run this in every worker)."""
+    t = cfg["trainer"]
+    check_trainer(t)
+    check_optimizer(cfg["optimizer"])
+    on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
+    if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(cpu_fallback_notice(), file=sys.stderr, flush=True)
+
+
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
@@ -138,8 +151,6 @@ def run_from_hydra(worker, cfg):
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
     (a usage error, as argparse).
     """
-    import os
-
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
@@ -149,8 +160,7 @@ def run_from_hydra(worker, cfg):
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     try:
-        check_trainer(container["trainer"])
-        check_optimizer(container["optimizer"])
+        check_settings(container)
     except ValueError as e:
         print(user_error(e, container["optimizer"]), file=sys.stderr, flush=True)
         sys.exit(2)
