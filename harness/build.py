@@ -29,6 +29,9 @@ def check_trainer(t) -> None:
         raise ValueError(f"invalid trainer.max_restarts={r!r}: must be an integer >= 0")
     check_choice("trainer.precision", t["precision"], PRECISIONS)
     check_choice("trainer.resume", t["resume"], RESUME)
+    for key in ("tf32", "cudnn_benchmark"):
+        if not isinstance(t[key], bool):
+            raise ValueError(f"invalid trainer.{key}={t[key]!r}: must be true or false")
     try:
         torch.device(t["device"]) if t["device"] != "auto" else None
     except RuntimeError as e:

@@ -188,12 +188,24 @@ def resolve_device(name: str, local_rank: int) -> torch.device:
     return device
 
 
+def set_cuda_math(tf32: bool | None = None, cudnn_benchmark: bool | None = None) -> None:
+    """TF32 in float32 matmuls and cuDNN convolutions, cuDNN's per-shape autotuner; None leaves torch's
+    setting. Both choose CUDA kernels only: a CPU worker computes the same either way."""
+    if tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
+    if cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+
+
 def init_distributed(device: str = "auto", threads_per_worker: int | None = None,
-                     timeout_s: float = 1800) -> DistEnv:
+                     timeout_s: float = 1800, *, tf32: bool | None = None,
+                     cudnn_benchmark: bool | None = None) -> DistEnv:
     """Join the job's process group (env:// from torchrun / the launcher) or run alone.
 
     Reuses a process group that already exists (tests, notebooks). Backend:
     NCCL on CUDA, gloo elsewhere. CPU threads default to cores / local workers.
+    ``tf32``, ``cudnn_benchmark``: :func:`set_cuda_math` (``trainer.deterministic``'s
+    :func:`harness.seeding.seed_everything`, called later, turns the autotuner off again).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -203,6 +215,7 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
     if threads_per_worker is None:
         threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads_per_worker)
+    set_cuda_math(tf32, cudnn_benchmark)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

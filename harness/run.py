@@ -32,7 +32,8 @@ from .distributed import DistEnv
 # Settings that change how a run is operated, not what it computes: two runs that differ only in
 # these are the same configuration (same table row, same finished run). A key covers its subtree.
 OPERATIONAL_KEYS = ("trainer.progress", "trainer.resume", "trainer.max_restarts", "trainer.threads_per_worker",
-                    "trainer.device", "trainer.checkpoint", "logger", "data.workers", "data.prefetch", "paper", "study")
+                    "trainer.device", "trainer.cudnn_benchmark", "trainer.checkpoint", "logger", "data.workers",
+                    "data.prefetch", "paper", "study")
 # settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
 SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
 

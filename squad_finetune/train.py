@@ -109,7 +109,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     ex.check_counts(cfg, "epochs")
     # fine-tuning has no loss scaler: fp16 would underflow silently, bf16 autocast needs none
     check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    env = ex.init_distributed(t.device, t.threads_per_worker, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
     shape = {"max_length": d.max_length, "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}

@@ -94,7 +94,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     t, d = cfg.trainer, cfg.data
     ex.check_counts(cfg, "epochs", "accumulation_steps")
     accum = cfg.accumulation_steps
-    env = ex.init_distributed(t.device, t.threads_per_worker)
+    env = ex.init_distributed(t.device, t.threads_per_worker, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)
