@@ -391,3 +391,94 @@ def test_snippets_bind_each_rank_to_its_gpu_before_cuda_work():
                 bind = block.find("torch.cuda.set_device(")
                 assert 0 <= bind < min(uses), f"{page.name}: a snippet uses CUDA before torch.cuda.set_device"
     assert checked >= 1  # the README's own-loop snippet
+
+
+# ----------------------------------------------------------------------------- optimizer time on CUDA
+
+
+class FakeDevice:
+    """A CUDA stream imitated on the CPU: work queued moves ``queued`` on; the host knows how far the
+    device has come (``done``) only from an event's synchronize(), as a real event's elapsed_time raises
+    cudaErrorNotReady before its end has completed."""
+
+    def __init__(self):
+        self.queued, self.done, self.syncs = 0.0, 0.0, 0
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = device.queued
+
+            def synchronize(self):
+                device.syncs += 1
+                device.done = max(device.done, self.at)
+
+            def elapsed_time(self, end):
+                if max(self.at, end.at) > device.done:
+                    raise RuntimeError("CUDA error: device not ready")
+                return 1000.0 * (end.at - self.at)
+
+        self.Event = Event
+
+
+class QueuingSGD(torch.optim.SGD):
+    """An SGD whose step queues 0.25 s of device work."""
+
+    def __init__(self, params, device):
+        super().__init__(params, lr=0.1)
+        self.device = device
+
+    def step(self, closure=None):
+        self.device.queued += 0.25
+        return super().step(closure)
+
+
+def no_wait(*args, **kwargs):
+    raise AssertionError("a step waited for the device")
+
+
+def test_cuda_optimizer_time_is_read_from_events_at_log_time_only(monkeypatch):
+    from harness.amp import MixedPrecision
+
+    device = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", device.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_wait)
+    monkeypatch.setattr(torch.accelerator, "synchronize", no_wait)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = QueuingSGD([w], device)
+    amp = MixedPrecision("fp32", torch.device("cuda"))
+    assert amp.time_steps and amp.step_seconds == 0.0
+
+    def steps(n):
+        for _ in range(n):
+            w.grad = torch.ones(3)
+            device.queued += 1.0  # forward and backward before the step: not the optimizer's
+            amp.step(opt, [w])
+
+    steps(3)
+    assert device.syncs == 0  # no step waited
+    assert amp.step_seconds == pytest.approx(0.75) and device.syncs == 1  # one wait, at the read
+    assert amp.step_seconds == pytest.approx(0.75) and device.syncs == 1  # nothing new: no wait
+    steps(2)
+    assert device.syncs == 1
+    assert amp.step_seconds == pytest.approx(1.25) and device.syncs == 2
+    assert w.detach().tolist() == pytest.approx([0.5] * 3)  # the steps themselves ran
+
+
+def test_cpu_optimizer_time_is_the_host_clock(monkeypatch):
+    from harness import amp as amp_module
+
+    monkeypatch.setattr(torch.cuda, "Event", no_wait)
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    monkeypatch.setattr(amp_module.time, "perf_counter", lambda: next(clock))
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    amp = amp_module.MixedPrecision("fp32", torch.device("cpu"))
+    for _ in range(2):
+        w.grad = torch.ones(3)
+        amp.step(opt, [w])
+    assert amp.time_steps and amp.step_seconds == 0.75
