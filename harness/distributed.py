@@ -160,6 +160,10 @@ def check_device(name: str, workers: int) -> bool:
                              "older than the build needs an update (or a torch built for its CUDA); "
                              "trainer.device=cpu trains on the CPU")
         if device.index is not None:
+            if workers > 1:
+                raise ValueError(f"invalid trainer.device={name!r}: one device for {workers} workers on this node "
+                                 f"(NCCL: 'Duplicate GPU detected'); trainer.device={device.type} gives each "
+                                 "worker the device of its local rank")
             return False
         kind, count = device.type, torch.get_device_module(device.type).device_count()
     if workers > count:

@@ -111,6 +111,13 @@ def test_more_workers_than_gpus_are_refused_naming_both_numbers(gpus, device):
     check_settings(device_settings(f"trainer.device={device}"))
 
 
+def test_one_named_gpu_for_several_workers_is_refused(gpus):
+    gpus(2)
+    with pytest.raises(ValueError, match=r"invalid trainer.device='cuda:1': one device for 2 workers on this node"):
+        check_settings(device_settings("trainer.device=cuda:1"))
+    check_settings(device_settings("trainer.device=cuda:1", "trainer.nproc_per_node=1"))
+
+
 def test_torchrun_workers_are_counted_by_torchrun(gpus, monkeypatch):
     """Under torchrun trainer.nproc_per_node is ignored: the node's workers are LOCAL_WORLD_SIZE."""
     gpus(4)
