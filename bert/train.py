@@ -139,7 +139,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "steps", "log_every", "trainer.checkpoint.every",
                          *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
-    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s)
+    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
     accum = accumulation_steps(d.global_batch, d.micro_batch, env.world_size)
     stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, env.rank, env.world_size,
                                seed=cfg.seed, seq_len=d.seq_len)

@@ -51,7 +51,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "epochs")
-    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s)
+    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     data = load_cifar10(d.dir)
     train_x, train_y = (v.to(env.device) for v in data["train"])

@@ -71,15 +71,29 @@ class MixedPrecision:
         # told the scale before backward: an optimizer whose DDP hook sends what backward gives (SLAMB's overlap)
         self.told = optimizer if self.scaling and getattr(optimizer, "overlap", False) else None
         self._told_scale: float | None = None  # the scale it was told; None: read it at the next backward
-        # seconds in step() (the optimizer's share of the step time, logged as optimizer_time_s): free on the
-        # CPU, where every op has finished when it returns; elsewhere only with time_steps=True, which waits
-        # for the device before and after each step
-        self.time_steps = self.device.type == "cpu" if time_steps is None else bool(time_steps)
-        self.step_seconds = 0.0
+        # seconds in step() (the optimizer's share of the step time, logged as optimizer_time_s). On the CPU
+        # the host's clock, free: every op has finished when step() returns. On CUDA a pair of timing events
+        # around each step, read only when step_seconds is (the loop's logging period, after its own wait
+        # for the device), so that no step waits. Other accelerators only with time_steps=True, which waits
+        # for the device before and after each step.
+        self.time_steps = self.device.type in ("cpu", "cuda") if time_steps is None else bool(time_steps)
+        self.events = self.time_steps and self.device.type == "cuda"
+        self._seconds = 0.0
+        self._pending: list[tuple] = []  # the (start, end) CUDA events of the steps not yet read
 
     @property
     def scale(self) -> float:
         return self.scaler.get_scale()
+
+    @property
+    def step_seconds(self) -> float:
+        """Seconds in :meth:`step` so far. With CUDA events the read waits for the last step's end (the
+        elapsed time of an event the device has not reached is unknown): read it where the host waits anyway."""
+        if self._pending:
+            self._pending[-1][1].synchronize()  # one stream: the earlier events have completed too
+            self._seconds += sum(start.elapsed_time(end) for start, end in self._pending) / 1000.0
+            self._pending.clear()
+        return self._seconds
 
     @property
     def skipped_steps(self) -> int:
@@ -99,10 +113,18 @@ class MixedPrecision:
         """Unscale, agree on skipping, clip, ``optimizer.step()``; returns (skipped, gradient norm or None).
 
         No host sync unless loss scaling is on (the agreed decision needs one) or ``time_steps`` waits for
-        an accelerator.
+        an accelerator other than CUDA.
         """
         if not self.time_steps:
             return self._step(optimizer, params, clip_grad)
+        if self.events:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            try:
+                return self._step(optimizer, params, clip_grad)
+            finally:
+                end.record()
+                self._pending.append((start, end))
         wait = self.device.type != "cpu"
         if wait:
             torch.accelerator.synchronize()
@@ -112,7 +134,7 @@ class MixedPrecision:
         finally:
             if wait:
                 torch.accelerator.synchronize()
-            self.step_seconds += time.perf_counter() - tic
+            self._seconds += time.perf_counter() - tic
 
     def _step(self, optimizer, params, clip_grad):
         params = list(params)

@@ -15,7 +15,7 @@ from slamb.optim.checks import check_choice
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
-from .distributed import launch
+from .distributed import check_device, cpu_fallback_notice, launch, local_workers, planned_world_size
 from .settings import check_count
 
 RESUME = ("auto", "never")
@@ -43,6 +43,9 @@ def check_trainer(t) -> None:
     check_count("trainer.max_restarts", t["max_restarts"], minimum=0)
     check_choice("trainer.precision", t["precision"], PRECISIONS)
     check_choice("trainer.resume", t["resume"], RESUME)
+    for key in ("tf32", "cudnn_benchmark"):
+        if not isinstance(t[key], bool):
+            raise ValueError(f"invalid trainer.{key}={t[key]!r}: must be true or false")
     try:
         torch.device(t["device"]) if t["device"] != "auto" else None
     except RuntimeError as e:
@@ -171,6 +174,20 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
+def check_settings(cfg: dict) -> None:
+    """Every check made before any worker starts (``ValueError``: one line naming the setting), then
+    the one-line notice on stderr of a ``trainer.device=auto`` that falls back to the CPU (rank 0 only,
+    where torchrun or SLURM run this in every worker)."""
+    t = cfg["trainer"]
+    check_trainer(t)
+    check_optimizer(cfg["optimizer"])
+    check_data(cfg.get("data") or {}, planned_world_size(t["nproc_per_node"]))
+    check_inputs_exist(cfg)
+    on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
+    if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        print(cpu_fallback_notice(), file=sys.stderr, flush=True)
+
+
 def run_from_hydra(worker, cfg):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
@@ -197,11 +214,7 @@ def run_from_hydra(worker, cfg):
         sys.exit(2)
 
     try:
-        check_trainer(container["trainer"])
-        check_optimizer(container["optimizer"])
-        world_size = planned_world_size(container["trainer"]["nproc_per_node"])
-        check_data(container.get("data") or {}, world_size)
-        check_inputs_exist(container)
+        check_settings(container)
     except ValueError as e:
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir

@@ -30,6 +30,7 @@ import importlib
 import os
 import re
 import socket
+import subprocess
 import sys
 import tempfile
 import uuid
@@ -89,14 +90,26 @@ def slurm_env(environ=os.environ) -> dict[str, str]:
             f"a SLURM step of {environ.get('SLURM_NTASKS')} tasks without {missing} in the environment: start "
             "one task per worker with srun (or hydra/launcher=slurm), or set MASTER_ADDR, MASTER_PORT, RANK, "
             "WORLD_SIZE and LOCAL_RANK yourself")
-    per_node = re.match(r"\d+", environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1")
     return {
         "RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_NTASKS"],
-        "LOCAL_RANK": environ["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": per_node.group(0) if per_node else "1",
+        "LOCAL_RANK": environ["SLURM_LOCALID"], "LOCAL_WORLD_SIZE": str(slurm_tasks_per_node(environ)),
         "GROUP_RANK": environ.get("SLURM_NODEID", "0"),
         "MASTER_ADDR": environ.get("MASTER_ADDR") or first_host(nodelist),
         "MASTER_PORT": environ.get("MASTER_PORT") or str(20000 + int(environ["SLURM_JOB_ID"]) % 20000),
     }
+
+
+def slurm_tasks_per_node(environ=os.environ) -> int:
+    """The tasks of this SLURM step on this node (``2(x3)`` -> 2; 1 where SLURM does not say)."""
+    per_node = re.match(r"\d+", environ.get("SLURM_NTASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or "1")
+    return int(per_node.group(0)) if per_node else 1
+
+
+def local_workers(nproc_per_node: int) -> int:
+    """The workers of this node: torchrun's or SLURM's where they start them, else ``nproc_per_node``."""
+    if under_torchrun():
+        return int(os.environ.get("LOCAL_WORLD_SIZE", nproc_per_node))
+    return slurm_tasks_per_node() if slurm_tasks() > 1 else nproc_per_node
 
 
 def started_externally() -> bool:
@@ -121,25 +134,90 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def resolve_device(name: str, local_rank: int) -> torch.device:
-    """``auto``: the local accelerator of this worker when there is one, else the CPU."""
+def driver_version() -> str:
+    """The NVIDIA driver's version as nvidia-smi reports it; 'unknown' without a driver or nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out[0] if out else "unknown"
+
+
+def cuda_versions() -> str:
+    return f"torch built for CUDA {torch.version.cuda or 'none (a CPU build)'}, NVIDIA driver {driver_version()}"
+
+
+def check_device(name: str, workers: int) -> bool:
+    """Refuse (``ValueError``, one line) a ``trainer.device`` that ``workers`` workers of a node cannot run
+    on; True where ``auto`` finds no accelerator and falls back to the CPU.
+
+    Two workers on one GPU would reach NCCL's "Duplicate GPU detected" only once every worker has started,
+    and ``cuda`` without a usable CUDA (a driver older than torch's CUDA build) only in each worker.
+    """
     if name == "auto":
-        acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-        if acc is None:
-            return torch.device("cpu")
-        return torch.device(acc.type, local_rank % torch.accelerator.device_count())
-    device = torch.device(name)
+        if not torch.accelerator.is_available():
+            return True
+        kind, count = torch.accelerator.current_accelerator().type, torch.accelerator.device_count()
+    else:
+        device = torch.device(name)
+        if device.type == "cpu":
+            return False
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"invalid trainer.device={name!r}: no usable CUDA device ({cuda_versions()}); a driver "
+                             "older than the build needs an update (or a torch built for its CUDA); "
+                             "trainer.device=cpu trains on the CPU")
+        if device.index is not None:
+            if workers > 1:
+                raise ValueError(f"invalid trainer.device={name!r}: one device for {workers} workers on this node "
+                                 f"(NCCL: 'Duplicate GPU detected'); trainer.device={device.type} gives each "
+                                 "worker the device of its local rank")
+            return False
+        kind, count = device.type, torch.get_device_module(device.type).device_count()
+    if workers > count:
+        raise ValueError(f"invalid trainer.nproc_per_node={workers}: {workers} workers on this node and {count} "
+                         f"visible {kind} device(s): two workers would share one (NCCL: 'Duplicate GPU detected'); "
+                         f"at most {count} (torchrun: --nproc-per-node), or trainer.device=cpu")
+    return False
+
+
+def cpu_fallback_notice() -> str:
+    return (f"notice: trainer.device=auto found no usable GPU ({cuda_versions()}): the workers train on the CPU "
+            "(gloo); trainer.device=cuda refuses to, trainer.device=cpu asks for it")
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """``auto``: the local accelerator of this worker when there is one, else the CPU.
+
+    A worker sees only its own local rank: the node's worker count was checked, with the same
+    refusals, before any worker started (:func:`check_device`); here a local rank beyond the visible
+    devices is refused instead of wrapped onto a device another worker holds."""
+    if check_device(name, local_rank + 1):
+        return torch.device("cpu")
+    device = torch.device(torch.accelerator.current_accelerator().type if name == "auto" else name)
     if device.type != "cpu" and device.index is None:
         device = torch.device(device.type, local_rank)
     return device
 
 
+def set_cuda_math(tf32: bool | None = None, cudnn_benchmark: bool | None = None) -> None:
+    """TF32 in float32 matmuls and cuDNN convolutions, cuDNN's per-shape autotuner; None leaves torch's
+    setting. Both choose CUDA kernels only: a CPU worker computes the same either way."""
+    if tf32 is not None:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
+    if cudnn_benchmark is not None:
+        torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+
+
 def init_distributed(device: str = "auto", threads_per_worker: int | None = None,
-                     timeout_s: float = 1800) -> DistEnv:
+                     timeout_s: float = 1800, *, tf32: bool | None = None,
+                     cudnn_benchmark: bool | None = None) -> DistEnv:
     """Join the job's process group (env:// from torchrun / the launcher) or run alone.
 
     Reuses a process group that already exists (tests, notebooks). Backend:
     NCCL on CUDA, gloo elsewhere. CPU threads default to cores / local workers.
+    ``tf32``, ``cudnn_benchmark``: :func:`set_cuda_math` (``trainer.deterministic``'s
+    :func:`harness.seeding.seed_everything`, called later, turns the autotuner off again).
     """
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
@@ -149,6 +227,7 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
     if threads_per_worker is None:
         threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads_per_worker)
+    set_cuda_math(tf32, cudnn_benchmark)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

@@ -28,7 +28,7 @@ OPERATIONAL, LABEL, INPUT = "operational", "label", "input"
 NOT_COMPUTED = {
     "trainer.progress": OPERATIONAL, "trainer.resume": OPERATIONAL, "trainer.max_restarts": OPERATIONAL,
     "trainer.threads_per_worker": OPERATIONAL, "trainer.device": OPERATIONAL, "trainer.checkpoint": OPERATIONAL,
-    "trainer.timeout_s": OPERATIONAL,
+    "trainer.timeout_s": OPERATIONAL, "trainer.cudnn_benchmark": OPERATIONAL,
     "logger": OPERATIONAL, "data.workers": OPERATIONAL, "data.prefetch": OPERATIONAL,
     "time_breakdown": OPERATIONAL,
     "experiment": LABEL, "sweep": LABEL, "paper": LABEL, "study": LABEL,

@@ -376,9 +376,11 @@ def page(parts: dict, args, times: dict) -> str:
 
 QUICK = {  # tiny sizes: every step of the study once, in about a minute (tests/test_study.py)
     "digits_rows": ["study/digits_lamb", "study/digits_slamb_v1"],
-    "digits": ["epochs=1", "schedule.milestones=[1]", "trainer.nproc_per_node=2", "data.micro_batch=128"],
+    "digits": ["epochs=1", "schedule.milestones=[1]", "trainer.nproc_per_node=2", "trainer.device=cpu",
+               "data.micro_batch=128"],
     "bert_rows": ["study/bert_lamb", "study/bert_slamb"],
     "bert": ["steps=4", "log_every=2", "data.global_batch=32", "data.micro_batch=16", "trainer.nproc_per_node=2",
+             "trainer.device=cpu",
              "trainer.checkpoint.every=4", "model.hidden_size=32", "model.intermediate_size=64",
              "model.num_attention_heads=2"],
 }

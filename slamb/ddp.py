@@ -26,6 +26,7 @@ buckets, so DDP keeps no second model-sized copy of the gradients.
 """
 
 import dataclasses
+import os
 
 import torch
 import torch.distributed as dist
@@ -98,6 +99,27 @@ def comm_hook(optimizer, process_group=None) -> tuple:
     return state, hook
 
 
+def check_current_device(model: torch.nn.Module) -> None:
+    """Refuse a model that is not on this rank's current CUDA device, in one line naming the fix.
+
+    Without ``torch.cuda.set_device(local_rank)`` every rank of a node builds its model on cuda:0 and
+    NCCL refuses the second one ("Duplicate GPU detected") deep inside DDP's first broadcast. The second
+    test catches exactly that: a rank other than local rank 0, which sees a GPU of its own index, still
+    on the default cuda:0.
+    """
+    devices = sorted({str(p.device) for p in model.parameters() if p.device.type == "cuda"})
+    if not devices:
+        return
+    current = torch.cuda.current_device()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    unset = current == 0 and 0 < local_rank < torch.cuda.device_count()
+    if devices != [f"cuda:{current}"] or unset:
+        raise ValueError(
+            f"wrap_model: the model's parameters are on {', '.join(devices)} and this rank's current CUDA device "
+            f"is cuda:{current} (LOCAL_RANK={local_rank}); call torch.cuda.set_device(local_rank) before building "
+            "the model, so that each rank of a node has a GPU of its own")
+
+
 def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_kwargs) -> torch.nn.Module:
     """DDP around ``model`` with the gradient communication ``optimizer`` needs.
 
@@ -115,6 +137,7 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
         process_group = topology.group
     if comm.world_size(process_group) == 1 or optimizer.communication == NO_DDP:
         return model
+    check_current_device(model)
     state, hook = comm_hook(optimizer, process_group)
     ddp_kwargs.setdefault("gradient_as_bucket_view", getattr(hook, "in_place", False))
     ddp = DistributedDataParallel(model, process_group=process_group, **ddp_kwargs)

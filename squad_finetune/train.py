@@ -104,7 +104,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     harness.check_counts(cfg, "epochs")
     # fp16 stays refused: the shared step's loss scaling has not been tried on fine-tuning (bf16 needs none)
     check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
-    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s)
+    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
     shape = {"max_length": d.max_length, "doc_stride": d.doc_stride, "max_query_length": d.max_query_length}

@@ -94,7 +94,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "epochs", "accumulation_steps")
     accum = cfg.accumulation_steps
-    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s)
+    env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)

@@ -232,7 +232,7 @@ def tiny_cfg(data: dict, run_dir: Path, *overrides) -> dict:
         "model.attention_probs_dropout_prob=0.0", f"data.dir={data[SEQ1]}", f"data.seq_len={SEQ1}",
         f"data.global_batch={2 * N_EXAMPLES}", "data.micro_batch=4", "steps=6", "log_every=2",
         "schedule.warmup_steps=1", "schedule.power=0.0", "trainer.nproc_per_node=2", "trainer.progress=false",
-        "trainer.threads_per_worker=1", "trainer.checkpoint.every=2", "trainer.checkpoint.keep=2",
+        "trainer.threads_per_worker=1", "trainer.device=cpu", "trainer.checkpoint.every=2", "trainer.checkpoint.keep=2",
         *overrides)
 
 

@@ -27,7 +27,7 @@ TIMING = ("step_time_s", "optimizer_time_s", "images_per_s", "images_per_s_per_w
 # a tiny, fast job: ResNet-8 of width 4, 2 workers x 16 images, 5 steps per epoch, 2 epochs
 TINY = ["model=resnet8", "model.width=4", "data.micro_batch=16", "data.eval_batch=64",
         "schedule.milestones=[1,2]", "trainer.nproc_per_node=2", "trainer.progress=false",
-        "trainer.threads_per_worker=1"]
+        "trainer.threads_per_worker=1", "trainer.device=cpu"]
 TWO_EPOCHS = ["epochs=2", "trainer.deterministic=true"]
 SLAMB_TINY = ["experiment=cifar10/slamb", "optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
 
@@ -290,7 +290,7 @@ def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_pat
 
 @pytest.mark.multiprocess
 def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
-    done = cli(["trainer.nproc_per_node=1", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    done = cli(["trainer.nproc_per_node=1", "trainer.device=cpu", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode != 0
     assert "missing data_batch_1" in done.stderr and "cifar-10-python.tar.gz" in done.stderr
 

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 import slamb
-from harness.build import check_optimizer, user_error
+from harness import distributed
+from harness.build import check_optimizer, check_settings, user_error
+from tests.test_configs import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +28,9 @@ ROOT = Path(__file__).resolve().parents[1]
                                      "optimizer.compress_ratio to an allowed value (command line or "
                                      "configs/optimizer/slamb.yaml)"),
     ("optimizer.name=adam", "unknown optimizer 'adam'; known: ['adamw', "),
+    pytest.param("trainer.device=cuda", f"invalid trainer.device='cuda': no usable CUDA device (torch built for CUDA "
+                 f"{torch.version.cuda or 'none (a CPU build)'}, NVIDIA driver ",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here")),
 ])
 @pytest.mark.multiprocess
 def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, override, line):
@@ -66,3 +71,100 @@ def test_user_error_names_the_fix():
         "configs/optimizer/onebit_lamb.yaml)")
     assert user_error(ValueError("invalid trainer.precision='fp8': must be one of ['fp32']"), ocfg).endswith(
         "fix: set trainer.precision to an allowed value (command line or configs/trainer/default.yaml)")
+
+
+# ----------------------------------------------------------------------------- trainer.device
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """A node whose visible CUDA devices the test sets (``gpus(n)``; 0: none usable); no worker environment."""
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "TORCHELASTIC_RUN_ID", "SLURM_NTASKS",
+                "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setattr(distributed, "driver_version", lambda: "470.57")
+
+    def visible(n: int):
+        monkeypatch.setattr(torch.accelerator, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda: torch.device("cuda") if n else None)
+        monkeypatch.setattr(torch.accelerator, "device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+    return visible
+
+
+def device_settings(*overrides) -> dict:
+    return compose_cfg("experiment=cifar10/slamb", "trainer.nproc_per_node=2", *overrides)
+
+
+@pytest.mark.parametrize("device", ["auto", "cuda"])
+def test_more_workers_than_gpus_are_refused_naming_both_numbers(gpus, device):
+    """local_rank % devices put two workers on one GPU, which NCCL refuses once they have all started."""
+    gpus(1)
+    with pytest.raises(ValueError) as caught:
+        check_settings(device_settings(f"trainer.device={device}"))
+    line = user_error(caught.value, {"name": "slamb"})
+    assert line.startswith("error: invalid trainer.nproc_per_node=2: 2 workers on this node and 1 visible cuda device")
+    assert "\n" not in line and line.endswith("fix: set trainer.nproc_per_node to an allowed value (command line or "
+                                              "configs/trainer/default.yaml)")
+    gpus(2)
+    check_settings(device_settings(f"trainer.device={device}"))
+
+
+def test_one_named_gpu_for_several_workers_is_refused(gpus):
+    gpus(2)
+    with pytest.raises(ValueError, match=r"invalid trainer.device='cuda:1': one device for 2 workers on this node"):
+        check_settings(device_settings("trainer.device=cuda:1"))
+    check_settings(device_settings("trainer.device=cuda:1", "trainer.nproc_per_node=1"))
+
+
+def test_torchrun_workers_are_counted_by_torchrun(gpus, monkeypatch):
+    """Under torchrun trainer.nproc_per_node is ignored: the node's workers are LOCAL_WORLD_SIZE."""
+    gpus(4)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(ValueError, match=r"trainer.nproc_per_node=8: 8 workers on this node and 4 visible"):
+        check_settings(device_settings())
+
+
+def test_a_worker_beyond_the_visible_gpus_is_refused(gpus):
+    gpus(2)
+    assert distributed.resolve_device("auto", 1) == torch.device("cuda", 1)
+    with pytest.raises(ValueError, match=r"3 workers on this node and 2 visible cuda device"):
+        distributed.resolve_device("auto", 2)  # was cuda:0, the device of local rank 0
+
+
+def test_auto_falling_back_to_the_cpu_says_so_in_one_line(gpus, capsys):
+    gpus(0)
+    check_settings(device_settings())
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1
+    assert out.err.startswith(f"notice: trainer.device=auto found no usable GPU (torch built for CUDA "
+                              f"{torch.version.cuda or 'none (a CPU build)'}, NVIDIA driver 470.57): the workers "
+                              "train on the CPU")
+    assert distributed.resolve_device("auto", 1) == torch.device("cpu")
+    check_settings(device_settings("trainer.device=cpu"))  # asked for: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_cuda_without_a_usable_cuda_names_the_versions(gpus):
+    gpus(0)
+    with pytest.raises(ValueError, match=r"invalid trainer.device='cuda': no usable CUDA device \(torch built for "
+                                         r"CUDA .*, NVIDIA driver 470.57\)"):
+        check_settings(device_settings("trainer.device=cuda", "trainer.nproc_per_node=1"))
+
+
+def test_driver_version_comes_from_nvidia_smi(monkeypatch):
+    def smi(args, **kwargs):
+        assert args[0] == "nvidia-smi"
+        return subprocess.CompletedProcess(args, 0, stdout="535.104.05\n535.104.05\n", stderr="")
+
+    monkeypatch.setattr(distributed.subprocess, "run", smi)
+    assert distributed.driver_version() == "535.104.05"
+
+    def absent(args, **kwargs):
+        raise FileNotFoundError(args[0])
+
+    monkeypatch.setattr(distributed.subprocess, "run", absent)
+    assert distributed.driver_version() == "unknown"

@@ -326,7 +326,17 @@ def test_compression_warmup_needs_a_compressing_optimizer():
     ("trainer.resume=maybe", r"invalid trainer.resume='maybe'"),
     ("trainer.device=gpu0", r"invalid trainer.device='gpu0'"),
     ("trainer.checkpoint.every=0", r"invalid trainer.checkpoint.every=0: must be an integer >= 1"),
+    ("trainer.tf32=maybe", r"invalid trainer.tf32='maybe': must be true or false"),
+    ("trainer.cudnn_benchmark=1", r"invalid trainer.cudnn_benchmark=1: must be true or false"),
 ])
 def test_invalid_trainer_settings(override, match):
     with pytest.raises(ValueError, match=match):
         check_trainer(compose_cfg(override)["trainer"])
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_cuda_math_defaults_are_nvidias(root):
+    """TF32 everywhere; cuDNN's autotuner where the input shapes are fixed (the vision pipelines)."""
+    t = compose_root(root)["trainer"]
+    assert t["tf32"] is True and t["cudnn_benchmark"] is (root in ("cifar10", "swin"))
+    check_trainer(t)

@@ -1,11 +1,14 @@
 """What a GPU run depends on, tested on the CPU: masks that are a pure function of
 (seed, step, k, position), overlap under loss scaling and clipping (and the
 harness's fp16 telling it the scale), the fp16 exchange at large n, host
-synchronisations in a step, 1-bit LAMB under fp16."""
+synchronisations in a step, 1-bit LAMB under fp16, each rank bound to its own GPU."""
 from __future__ import annotations
 
 import collections
 import math
+import re
+import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -310,3 +313,175 @@ def test_onebit_packing_makes_no_tensor_from_host_data(monkeypatch):
     bits = torch.rand(1000) > 0.5
     pack_bits(bits)
     assert host_reads(lambda: unpack_bits(pack_bits(bits), 1000), monkeypatch) == {}
+
+
+# ----------------------------------------------------------------------------- device binding
+
+
+class OnCuda(torch.nn.Module):
+    """A model whose parameters report a CUDA device (torch.device objects need no GPU)."""
+
+    def __init__(self, *indices):
+        super().__init__()
+        self.indices = indices
+
+    def parameters(self, recurse=True):
+        return iter([types.SimpleNamespace(device=torch.device("cuda", i)) for i in self.indices])
+
+
+@pytest.fixture
+def eight_gpus(monkeypatch):
+    """A node of 8 GPUs whose current device the test sets (``cuda.current = i``)."""
+    cuda = types.SimpleNamespace(current=0)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: cuda.current)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    return cuda
+
+
+@pytest.mark.parametrize("local_rank, current, indices, refused", [
+    (3, 0, (0,), True),  # the README's old snippet: no set_device, every rank on cuda:0
+    (3, 3, (0,), True),  # set_device(3), model still built on cuda:0
+    (0, 0, (0, 1), True),  # split over two GPUs
+    (3, 3, (3,), False),
+    (0, 0, (0,), False),
+])
+def test_wrap_model_refuses_a_model_off_the_current_device(eight_gpus, monkeypatch, local_rank, current, indices,
+                                                           refused):
+    monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+    eight_gpus.current = current
+    if not refused:
+        slamb.ddp.check_current_device(OnCuda(*indices))
+        return
+    with pytest.raises(ValueError) as caught:
+        slamb.ddp.check_current_device(OnCuda(*indices))
+    message = str(caught.value)
+    assert "\n" not in message and "torch.cuda.set_device(local_rank) before building the model" in message
+    assert f"current CUDA device is cuda:{current} (LOCAL_RANK={local_rank})" in message
+
+
+def test_a_cpu_model_is_not_asked_for_a_cuda_device(monkeypatch):
+    def no_cuda():
+        raise AssertionError("a CPU model must not query CUDA")
+
+    monkeypatch.setattr(torch.cuda, "current_device", no_cuda)
+    slamb.ddp.check_current_device(torch.nn.Linear(2, 2))
+
+
+def test_wrap_model_checks_the_device_before_building_ddp(eight_gpus, monkeypatch):
+    """Under a process group of several ranks the check runs before DDP's first broadcast."""
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(slamb.ddp.comm, "world_size", lambda group=None: 2)
+
+    def no_ddp(*args, **kwargs):
+        raise AssertionError("DDP built before the device check")
+
+    monkeypatch.setattr(slamb.ddp, "DistributedDataParallel", no_ddp)
+    opt = slamb.create_optimizer("lamb", torch.nn.Linear(2, 2), lr=0.1)
+    with pytest.raises(ValueError, match=r"call torch\.cuda\.set_device\(local_rank\)"):
+        slamb.wrap_model(OnCuda(0), opt)
+
+
+def test_snippets_bind_each_rank_to_its_gpu_before_cuda_work():
+    """Every Python snippet of the README and docs that starts NCCL or moves a model to CUDA calls
+    torch.cuda.set_device first: without it every rank of a node builds on cuda:0."""
+    root = Path(__file__).resolve().parents[1]
+    checked = 0
+    for page in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S):
+            uses = [m.start() for m in re.finditer(r'init_process_group\("nccl"|\.cuda\(\)|device="cuda"', block)]
+            if uses:
+                checked += 1
+                bind = block.find("torch.cuda.set_device(")
+                assert 0 <= bind < min(uses), f"{page.name}: a snippet uses CUDA before torch.cuda.set_device"
+    assert checked >= 1  # the README's own-loop snippet
+
+
+# ----------------------------------------------------------------------------- optimizer time on CUDA
+
+
+class FakeDevice:
+    """A CUDA stream imitated on the CPU: work queued moves ``queued`` on; the host knows how far the
+    device has come (``done``) only from an event's synchronize(), as a real event's elapsed_time raises
+    cudaErrorNotReady before its end has completed."""
+
+    def __init__(self):
+        self.queued, self.done, self.syncs = 0.0, 0.0, 0
+        device = self
+
+        class Event:
+            def __init__(self, enable_timing=False):
+                assert enable_timing
+                self.at = None
+
+            def record(self, stream=None):
+                self.at = device.queued
+
+            def synchronize(self):
+                device.syncs += 1
+                device.done = max(device.done, self.at)
+
+            def elapsed_time(self, end):
+                if max(self.at, end.at) > device.done:
+                    raise RuntimeError("CUDA error: device not ready")
+                return 1000.0 * (end.at - self.at)
+
+        self.Event = Event
+
+
+class QueuingSGD(torch.optim.SGD):
+    """An SGD whose step queues 0.25 s of device work."""
+
+    def __init__(self, params, device):
+        super().__init__(params, lr=0.1)
+        self.device = device
+
+    def step(self, closure=None):
+        self.device.queued += 0.25
+        return super().step(closure)
+
+
+def no_wait(*args, **kwargs):
+    raise AssertionError("a step waited for the device")
+
+
+def test_cuda_optimizer_time_is_read_from_events_at_log_time_only(monkeypatch):
+    from harness.amp import MixedPrecision
+
+    device = FakeDevice()
+    monkeypatch.setattr(torch.cuda, "Event", device.Event)
+    monkeypatch.setattr(torch.cuda, "synchronize", no_wait)
+    monkeypatch.setattr(torch.accelerator, "synchronize", no_wait)
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = QueuingSGD([w], device)
+    amp = MixedPrecision("fp32", torch.device("cuda"))
+    assert amp.time_steps and amp.step_seconds == 0.0
+
+    def steps(n):
+        for _ in range(n):
+            w.grad = torch.ones(3)
+            device.queued += 1.0  # forward and backward before the step: not the optimizer's
+            amp.step(opt, [w])
+
+    steps(3)
+    assert device.syncs == 0  # no step waited
+    assert amp.step_seconds == pytest.approx(0.75) and device.syncs == 1  # one wait, at the read
+    assert amp.step_seconds == pytest.approx(0.75) and device.syncs == 1  # nothing new: no wait
+    steps(2)
+    assert device.syncs == 1
+    assert amp.step_seconds == pytest.approx(1.25) and device.syncs == 2
+    assert w.detach().tolist() == pytest.approx([0.5] * 3)  # the steps themselves ran
+
+
+def test_cpu_optimizer_time_is_the_host_clock(monkeypatch):
+    from harness import amp as amp_module
+
+    monkeypatch.setattr(torch.cuda, "Event", no_wait)
+    clock = iter([10.0, 10.5, 20.0, 20.25])
+    monkeypatch.setattr(amp_module.time, "perf_counter", lambda: next(clock))
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    amp = amp_module.MixedPrecision("fp32", torch.device("cpu"))
+    for _ in range(2):
+        w.grad = torch.ones(3)
+        amp.step(opt, [w])
+    assert amp.time_steps and amp.step_seconds == 0.75

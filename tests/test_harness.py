@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import csv
+import importlib
 import json
 import os
 import random
@@ -23,6 +24,7 @@ from harness.tables import build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
 from tests import distributed
+from tests.test_configs import compose_root
 
 CPU = torch.device("cpu")
 
@@ -471,3 +473,47 @@ def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
         "SLAMB's averaged model is 0.40 points below LAMB's (96.20% vs 96.60% top-1, mean of 3 and 3 seeds; two "
         "standard errors of the difference: 0.26, so a difference beyond the seeds' spread) at 0.391x LAMB's bytes "
         "per worker (2.6x fewer).")
+
+
+# ----------------------------------------------------------------------------- CUDA math at worker start-up
+
+
+@pytest.fixture
+def cuda_math():
+    """torch's CUDA math flags, process-wide, restored after the test."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark
+    yield lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+                   torch.backends.cudnn.benchmark)
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32, torch.backends.cudnn.benchmark = saved
+
+
+@pytest.mark.parametrize("tf32, benchmark", [(True, True), (False, False), (True, False)])
+def test_worker_start_up_sets_the_cuda_math(cuda_math, tf32, benchmark):
+    """Settable without CUDA: a CPU worker sets them too (they choose CUDA kernels only)."""
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = not tf32
+    torch.backends.cudnn.benchmark = not benchmark
+    harness.init_distributed("cpu", 1, tf32=tf32, cudnn_benchmark=benchmark)
+    assert cuda_math() == (tf32, tf32, benchmark)
+    harness.init_distributed("cpu", 1)  # not given: torch's settings stay
+    assert cuda_math() == (tf32, tf32, benchmark)
+
+
+class Started(Exception):
+    pass
+
+
+@pytest.mark.parametrize("root, module", [("cifar10", "cifar10.train"), ("swin", "swin.train"),
+                                          ("bert", "bert.train"), ("squad", "squad_finetune.train")])
+@pytest.mark.parametrize("tf32, benchmark", [(False, True), (True, False)])
+def test_every_pipeline_hands_its_cuda_math_to_the_worker_start_up(monkeypatch, root, module, tf32, benchmark):
+    seen = {}
+
+    def start(*args, **kwargs):
+        seen.update(kwargs)
+        raise Started
+
+    monkeypatch.setattr(harness, "init_distributed", start)
+    cfg = compose_root(root, f"trainer.tf32={str(tf32).lower()}", f"trainer.cudnn_benchmark={str(benchmark).lower()}")
+    with pytest.raises(Started):
+        importlib.import_module(module).train(cfg, "/nonexistent")
+    assert seen == {"tf32": tf32, "cudnn_benchmark": benchmark}

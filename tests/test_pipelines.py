@@ -75,7 +75,8 @@ def squad_runs(bert_dir, tmp_path_factory):  # noqa: F811
     cfgs = {n: compose_squad(f"model.dir={bert_dir}", f"data.train_file={squad}", f"data.dev_file={squad}",
                              "data.max_length=48", "data.doc_stride=16", "data.max_query_length=16",
                              "data.global_batch=4", "data.eval_batch=5", "epochs=2",
-                             "trainer.progress=false", "trainer.threads_per_worker=1", f"optimizer={n}",
+                             "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.device=cpu",
+                             f"optimizer={n}",
                              *(["~optimizer.eps"] if n in NO_ADAM else []), *(SLAMB_TINY if n == "slamb" else []))
             for n in NAMES}
     return _launch("squad_finetune.train", cfgs, root)

@@ -363,7 +363,8 @@ def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, cap
                         "data.max_length=48", "data.doc_stride=16", "data.max_query_length=16",
                         "data.global_batch=4",
                         "data.eval_batch=5", "epochs=3", "optimizer.lr=3e-3", "schedule.warmup_fraction=0",
-                        "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.deterministic=true",
+                        "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.device=cpu",
+                        "trainer.deterministic=true",
                         "paper={table: squad_tiny, row: LAMB, f1: 91.345, exact_match: null}")
     run_dir = tmp_path / "run"
     results = distributed.run(e2e_worker, 2, cfg, str(run_dir))

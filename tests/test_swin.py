@@ -353,8 +353,8 @@ def test_each_row_trains_end_to_end_on_two_workers_and_the_table_renders(tiny_di
 @pytest.mark.multiprocess
 def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "swin.train", "trainer.nproc_per_node=1", f"data.dir={tmp_path}",
-                           f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-m", "swin.train", "trainer.nproc_per_node=1", "trainer.device=cpu",
+                           f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
     assert done.returncode != 0
     assert f"missing {tmp_path / 'train'}" in done.stderr and "train/<class>/*.JPEG" in done.stderr
