@@ -28,6 +28,7 @@ from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
+from .precision import state_dtype
 
 # what a rank reports before a step; the maximum over the ranks is what every rank does
 NO_GRADIENT, GRADIENTS, NEW_PARAMETERS, NONFINITE = range(4)
@@ -201,7 +202,9 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         saved = [k for g in state_dict["param_groups"] for k in g["params"]]
         for k, p in zip(saved, self._all_params()):
             if k in state_dict["state"]:
-                self.state[p] = {name: v.to(p.dtype) if torch.is_tensor(v) and v.is_floating_point() else v
+                # a state saved in bf16 or fp16 (before the state was fp32) is promoted
+                self.state[p] = {name: v.to(state_dtype(p.dtype)) if torch.is_tensor(v) and v.is_floating_point()
+                                 else v
                                  for name, v in state_dict["state"][k].items()}
         self._step = int(extra["step"])
         self.ledger.load_state_dict(extra["ledger"])

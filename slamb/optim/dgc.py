@@ -71,7 +71,6 @@ from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 
 DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
-_FP16_MAX = torch.finfo(torch.float16).max
 
 
 def momentum_direction_(u: torch.Tensor, g: torch.Tensor, momentum: float, nesterov: bool) -> torch.Tensor:
@@ -337,6 +336,7 @@ class DGC(LocalStateOptimizer):
 
     def _dense_update(self, layout: FlatLayout, key: bool, g: torch.Tensor, pending: torch.Tensor | None) -> None:
         u = self._flat[(key, "momentum")]
+        g = g.to(u.dtype)  # bf16 or fp16 gradients: the direction in the fp32 momentum's arithmetic
         for gi, lo, hi in layout.groups:
             group, span = self.param_groups[gi], layout.span(lo, hi)
             params = layout.params[lo:hi]
@@ -362,10 +362,11 @@ class DGC(LocalStateOptimizer):
         mask = sel.mask
         indices = mask.nonzero().view(-1)
         values = acc[indices]
-        if self.value_dtype is None:  # step 4
+        wire = self.value_dtype or layout.dtype  # the parameters' dtype unless fp16_values
+        if wire == acc.dtype:  # step 4
             acc.masked_fill_(mask, 0)
-        else:  # the fp16 rounding error stays in the accumulator (exact: x - fp16(x) fits in fp32)
-            values = values.clamp_(-_FP16_MAX, _FP16_MAX).to(self.value_dtype)
+        else:  # the wire's rounding error stays in the accumulator (exact: x - fp16(x) fits in fp32)
+            values = values.clamp_(-torch.finfo(wire).max, torch.finfo(wire).max).to(wire)
             acc.index_put_((indices,), acc[indices].sub_(values.to(acc.dtype)))
         if self.momentum_masking:
             u.masked_fill_(mask, 0)
@@ -377,9 +378,8 @@ class DGC(LocalStateOptimizer):
             params = layout.params[lo:hi]
             d = self._avg[span]
             if group["weight_decay"] != 0:
-                decayed = torch._foreach_mul(params, group["weight_decay"])
-                d = d + momentum_direction_(decay[span], layout.flatten(decayed), group["momentum"],
-                                            group["nesterov"])
+                decayed = layout.flatten(params).to(decay.dtype).mul_(group["weight_decay"])
+                d = d + momentum_direction_(decay[span], decayed, group["momentum"], group["nesterov"])
             torch._foreach_add_(params, layout.views(d, lo, hi), alpha=-group["lr"])
         self._sparse_pending = True
         self._last = dict(density=self.density, k=ks, counts=sel.counts, sent=indices.numel(),

@@ -40,6 +40,7 @@ from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_
 from ..ddp import no_comm_hook
 from .checks import check_betas, check_choice, check_range
 from .lamb import LAMB
+from .precision import state_dtype, working_copies
 
 INNER = ("adamw", "lamb", "sgd")
 _KEY = "diloco"
@@ -124,7 +125,8 @@ class DiLoCo(ContractDefaults, Optimizer):
     def _outer_step(self) -> None:
         params, anchor = self._params(), self._anchor
         average_tensors_(params, process_group=self.process_group, ledger=self.ledger, kind="params")
-        delta = torch._foreach_sub(anchor, params)  # the outer gradient
+        # the outer gradient and momentum in fp32 under bf16 or fp16 parameters; the anchor rounded once
+        delta = torch._foreach_sub(working_copies(anchor), working_copies(params))
         mu = self.outer_momentum
         if mu > 0:
             if self._momentum is None:
@@ -174,9 +176,10 @@ class DiLoCo(ContractDefaults, Optimizer):
         self.inner.load_state_dict({k: v for k, v in state_dict.items() if k != _KEY})
         self.param_groups, self.state = self.inner.param_groups, self.inner.state  # load made new ones
 
-        def own(tensors):  # copies on the parameters' devices: the outer step updates them in place
-            return None if tensors is None else [t.to(p.device, p.dtype, copy=True) for t, p in zip(tensors, params)]
+        def own(tensors, state=False):  # copies on the parameters' devices: the outer step updates them in place
+            return None if tensors is None else [t.to(p.device, state_dtype(p.dtype) if state else p.dtype, copy=True)
+                                                 for t, p in zip(tensors, params)]
 
         self._step = int(saved["step"])
-        self._anchor, self._momentum = own(anchor), own(saved["momentum"])
+        self._anchor, self._momentum = own(anchor), own(saved["momentum"], state=True)
         self.ledger.load_state_dict(saved["ledger"])

@@ -34,6 +34,9 @@ ALIKE_STEPS = 3
 class MomentumExchange:
     """The momentum exchange's state: DDP's comm-hook state with ``overlap``, and step 4's either way.
 
+    The momentum travels in ``comm_dtype``, by default the parameters' dtype (the bytes DDP would send for
+    their gradients): under bf16 or fp16 parameters the fp32 momentum is rounded to it on the wire.
+
     ``grad_scale``: the loss scale backward's gradients carry and ``step()``'s do not (see
     :class:`slamb.SLAMB`). ``next_sel``: the coming step's mask, given by the optimizer when it draws it
     (at the end of the previous step, so the hook draws nothing). Until :meth:`bind` gives it the layout,
@@ -42,6 +45,7 @@ class MomentumExchange:
 
     def __init__(self, *, process_group, ledger: comm.CommLedger, comm_dtype):
         self.process_group, self.ledger, self.comm_dtype = process_group, ledger, comm_dtype
+        self.wire_dtype = comm_dtype  # with the layout: comm_dtype, else the parameters' dtype
         self.grad_scale = 1.0
         self.index: dict[int, int] | None = None  # id(parameter) -> place in the layout
         self.momenta: list[torch.Tensor] = []  # per-parameter views of the flat momentum
@@ -55,6 +59,7 @@ class MomentumExchange:
     def bind(self, params: list[torch.Tensor], momenta: list[torch.Tensor], groups: list[dict]) -> None:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.momenta, self.groups = momenta, groups
+        self.wire_dtype = self.comm_dtype or params[0].dtype
         self.pending, self.next_sel = {}, None
 
     def cancel(self) -> None:
@@ -107,7 +112,7 @@ class MomentumExchange:
         local = torch.cat(sel.take([self.momenta[i] for i in ids], ids))
         if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
             return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
-        rtol = 8 * torch.finfo(self.comm_dtype or mean.dtype).eps
+        rtol = 8 * torch.finfo(self.wire_dtype).eps
         return bool(torch.allclose(local, mean, rtol=rtol, atol=0.0))
 
     def _count_alike(self, alike: bool) -> None:
@@ -143,13 +148,14 @@ def launch(state: MomentumExchange, sel: Selection, ids: list[int], gs: list[tor
     entries and the average overwrites them.
     """
     ms = sel.take([state.momenta[i] for i in ids], ids)
+    gs = [g.to(m.dtype) for g, m in zip(gs, ms)]  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
     weights = [1 - state.groups[i]["betas"][0] for i in ids]
     if len(set(weights)) == 1:
         new = torch._foreach_lerp(ms, gs, weights[0])
     else:
         new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
     return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=state.ledger, group=state.process_group,
-                                 async_op=True, comm_dtype=state.comm_dtype)
+                                 async_op=True, comm_dtype=state.wire_dtype)
 
 
 def grads_changed(state: MomentumExchange, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from .precision import state_dtype
 
 
 def params_with_grad(optimizer) -> list[int]:
@@ -61,6 +62,7 @@ class FlatLayout:
         self.group_of = list(group_index)
         self.device = params[0].device
         self.dtype = params[0].dtype
+        self.state_dtype = state_dtype(self.dtype)  # of the buffers: fp32 under bf16 and fp16 parameters
         self.numels = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
         self.offsets = [0]
@@ -87,10 +89,10 @@ class FlatLayout:
 
         Values already in ``state`` (a loaded checkpoint, a layout before it grew) are carried over, else ``fill``.
         ``per_tensor``: one scalar per parameter (0-d views) instead of one per element.
-        ``dtype``: of the buffer, when not the parameters' (a counter).
+        ``dtype``: of the buffer, when not ``state_dtype`` (a counter).
         """
         flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
-                          dtype=dtype or self.dtype, device=self.device)
+                          dtype=dtype or self.state_dtype, device=self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
         for p, view in zip(self.params, views):
             if key in state[p]:  # per parameter: a grown layout keeps the state of those it had
@@ -99,7 +101,7 @@ class FlatLayout:
         return flat
 
     def zeros(self, dtype=None) -> torch.Tensor:
-        return torch.zeros(self.numel, dtype=dtype or self.dtype, device=self.device)
+        return torch.zeros(self.numel, dtype=dtype or self.state_dtype, device=self.device)
 
     def views(self, buf: torch.Tensor, lo: int = 0, hi: int | None = None) -> list[torch.Tensor]:
         """Shaped per-parameter views of ``buf``, a buffer over parameters ``lo:hi``."""

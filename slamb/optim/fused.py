@@ -8,7 +8,8 @@ others, and the age advances (step 6: 0 where averaged, else one more).
 
 Pass 2, :func:`update_pass`: p -= clamp(A + B r, lo, hi) (E0 + E1 r) u, with u recomputed from m, v, p
 (recomputing costs the same traffic as writing it in pass 1 and reading it back, and keeps no scratch)
-and r = b3^age (1 without an age buffer). LAMB, SLAMB v1 and v2 differ only in the per-tensor A, B,
+and r = b3^age (1 without an age buffer). Both passes compute in the moments' dtype (fp32 under bf16
+and fp16 parameters, :mod:`slamb.optim.precision`): such a parameter is rounded once, when written. LAMB, SLAMB v1 and v2 differ only in the per-tensor A, B,
 lo, hi, E0, E1 (see each optimizer).
 
 Every scalar arrives in a small per-tensor table (a tensor, so a new lr or t reuses the graphs): a
@@ -64,6 +65,7 @@ def moments_pass(params, grads, ms, vs, ages, table):
     sums = []
     for i, (p, g, m, v) in enumerate(zip(params, grads, ms, vs)):
         b1c, b2, b2c, c, eps, wd = table[i].unbind()
+        p, g = p.to(m.dtype), g.to(m.dtype)  # bf16 and fp16 tensors: fp32 arithmetic, fp32 sums
         m_new = m + b1c * (g - m)
         v_new = b2 * v + b2c * (g * g)
         m.copy_(m_new)
@@ -84,12 +86,13 @@ def update_pass(params, ms, vs, ages, table):
     """Pass 2 over a run; ``table``: the run's rows of ``UPDATE_COLUMNS``."""
     for i, (p, m, v) in enumerate(zip(params, ms, vs)):
         c, eps, wd, log2_b3, a, b, lo, hi, e0, e1 = table[i].unbind()
-        u = _direction(p, m, v, c, eps, wd)
+        w = p.to(m.dtype)  # a bf16 or fp16 parameter: its new value in fp32, rounded once
+        u = _direction(w, m, v, c, eps, wd)
         if ages is None:
-            p.sub_((a + b).clamp(lo, hi) * (e0 + e1) * u)
+            p.copy_(w - (a + b).clamp(lo, hi) * (e0 + e1) * u)
             continue
         r = torch.exp2(ages[i].to(torch.float32) * log2_b3)  # b3^age
-        p.sub_((a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
+        p.copy_(w - (a + b * r).clamp(lo, hi) * (e0 + e1 * r) * u)
 
 
 # Inductor settings that make a graph's numbers a function of its code and shapes alone: no on-device

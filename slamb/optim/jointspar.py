@@ -85,6 +85,7 @@ from .checks import NONFINITE_POLICIES, check_choice, check_lr, check_range, non
 from .flat import FlatLayout, check_layouts_agree, param_labels
 from .lamb_math import safe_ratio
 from .masks import step_seed
+from .precision import promote_state_, state_dtype, working_copies, write_back_
 
 
 # -- the sampling distribution --------------------------------------------------------------------
@@ -246,7 +247,7 @@ class JointSpar(ContractDefaults, Optimizer):
         self._layout = FlatLayout.of(self, ids)  # one device, one dtype
         self._layers = self._layout.params
         self._names = param_labels(self, ids)
-        self._norm_dtype = torch.promote_types(self._layout.dtype, torch.float32)  # half precision: fp32 norms
+        self._norm_dtype = state_dtype(self._layout.dtype)  # half precision: fp32 norms
         self._trusted = [not (lars_exclude_1d and p.dim() <= 1) for p in self._layers]
         self._prob = torch.full((len(self._layers),), self.kappa, dtype=torch.float64)
         self._round = 0
@@ -369,6 +370,7 @@ class JointSpar(ContractDefaults, Optimizer):
             raise ValueError(f"JointSpar checkpoint has kappa={extra['kappa']}, p_min={extra['p_min']}; this "
                              f"optimizer kappa={self.kappa}, p_min={self.p_min}: construct it with the saved ones")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != "jointspar"})
+        promote_state_(self)  # torch's loader casts the momentum to the parameters' dtype
         self._round = int(extra["round"])
         # the sampling runs on the CPU (a host decision: which layers train), whatever device saved it
         self._prob = extra["prob"].to("cpu", torch.float64, copy=True)
@@ -393,7 +395,7 @@ class JointSpar(ContractDefaults, Optimizer):
         layers, idx = self._layers, self._active_idx
         for p in layers:
             if "momentum_buffer" not in self.state[p]:
-                self.state[p]["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                self.state[p]["momentum_buffer"] = torch.zeros_like(p, dtype=self._norm_dtype)
         # An active layer the forward did not use has no gradient: it counts as
         # zero so that every rank packs the same buffer.
         grads = [layers[i].grad if layers[i].grad is not None else torch.zeros_like(layers[i]) for i in idx]
@@ -401,6 +403,7 @@ class JointSpar(ContractDefaults, Optimizer):
         if idx:
             flat = torch.cat([g.reshape(-1) for g in grads])
             comm.all_reduce_mean_(flat, kind="grads", ledger=self.ledger, group=self.process_group)
+            flat = flat.to(self._norm_dtype)  # bf16 or fp16 gradients: the update in fp32
             shapes = [layers[i].shape for i in idx]
             averaged = [v.view(s) for v, s in zip(torch.split(flat, [layers[i].numel() for i in idx]), shapes)]
         if nonfinite_skip(averaged, [self._names[i] for i in idx], self.nonfinite, ledger=None,
@@ -417,12 +420,14 @@ class JointSpar(ContractDefaults, Optimizer):
             if self.foreach:
                 self._update_foreach(members, averaged, g_norms, where, **hyper)
             else:
-                for i in members:
+                work = working_copies([layers[i] for i in members])
+                for i, w in zip(members, work):
                     k = where.get(i)
-                    jointspar_reference(layers[i], None if k is None else averaged[k],
+                    jointspar_reference(w, None if k is None else averaged[k],
                                         self.state[layers[i]]["momentum_buffer"], prob=float(self._prob[i]),
                                         trust_coeff=self.trust_coeff if self.lars and self._trusted[i] else None,
                                         **hyper)
+                write_back_([layers[i] for i in members], work)
 
         if idx and self.dist_lr > 0:
             # The one host sync of the step: the next draw, a decision every

@@ -19,6 +19,7 @@ from ..contract import ContractDefaults
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
+from .precision import promote_state_, state_dtype, working_copies, write_back_
 
 
 def trust_ratio(p_norm: torch.Tensor, u_norm: torch.Tensor, trust_clamp) -> torch.Tensor:
@@ -104,7 +105,8 @@ class LAMB(ContractDefaults, Optimizer):
     Gradients must already be averaged (use :func:`slamb.wrap_model`, whose DDP
     hook records the gradient bytes in ``self.ledger``). ``nonfinite`` as in
     :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
-    the decision is too. ``fused=True`` runs the step as two compiled passes
+    the decision is too. The moments are fp32 under bf16 and fp16 parameters, which are updated in fp32
+    and rounded once (:mod:`slamb.optim.precision`). ``fused=True`` runs the step as two compiled passes
     (:mod:`slamb.optim.fused`, ``torch.compile``): the same numbers to rounding, no model-sized temporary;
     it warns once and runs the multi-tensor path where ``torch.compile`` fails.
     """
@@ -139,6 +141,10 @@ class LAMB(ContractDefaults, Optimizer):
                 raise ValueError(f"invalid trust_clamp={clamp!r}: must be None or (min, max) with 0 <= min <= max")
             g["trust_clamp"] = clamp
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        promote_state_(self)  # torch's loader casts the moments to the parameters' dtype
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -158,8 +164,8 @@ class LAMB(ContractDefaults, Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p.dtype))
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p.dtype))
             states = [self.state[p] for p in params]
             for s in states:
                 s["step"] += 1
@@ -172,10 +178,12 @@ class LAMB(ContractDefaults, Optimizer):
         if self.fused and lamb_fused(self._passes, todo):
             todo = []
         for params, gs, ms, vs, hyper in todo:
+            work, gs = working_copies(params), working_copies(gs)
             if self.foreach:
-                lamb_foreach(params, gs, ms, vs, **hyper)
+                lamb_foreach(work, gs, ms, vs, **hyper)
             else:
-                for p, g, m, v in zip(params, gs, ms, vs):
+                for p, g, m, v in zip(work, gs, ms, vs):
                     lamb_reference(p, g, m, v, **hyper)
+            write_back_(params, work)
         self.ledger.end_step()
         return loss

@@ -81,6 +81,7 @@ from .base import LocalStateOptimizer
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .lamb import lamb_foreach
 from .lamb_math import safe_ratio
+from .precision import working_copies, write_back_
 
 _FLAT = {"exp_avg": 0.0, "exp_avg_sq": 0.0, "exp_avg_sq_fresh": 0.0}  # per-element state, initial value
 _SCALAR = {"lamb_coeff_freeze": 0.0, "last_factor": 1.0, "scaling_coeff": 1.0}  # per-tensor state
@@ -224,7 +225,7 @@ class OnebitLamb(LocalStateOptimizer):
             layout = self._layout
             self._errors = ErrorFeedback(layout.numel, comm.world_size(self.process_group),
                                          comm.rank(self.process_group), device=layout.device,
-                                         dtype=torch.promote_types(layout.dtype, torch.float32))
+                                         dtype=layout.state_dtype)
         return self._errors
 
     per_rank_reason = "its error-feedback buffers are the rank's own and chunked for that world size"
@@ -264,7 +265,7 @@ class OnebitLamb(LocalStateOptimizer):
         layout = self._layout
         self._step += 1
         if compressing:
-            self._compression_step(layout.flatten(grads))
+            self._compression_step(layout.flatten(grads).to(layout.state_dtype))
         else:
             self._warmup_step(grads)
             if self._step == self.freeze_step:
@@ -284,19 +285,19 @@ class OnebitLamb(LocalStateOptimizer):
         for gi, lo, hi in layout.groups:
             group, span = self.param_groups[gi], layout.span(lo, hi)
             b1, b2 = group["betas"]
+            params = working_copies(layout.params[lo:hi])
             coeff, counted = lamb_foreach(
-                layout.params[lo:hi], grads[lo:hi], layout.views(m[span], lo, hi), layout.views(v[span], lo, hi),
+                params, working_copies(grads[lo:hi]), layout.views(m[span], lo, hi), layout.views(v[span], lo, hi),
                 t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
                 bias_correction=group["bias_correction"], trust_clamp=(group["min_coeff"], group["max_coeff"]))
+            write_back_(layout.params[lo:hi], params)
             cf[lo:hi] = torch.where(counted, torch.lerp(coeff, cf[lo:hi], self.coeff_beta), cf[lo:hi])
 
     def _freeze(self) -> None:
         layout = self._layout
         self._flat["exp_avg_sq_fresh"].copy_(self._flat["exp_avg_sq"])
-        # sizes and norms in fp32 at least: under fp16 parameters a size above 65,504 would be inf
-        acc = torch.promote_types(layout.dtype, torch.float32)
-        sizes = torch.tensor(layout.numels, dtype=acc, device=layout.device)
-        norms = torch._foreach_norm(list(torch.split(self._flat["exp_avg"], layout.numels)), dtype=acc)
+        sizes = torch.tensor(layout.numels, dtype=layout.state_dtype, device=layout.device)
+        norms = torch._foreach_norm(list(torch.split(self._flat["exp_avg"], layout.numels)))
         rms = torch.stack(norms) / sizes.sqrt()
         self._scalar["scaling_coeff"].copy_(safe_ratio(rms.mean().expand_as(rms), rms, 1.0))
 
@@ -322,14 +323,16 @@ class OnebitLamb(LocalStateOptimizer):
             if self.foreach:
                 self._compression_update_flat(lo, hi, *args, *scalars, **hyper)
             else:
-                for p, *views in zip(layout.params[lo:hi], *(layout.views(x, lo, hi) for x in args),
+                params = working_copies(layout.params[lo:hi])
+                for p, *views in zip(params, *(layout.views(x, lo, hi) for x in args),
                                      *(s.unbind() for s in scalars)):
                     compression_update_reference(p, *views, factor_min=self.factor_min, factor_max=self.factor_max,
                                                  factor_threshold=self.factor_threshold, **hyper)
+                write_back_(layout.params[lo:hi], params)
 
     def _compression_update_flat(self, lo, hi, m, m_prev, v, v_fresh, coeff_freeze, last_factor, *, lr, b1, b2,
                                  eps, wd, bc1, bc2_frozen, bc2) -> None:
-        layout, params = self._layout, self._layout.params[lo:hi]
+        layout, params = self._layout, working_copies(self._layout.params[lo:hi])
         g = m_prev.mul_(-b1).add_(m).div_(1 - b1)  # m_prev is a scratch copy: reuse its memory
         v_fresh.mul_(b2).addcmul_(g, g, value=1 - b2)
         denom = torch.div(v, bc2_frozen).sqrt_().add_(eps)
@@ -347,3 +350,4 @@ class OnebitLamb(LocalStateOptimizer):
         last_factor.copy_(factor)
         update.mul_(layout.expand(coeff_freeze * factor * lr, lo, hi))
         torch._foreach_sub_(params, layout.views(update, lo, hi))
+        write_back_(layout.params[lo:hi], params)

@@ -50,10 +50,12 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (PowerSGDState, _should_compress,
                                                                       powerSGD_hook)
+from torch.optim.sgd import sgd
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from .checks import check_choice, check_range
+from .precision import promote_state_, working_copies, write_back_
 
 _KEY = "powersgd"
 
@@ -192,7 +194,23 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = super().step(closure)
+        """torch's SGD step, on fp32 copies of bf16 or fp16 parameters and gradients (its momentum is then
+        fp32: in their dtype a momentum near 1 cannot decay), rounded once into the parameters."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, buffers = [], [], []
+            sparse = self._init_group(group, params, grads, buffers)
+            work = working_copies(params)
+            sgd(work, working_copies(grads), buffers, has_sparse_grad=sparse, foreach=group["foreach"],
+                fused=group["fused"], weight_decay=group["weight_decay"], momentum=group["momentum"], lr=group["lr"],
+                dampening=group["dampening"], nesterov=group["nesterov"], maximize=group["maximize"])
+            write_back_(params, work)
+            if group["momentum"] != 0:
+                for p, buf in zip(params, buffers):
+                    self.state[p]["momentum_buffer"] = buf
         self.ledger.end_step()
         return loss
 
@@ -277,6 +295,7 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
         if any(i >= len(params) or t.numel() != params[i].numel() for i, t in saved["error"].items()):
             raise ValueError("PowerSGD checkpoint was saved for a different model (parameter shapes differ)")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != _KEY})
+        promote_state_(self)  # torch's loader casts the momentum to the parameters' dtype
         s = self.powersgd
         s.iter = int(saved["iter"])
         s.rng.set_state(saved["rng"])

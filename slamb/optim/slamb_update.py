@@ -22,10 +22,13 @@ Per tensor, with S the entries selected at step t and L the others:
   a = c m / (sqrt(v) + eps) with eps unscaled. The scratch buffer holds the
   direction divided by c, d = u / c = m / (sqrt(v) + eps') + (wd / c) p,
   and every norm of u is c times that of d.
-* Split norms. |x[L]| = sqrt(|x|^2 - |x[S]|^2) (clamped at 0 against
-  rounding): a gather of the k N selected entries and one norm of the whole
-  tensor, instead of a masked pass over each part. An always-averaged
-  tensor has no L.
+* Split norms. |x[S]| is the norm of a gather of the k N selected entries;
+  |x[L]| the norm of the tensor with those entries set to 0 for the while
+  (then put back): the stale entries summed directly, as the other paths
+  do. sqrt(|x|^2 - |x[S]|^2) would cancel where the selected entries
+  dominate, which is common: m_avg / (sqrt(v) + eps) on coordinates this
+  rank's data did not touch (embedding rows) is large where its own m and v
+  are small. An always-averaged tensor has no L.
 * v1: trust(r) = clamp(r phi_s + (1 - r) phi_l, c_min, c_max) = A + B r with
   A = phi_l, B = phi_s - phi_l; an always-averaged tensor has r = 1:
   A = clamp(phi_s) (unclamped for a 1-D one: plain LAMB), B = 0. A blend
@@ -55,6 +58,7 @@ from . import fused as fused_passes
 from .flat import FlatLayout
 from .lamb_math import adam_direction_, adam_moments_, bias_folding, safe_ratio
 from .masks import Selection
+from .precision import working_copies, write_back_
 
 # the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
 # age, where b3^age is 0 in fp32 for b3 <= 0.997 (the fused path keeps it in fp16: fused.MAX_AGE)
@@ -141,15 +145,22 @@ class SlambLayout:
 
 
 def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
-    """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi)."""
+    """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi), each
+    summed over its own entries (the module docstring: no cancellation)."""
     whole = torch.stack(torch._foreach_norm(tensors))
     ids, at = plan.compressed_of[lo]
     if not ids:
         return whole, torch.zeros_like(whole)
-    selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(sel.take([tensors[i - lo] for i in ids],
-                                                                                ids))))
-    rest = (whole.square() - selected.square()).clamp_min_(0.0).sqrt_()
-    return selected, rest.masked_fill_(plan.dense_t[lo:hi], 0.0)
+    # the flattened tensor itself where its layout allows, else a copy, which needs nothing put back
+    flats = [x.view(-1) if x.is_contiguous() else x.flatten() for x in (tensors[i - lo] for i in ids)]
+    taken = sel.take(flats, ids)
+    selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(taken)))
+    for i, x in zip(ids, flats):
+        x.index_fill_(0, sel.local[i], 0.0)
+    rest = torch.stack(torch._foreach_norm(flats))
+    for i, x, v in zip(ids, flats, taken):
+        x.index_copy_(0, sel.local[i], v)
+    return selected, torch.zeros_like(whole).index_copy_(0, at, rest)
 
 
 def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
@@ -165,7 +176,7 @@ def _advance_age(age: torch.Tensor, sel: Selection) -> None:
     sel.fill_(age, 0)
 
 
-def _single_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+def _single_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
     """Steps 2 and 4-7, tensor by tensor, with the reference functions."""
     _moments(plan, grads, m, v, groups, foreach=False)
     exchange()
@@ -174,7 +185,7 @@ def _single_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exc
     reference = v1_reference if variant == "v1" else v2_reference
     for lo, hi, hyper in groups:
         for i in range(lo, hi):
-            reference(plan.params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i],
+            reference(params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i],
                       n=n, **hyper)
 
 
@@ -201,8 +212,8 @@ def _freshness(age: torch.Tensor, b3: float, *, out: torch.Tensor) -> torch.Tens
     return out.copy_(age == 0)
 
 
-def _v1_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    span, params = plan.layout.span(lo, hi), plan.params[lo:hi]
+def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    span, params = plan.layout.span(lo, hi), params[lo:hi]
     c, eps = bias_folding(t, b1, b2, eps)
     adam_direction_(m[span], v[span], eps, out=work[0][span])
     d = plan.views(work[0])[lo:hi]
@@ -237,8 +248,8 @@ def _v1_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, 
     return torch.stack([a, b, clamps.to(a.dtype)]), update
 
 
-def _v2_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
-    span, params = plan.layout.span(lo, hi), plan.params[lo:hi]
+def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+    span, params = plan.layout.span(lo, hi), params[lo:hi]
     c = bias_folding(t, b1, b2, eps)[0]
     adam_direction_(m[span], v[span], eps, out=work[0][span])
     d = plan.views(work[0])[lo:hi]  # a / c
@@ -259,14 +270,14 @@ def _v2_flat(plan, sel, lo, hi, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, 
     return torch.stack([phi_s * lr - base, base]) * -c, update
 
 
-def _multi_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
     """Steps 2 and 4-7 with multi-tensor ops on flat buffers (the rewrites of the module docstring); ``work``:
     the scratch buffers."""
     _moments(plan, grads, m, v, groups, foreach=True)
     exchange()
     _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
-    deferred = [flat(plan, sel, lo, hi, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
+    deferred = [flat(plan, sel, lo, hi, params, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
     # every group's scalars in one host read: a group's update changes nothing another reads
     values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
     for scalars, update in deferred:
@@ -275,7 +286,7 @@ def _multi_tensor_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exch
         update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
 
-def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, work):
+def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
     """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused`: moments, age and the norms
     in the first, the update in the second; between them, the norms of the averaged entries are redone on
     the averages (a fraction k of the entries). ``age``: fp16 (``fused.MAX_AGE``). No scratch,
@@ -287,7 +298,6 @@ def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, w
     sel.fill_(age, fused_passes.SELECTED)  # pass 1 splits the norms at these marks and makes them 0
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
     moment_table = torch.stack([cols[k] for k in fused_passes.MOMENT_COLUMNS], 1)
-    params = plan.params
 
     passes.begin_step()
     sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], ages[a:b],
@@ -304,7 +314,8 @@ def _fused_slamb(plan, sel, grads, m, v, age, groups, *, variant, n, exchange, w
         torch._foreach_mul_(u, [per_tensor[i][c_at] for i in ids])
         wd = [per_tensor[i][wd_at] for i in ids]
         if any(wd):
-            torch._foreach_add_(u, torch._foreach_mul(sel.take([params[i] for i in ids], ids), wd))
+            taken = [x.to(m.dtype) for x in sel.take([params[i] for i in ids], ids)]  # fp32 under bf16 params
+            torch._foreach_add_(u, torch._foreach_mul(taken, wd))
         u_s.index_copy_(0, plan.index(ids), torch.stack(torch._foreach_norm(u)))
 
     lr, c_min, c_max = cols["lr"], cols["c_min"], cols["c_max"]
@@ -362,6 +373,14 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
     scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
     or ``"reference"``.
+
+    Under bf16 or fp16 parameters the moments are fp32 and the update is computed in fp32 and rounded
+    once: the reference and multi-tensor paths on fp32 copies of the parameters and gradients, the
+    fused passes inside their graphs.
     """
-    _IMPLS[impl](plan, sel, grads, m, v, age, groups, variant=variant, n=n, exchange=exchange, work=work)
+    copies = impl != "fused"  # the fused passes convert inside their graphs
+    params = working_copies(plan.params) if copies else plan.params
+    _IMPLS[impl](plan, sel, params, working_copies(grads) if copies else grads, m, v, age, groups,
+                 variant=variant, n=n, exchange=exchange, work=work)
+    write_back_(plan.params, params)
 
