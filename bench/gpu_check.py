@@ -10,7 +10,7 @@ It writes ``results/gpu/<gpu-name>.md`` and ``.json`` with
   rotation; the floor is the bandwidth of an in-place pass over a flat fp32 buffer);
 * each row's first step: a fresh process and inductor cache per group, so a fused row's is its compile time;
 * the peak memory of a BERT-Large fp16 step at micro-batch 32 and 64 (seq 128) beside
-  ``results/bench/memory.md``'s prediction, which leaves activations out.
+  ``results/bench/memory.md``'s prediction, without activations and with its activations per sequence.
 
 Without CUDA it prints one line and exits 0. ``--only`` runs some parts; the page then keeps the other parts
 of an earlier run's ``.json`` of the same GPU.
@@ -145,15 +145,20 @@ def step_times(model: str, steps: int) -> dict:
 
 
 def predicted_gb(row: str) -> dict:
-    """``results/bench/memory.md``'s BERT-Large row: its columns in GB (no activations)."""
+    """``results/bench/memory.md``'s BERT-Large row: its numeric columns in GB ("forward/backward" is without
+    activations), and the page's activations per sequence (key "activations per sequence")."""
     page = (ROOT / "results" / "bench" / "memory.md").read_text()
     section = page.split("## BERT-Large", 1)[1].split("##", 1)[0]
+    per_sequence = re.search(r"Activations: ([\d.]+) GB per sequence", section)
     lines = [line for line in section.splitlines() if line.startswith("|")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
     for line in lines[2:]:
         cells = [c.strip() for c in line.strip("|").split("|")]
         if cells[0] == row:
-            return {k: float(v) for k, v in zip(head[1:], cells[1:]) if re.fullmatch(r"[\d.]+", v)}
+            got = {k: float(v) for k, v in zip(head[1:], cells[1:]) if re.fullmatch(r"[\d.]+", v)}
+            if per_sequence:
+                got["activations per sequence"] = float(per_sequence.group(1))
+            return got
     raise KeyError(f"no row {row!r} in results/bench/memory.md's BERT-Large table")
 
 
@@ -203,6 +208,8 @@ def peak_memory() -> list[dict]:
                          "predicted_no_activations_gb": round(weights_and_state, 2),
                          "predicted_page_peak_gb": max(pred[k] for k in ("forward/backward", "first step",
                                                                           "later step"))})
+            if "activations per sequence" in pred:
+                rows[-1]["predicted_gb"] = round(weights_and_state + mb * pred["activations per sequence"], 2)
             if "peak_gb" in got:
                 rows[-1]["activations_gb"] = round(got["peak_gb"] - weights_and_state, 2)
     return rows
@@ -272,21 +279,26 @@ def render(res: dict) -> str:
             lines.append("")
     mem = res.get("memory")
     if mem:
+        # a run before the page modelled activations has no such prediction: its page keeps its columns
+        with_acts = any("predicted_gb" in r for r in mem)
         lines += ["## Peak memory of a BERT-Large fp16 step", "",
                   f"BERT-Large pre-training model, fp32 master weights, fp16 autocast with the rank-agreed loss scale, "
                   f"sequence {SEQ}, two steps on one GPU (no DDP); `torch.cuda.max_memory_allocated`. The prediction "
                   "is `results/bench/memory.md`'s forward/backward column without its DDP buckets: parameters, "
                   "gradients, state, scratch and autocast's weight copies, activations left out; their difference "
-                  "is what the activations took.", "",
+                  "is what the activations took." + (" Predicted with activations: that column plus the page's "
+                  "activations per sequence times the micro-batch." if with_acts else ""), "",
                   "| optimizer | micro-batch | measured peak (GB) | reserved (GB) | predicted without activations (GB) "
-                  "| activations (GB) |", "|---|---:|---:|---:|---:|---:|"]
+                  "| activations (GB) |" + (" predicted with activations (GB) |" if with_acts else ""),
+                  "|---|---:|---:|---:|---:|---:|" + ("---:|" if with_acts else "")]
         for r in mem:
+            tail = f" {r.get('predicted_gb', '')} |" if with_acts else ""
             if "error" in r:
                 lines.append(f"| {r['optimizer']} | {r['micro_batch']} | {r['error']} | | "
-                             f"{r['predicted_no_activations_gb']} | |")
+                             f"{r['predicted_no_activations_gb']} | |" + tail)
             else:
                 lines.append(f"| {r['optimizer']} | {r['micro_batch']} | {r['peak_gb']} | {r['reserved_gb']} | "
-                             f"{r['predicted_no_activations_gb']} | {r['activations_gb']} |")
+                             f"{r['predicted_no_activations_gb']} | {r['activations_gb']} |" + tail)
         lines.append("")
     return "\n".join(lines)
 

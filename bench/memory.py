@@ -23,17 +23,28 @@ is not charged per parameter. What is measured:
   the step) above its resident memory after it. The loaded state dict is read
   to the CPU (``map_location="cpu"``, as the harness does), where it stays on a
   GPU run: the optimizers copy it into their device buffers, so its bytes are
-  subtracted from the load's peak. Freed blocks of 1 MiB or more
-  go back to the OS (``MALLOC_MMAP_THRESHOLD_``), so the peak shows
-  temporaries as a GPU's allocator peak would.
+  subtracted from the load's peak (and counted as host memory). Freed blocks
+  of 1 MiB or more go back to the OS (``MALLOC_MMAP_THRESHOLD_``), so the peak
+  shows temporaries as a GPU's allocator peak would;
+* measured on the CPU as well: the transient of DDP's bucket rebuild (DDP rebuilds its buckets in the
+  second iteration's forward: the peak of that forward and backward above the third's), and of the
+  evaluation of the ranks' average (:class:`slamb.averaged_model` clones each rank's own floating-point
+  parameters and buffers while the average is evaluated, and stages the all-reduce in one bucket);
+* apart, host memory: v1's cut of its cyclic mask (a ``randperm`` of every coordinate, drawn on the CPU
+  whatever the device, at the first step and after a resume) is timed in its own window inside the step,
+  and the loaded checkpoint is read to the CPU; neither is charged to the GPU.
 
 These are carried to the models' parameter counts (built from
 ``configs/model/*.yaml`` on the meta device) and added to the parameters and
 gradients of fp16 mixed precision with fp32 master weights (the harness's:
 fp32 parameters and gradients, autocast's fp16 weight copies live from the
-forward to the end of backward). Activations, the CUDA context, NCCL's
-buffers and allocator fragmentation are excluded: the page bounds what the
-optimizer and the weights leave for activations on an 80 GB A100.
+forward to the end of backward), and to the activations of a micro-batch
+(:func:`activation_bytes`: the peak of the bytes alive beside the weights in a
+training forward and backward of BertForPreTraining on the CPU, at small sizes,
+fitted per token and layer and carried to each model at sequence 128 and the
+configured micro-batch, ``configs/data/bert_phase1.yaml``). The CUDA context,
+NCCL's buffers, the evaluation's own forward and allocator fragmentation are
+excluded.
 """
 from __future__ import annotations
 
@@ -45,20 +56,37 @@ import tempfile
 from pathlib import Path
 
 import torch
+import torch.utils._pytree
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from bench.shapes import MODELS
+from bench.shapes import CONFIGS, MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "bench" / "memory.md"
-GPU_BYTES = 80e9  # an 80 GB A100 (81,920 MiB; the rest is left for the context and fragmentation)
+GPU_BYTES = 80e9  # an 80 GB A100 or H100 (81,920 MiB; the rest is left for the context and fragmentation)
+GPUS_PER_NODE = 8
 WORD = 4
 AUTOCAST_COPY = 2  # bytes per parameter: autocast's fp16 copy of each fp32 weight, forward to end of backward
+# first/later/resume: the step's device transient; rebuild: DDP's bucket rebuild; eval: the averaged model's;
+# clone: what averaged_model keeps (counted); *_host: host memory (v1's cut, the loaded checkpoint)
+PHASES = ("state", "scratch", "first", "later", "resume", "rebuild", "eval", "clone", "first_host",
+          "resume_host")
+SEQ = 128
+# activations are measured at these (hidden size, layers), each at two micro-batches, and checked at HELD_OUT
+ACT_SIZES = ((128, 1), (128, 2), (256, 1), (256, 2))
+ACT_BATCHES = (4, 8)  # large enough that the per-token bytes, not a weight-sized transient, make the peak
+HELD_OUT = (384, 3)
+
+
+def _bert_config(hidden: int, layers: int, vocab_size: int = 30528) -> dict:
+    return dict(vocab_size=vocab_size, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=hidden // 64,
+                intermediate_size=4 * hidden, max_position_embeddings=512, type_vocab_size=2)
+
+
 # the BERTs the optimizers run on: the pre-training model's layer types at two sizes (52M and 107M
 # parameters), both large enough that every buffer with a size cap (the mask's scratch) has reached it
-BERTS = tuple(dict(vocab_size=30528, hidden_size=h, num_hidden_layers=layers, num_attention_heads=h // 64,
-                   intermediate_size=4 * h, max_position_embeddings=512, type_vocab_size=2)
-              for h, layers in ((768, 4), (1024, 6)))
-PHASES = ("state", "scratch", "first", "later", "resume")
+BERTS = tuple(_bert_config(h, layers) for h, layers in ((768, 4), (1024, 6)))
 
 
 def rows() -> dict:
@@ -145,6 +173,42 @@ def _backward(model, vocab_size: int, rank: int, step: int) -> None:
     out.loss.backward()
 
 
+class HostCut:
+    """v1's cut (``CyclicMask._recut``) runs on the CPU on every device: inside a step it gets a window of its
+    own, whose peak is host memory on a GPU run, and the step's device peak is the larger of the windows
+    before and after it. Patches the class while entered (in the measuring process only)."""
+
+    def __init__(self, res: Resident):
+        self.res = res
+        self.start()
+
+    def start(self) -> None:
+        self.before, self.host = 0, 0
+
+    def __enter__(self):
+        from slamb.optim import masks
+
+        self._masks, self._orig = masks, masks.CyclicMask._recut
+
+        def recut(mask, *args, **kwargs):
+            self.before = max(self.before, self.res.peak())
+            self.res.reset()
+            base = self.res.now()
+            self._orig(mask, *args, **kwargs)
+            gc.collect()
+            self.host = max(self.host, self.res.peak() - base)
+            self.res.reset()
+
+        masks.CyclicMask._recut = recut
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._masks.CyclicMask._recut = self._orig
+
+    def device_peak(self) -> int:
+        return max(self.before, self.res.peak())
+
+
 def measure(rank: int, world: int, row: str, folder: str, config: dict) -> dict:
     """One row on one rank of a gloo group: counted bytes, DDP's buckets, and the measured transients."""
     import slamb
@@ -162,39 +226,53 @@ def measure(rank: int, world: int, row: str, folder: str, config: dict) -> dict:
            "bucket_view": bool(getattr(ddp, "gradient_as_bucket_view", False))}
     _backward(ddp, config["vocab_size"], rank, 1)
 
-    def timed_step(key: str) -> None:
-        res.reset()
-        opt.step()
-        gc.collect()
-        out[key] = res.peak() - res.now()
+    with HostCut(res) as cut:
+        def timed_step(key: str) -> None:
+            cut.start()
+            res.reset()
+            opt.step()
+            gc.collect()
+            out[key] = cut.device_peak() - res.now()
+            out[key + "_host"] = cut.host
 
-    timed_step("first")  # builds the state; SLAMB averages the parameters after it (a sync step)
-    for step in range(2, 5):  # 1-bit LAMB leaves its warm-up (freeze_step=2): the compressed stage's state
+        timed_step("first")  # builds the state; SLAMB averages the parameters after it (a sync step)
+        passes = {}
+        for step in range(2, 5):  # 1-bit LAMB leaves its warm-up (freeze_step=2): the compressed stage's state
+            opt.zero_grad(set_to_none=False)
+            res.reset()
+            _backward(ddp, config["vocab_size"], rank, step)
+            gc.collect()
+            passes[step] = res.peak() - res.now()
+            opt.step()
+        # DDP rebuilds its buckets in the second iteration's forward; the third does the same work without it
+        out["rebuild"] = max(0, passes[2] - passes[3])
         opt.zero_grad(set_to_none=False)
-        _backward(ddp, config["vocab_size"], rank, step)
-        opt.step()
-    opt.zero_grad(set_to_none=False)
-    _backward(ddp, config["vocab_size"], rank, 5)
-    timed_step("later")
-    out.update(counted_bytes(opt, params))
-    path = os.path.join(folder, f"opt{rank}.pt")
-    torch.save(opt.state_dict(), path)
-    del opt
-    gc.collect()
-    opt = build()
-    loaded = torch.load(path, map_location="cpu", weights_only=False)
-    host = sum(_storages(_tensors(loaded)).values())  # in host memory on a GPU run, as loaded here
-    res.reset()
-    opt.load_state_dict(loaded)
-    del loaded
-    gc.collect()
-    load = res.peak() - res.now() - host
-    opt.zero_grad(set_to_none=False)
-    _backward(ddp, config["vocab_size"], rank, 6)
-    res.reset()
-    opt.step()
-    gc.collect()
-    out["resume"] = max(load, res.peak() - res.now())
+        _backward(ddp, config["vocab_size"], rank, 5)
+        timed_step("later")
+        out.update(counted_bytes(opt, params))
+        res.reset()
+        with slamb.averaged_model(ddp) as avg:
+            out["clone"] = sum(_storages(avg.saved or ()).values())
+        gc.collect()
+        out["eval"] = res.peak() - res.now()
+        path = os.path.join(folder, f"opt{rank}.pt")
+        torch.save(opt.state_dict(), path)
+        del opt
+        gc.collect()
+        opt = build()
+        loaded = torch.load(path, map_location="cpu", weights_only=False)
+        host = sum(_storages(_tensors(loaded)).values())  # in host memory on a GPU run, as loaded here
+        res.reset()
+        opt.load_state_dict(loaded)
+        del loaded
+        gc.collect()
+        load = res.peak() - res.now() - host
+        opt.zero_grad(set_to_none=False)
+        _backward(ddp, config["vocab_size"], rank, 6)
+        timed_step("resume")
+        # slamb.load_optimizer drops the loaded file before training resumes: the load and the cut never overlap
+        out["resume"] = max(load, out["resume"])
+        out["resume_host"] = max(host, out["resume_host"])
     return out
 
 
@@ -229,8 +307,123 @@ def measure_rows(names=None, configs=BERTS) -> dict[str, dict]:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
 
 
-def model_bytes(per: dict, params: int) -> dict:
-    """Per-GPU bytes of one optimizer row for a model of ``params`` parameters (see the module docstring)."""
+class _Live(TorchDispatchMode):
+    """The bytes of the storages alive between ops, and their peak: what a GPU allocator holds, each tensor
+    made by an op counted from that op until its last reference goes (storages in ``exclude`` left out)."""
+
+    def __init__(self, exclude=()):
+        super().__init__()
+        self.exclude = set(exclude)
+        self.alive: dict[int, tuple[StorageWeakRef, int]] = {}
+        self.total = self.peak = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for ptr, (ref, nbytes) in list(self.alive.items()):  # freed before this op's outputs can reuse them
+            if ref.expired():
+                del self.alive[ptr]
+                self.total -= nbytes
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                if s.data_ptr() and s.data_ptr() not in self.exclude and s.data_ptr() not in self.alive:
+                    self.alive[s.data_ptr()] = (StorageWeakRef(s), s.nbytes())
+                    self.total += s.nbytes()
+        self.peak = max(self.peak, self.total)
+        return out
+
+
+def activation_bytes(config: dict, batch: int, seq: int = SEQ) -> dict:
+    """One training forward and backward of BertForPreTraining on the CPU under autocast to a 2-byte float:
+    the peak of the bytes alive beside the parameters and gradients (``peak``) and the bytes of the tensors
+    saved for backward, each storage once (``saved``); both include autocast's weight copies.
+
+    bfloat16 stands for CUDA's float16 (the same size; matmuls and SDPA in it, LayerNorm and the loss in
+    fp32 by type promotion and autocast's lists). Dropout is off: the CPU's dropout keeps its mask in the
+    input's dtype where CUDA's fused kernel keeps one byte (added by :func:`dropout_mask_bytes`), and the
+    CPU's SDPA takes the math path under dropout, keeping the heads x seq x seq probabilities that CUDA's
+    flash kernel replaces by one fp32 logsumexp per head and token (its dropout is a random seed)."""
+    model = _bert({**config, "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0})
+    params = list(model.parameters())
+    for p in params:  # the harness zeroes gradients in place: they are there before backward
+        p.grad = torch.zeros_like(p)
+    own = {t.untyped_storage().data_ptr() for t in params + [p.grad for p in params]}
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, config["vocab_size"], (batch, seq), generator=gen)
+    labels = torch.where(torch.rand(ids.shape, generator=gen) < 0.15, ids, torch.full_like(ids, -100))
+    nsp = torch.zeros(batch, dtype=torch.long)
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in own:
+            saved[s.data_ptr()] = s.nbytes()
+        return t
+
+    live = _Live(own)
+    with live:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=labels, next_sentence_label=nsp).loss
+        loss.backward()
+    return {"peak": live.peak, "saved": sum(saved.values()), "numel": sum(p.numel() for p in params)}
+
+
+def dropout_mask_bytes(hidden: int, layers: int) -> int:
+    """Per token: CUDA's fused dropout keeps a one-byte mask per element, after the embeddings and after each
+    layer's attention and feed-forward outputs (attention's own dropout is a seed in the flash kernel)."""
+    return (2 * layers + 1) * hidden
+
+
+def activation_fit(sizes=ACT_SIZES, batches=ACT_BATCHES, seq: int = SEQ, vocab_size: int = 30528) -> dict:
+    """Bytes per token of the activations, L (a h + c) + (f h + g) for L layers of hidden size h (64-dim
+    heads), through the per-sequence slopes measured at ``sizes`` x ``batches`` (two hidden sizes, one and
+    two layers each; the head's terms, f h + g, hold the vocabulary-sized logits). The part that does not
+    grow with the micro-batch (``fixed``: the peak less the slope's bytes and autocast's weight copies) is
+    reported, not carried."""
+    points = []
+    for hidden, layers in sizes:
+        got = [activation_bytes(_bert_config(hidden, layers, vocab_size), b, seq) for b in batches]
+        per_token = (got[1]["peak"] - got[0]["peak"]) / ((batches[1] - batches[0]) * seq)
+        fixed = got[0]["peak"] - per_token * batches[0] * seq - AUTOCAST_COPY * got[0]["numel"]
+        points.append({"hidden": hidden, "layers": layers, "per_token": per_token, "fixed": fixed,
+                       "numel": got[0]["numel"], "peak": [g["peak"] for g in got], "saved": [g["saved"] for g in got]})
+    by = {(q["hidden"], q["layers"]): q["per_token"] for q in points}
+    (h0, _), (h1, _) = sizes[0], sizes[-1]
+    layer = {h: by[(h, 2)] - by[(h, 1)] for h in (h0, h1)}
+    head = {h: by[(h, 1)] - layer[h] for h in (h0, h1)}
+    a = (layer[h1] - layer[h0]) / (h1 - h0)
+    f = (head[h1] - head[h0]) / (h1 - h0)
+    return {"a": a, "c": layer[h0] - a * h0, "f": f, "g": head[h0] - f * h0, "seq": seq, "points": points}
+
+
+def per_token_bytes(fit: dict, hidden: int, layers: int, cuda_dropout: bool = True) -> float:
+    """The fit's bytes per token, with CUDA's dropout masks unless ``cuda_dropout`` is False (as measured)."""
+    return (layers * (fit["a"] * hidden + fit["c"]) + fit["f"] * hidden + fit["g"]
+            + (dropout_mask_bytes(hidden, layers) if cuda_dropout else 0))
+
+
+def activations(fit: dict, hidden: int, layers: int, micro_batch: int) -> float:
+    """Activation bytes of a micro-batch of sequences of the fit's length."""
+    return micro_batch * fit["seq"] * per_token_bytes(fit, hidden, layers)
+
+
+def configured_micro_batch() -> int:
+    from omegaconf import OmegaConf
+
+    return int(OmegaConf.load(CONFIGS / "data" / "bert_phase1.yaml").micro_batch)
+
+
+def model_shape(name: str) -> tuple[int, int]:
+    """(hidden size, layers) of ``configs/model/<name>.yaml``."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(CONFIGS / "model" / f"{name}.yaml")
+    return int(cfg.hidden_size), int(cfg.num_hidden_layers)
+
+
+def model_bytes(per: dict, params: int, acts: float = 0.0) -> dict:
+    """Per-GPU bytes of one optimizer row for a model of ``params`` parameters with ``acts`` bytes of
+    activations (see the module docstring); ``host``: the host bytes per rank."""
     def of(k):
         return per[k] * params + per.get(k + "_fixed", 0.0)
 
@@ -238,31 +431,96 @@ def model_bytes(per: dict, params: int) -> dict:
          "buckets": WORD * params if per["ddp"] and not per["bucket_view"] else 0,
          "state": of("state"), "scratch": of("scratch")}
     b["resident"] = sum(b.values())
-    b["fwd_bwd"] = b["resident"] + AUTOCAST_COPY * params
+    b["fwd_bwd"] = b["resident"] + AUTOCAST_COPY * params  # without activations: bench.gpu_check reads it
+    b["activations"] = acts
+    b["training"] = b["fwd_bwd"] + acts
+    b["rebuild"] = b["training"] + of("rebuild")  # the second iteration's forward and backward
     b["first"] = b["resident"] + of("first")
     b["later"] = b["resident"] + of("later")
     b["resume"] = b["resident"] + of("resume")
-    b["peak"] = max(b["fwd_bwd"], b["first"], b["later"], b["resume"])
+    b["eval"] = b["resident"] + of("eval")
+    b["peak"] = max(b[k] for k in ("training", "rebuild", "first", "later", "resume", "eval"))
     b["fits"] = b["peak"] <= GPU_BYTES
+    b["host"] = max(of("first_host"), of("resume_host"))
     return b
 
 
-def render(per_row: dict, models: dict[str, int]) -> str:
+def largest_micro_batch(per: dict, params: int, per_sequence: float) -> int:
+    """The largest micro-batch whose peak fits the GPU (0: none does)."""
+    b = model_bytes(per, params)
+    if max(b["first"], b["later"], b["resume"], b["eval"]) > GPU_BYTES:
+        return 0
+    return max(0, math.floor((GPU_BYTES - b["rebuild"]) / per_sequence))
+
+
+def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, calibration: dict | None = None,
+           held_out: dict | None = None) -> str:
+    """The page. ``models``: name -> {"params", "hidden", "layers"}; ``calibration``: the GPU's measured
+    activations of BERT-Large (GB by micro-batch); ``held_out``: a size measured apart from the fit."""
     gb = lambda x: f"{x / 1e9:.1f}"  # noqa: E731
     sizes = " and ".join(f"{n / 1e6:.0f}M" for n in next(iter(per_row.values()))["numel"])
+    act_sizes = ", ".join(f"h {q['hidden']} x {q['layers']}" for q in fit["points"])
     out = [
         "# Per-GPU memory of BERT pre-training (computed)",
         "",
-        "Generated by `python -m bench.memory`. Not measured on a GPU. Bytes per parameter of each optimizer "
+        "Generated by `python -m bench.memory`. Computed on the CPU, not measured on a GPU; the activation model "
+        "is set beside a GPU measurement below. Bytes per parameter of each optimizer "
         f"from the real optimizer objects on BERTs of {sizes} parameters (the pre-training model's layer "
         "types) in a gloo group of 2 CPU processes, carried to each model's parameter count by the line "
         "through the two sizes (bytes = fixed + per parameter x parameters: buffers of bounded size, such as "
         "the mask's scratch, are not charged per parameter); fp16 mixed precision with fp32 master weights "
-        f"(fp32 parameters and gradients, autocast's fp16 weight copies, {AUTOCAST_COPY} bytes per parameter, from the forward to the end of "
-        "backward). Activations (micro-batch and sequence length), the CUDA context, NCCL's buffers and "
-        "allocator fragmentation are excluded: the tables bound what the weights and the optimizer leave for "
-        f"activations on an 80 GB A100 ({GPU_BYTES / 1e9:.0f}e9 bytes).",
+        f"(fp32 parameters and gradients, autocast's fp16 weight copies, {AUTOCAST_COPY} bytes per parameter, "
+        f"from the forward to the end of backward); activations at sequence {fit['seq']} and the configured "
+        f"micro-batch, {micro_batch} (`configs/data/bert_phase1.yaml`). The CUDA context, NCCL's buffers, the "
+        "evaluation's own forward and allocator fragmentation are excluded. GPU: "
+        f"{GPU_BYTES / 1e9:.0f}e9 bytes (an 80 GB A100 or H100).",
         "",
+        "## Activations",
+        "",
+        "Measured on the CPU (`activation_bytes`): one training forward and backward of HF's BertForPreTraining "
+        "(SDPA attention, 64-dim heads, vocabulary 30,528, MLM labels on 15% of the tokens) under autocast to "
+        "bfloat16, which stands for CUDA's float16 (2 bytes; matmuls and attention in it, LayerNorm and the "
+        "loss in fp32), with gradients allocated beforehand as the harness keeps them. Every storage an op makes "
+        "is followed from that op until its last reference goes; the peak of their bytes beside the parameters "
+        "and gradients, less autocast's weight copies, is what `make gpu-check` reports as activations (the "
+        "allocator's peak less the weights, the optimizer state and the copies). Dropout is off on the CPU, "
+        "for two reasons: its CPU path keeps a mask in the input's dtype where CUDA's fused kernel keeps one "
+        "byte, and under attention dropout the CPU's SDPA takes the math path and keeps the heads x seq x seq "
+        "probabilities, where CUDA's flash kernel keeps an fp32 logsumexp per head and token (its dropout is a "
+        "seed). CUDA's one-byte masks are added: (2 L + 1) h bytes per token (after the embeddings and after "
+        "each layer's attention and feed-forward blocks).",
+        "",
+        f"Fit, bytes per token at sequence {fit['seq']}, for L layers of hidden size h: "
+        f"L x ({fit['a']:.2f} h + {fit['c']:.0f}) + ({fit['f']:.2f} h + {fit['g']:,.0f}) + (2 L + 1) h. "
+        f"The head's {fit['g']:,.0f} bytes are the vocabulary's: fp32 log-probabilities kept for backward and "
+        "their gradients at the start of backward, about 12 bytes per token and vocabulary entry. Measured at "
+        f"({act_sizes}), micro-batches {ACT_BATCHES[0]} and {ACT_BATCHES[1]}: each size's per-token bytes are "
+        "the slope between the two; the fit goes through the four.",
+        "",
+        "| size | parameters | measured bytes per token | fit | fixed part (MB, not carried) |",
+        "|---|---:|---:|---:|---:|",
+    ]
+    for q in fit["points"] + ([held_out] if held_out else []):
+        label = f"h {q['hidden']} x {q['layers']}" + (" (held out)" if q is held_out else "")
+        pred = per_token_bytes(fit, q["hidden"], q["layers"], cuda_dropout=False)
+        out.append(f"| {label} | {q['numel'] / 1e6:.1f}M | {q['per_token']:,.0f} | {pred:,.0f} | "
+                   f"{q['fixed'] / 1e6:.1f} |")
+    out += ["", "Measured and fit columns are without the dropout masks (as measured). The fixed part is the "
+            "peak at the smaller micro-batch less the per-token bytes and autocast's copies: a weight-sized "
+            "transient of backward that the micro-batch's bytes cover at these micro-batches; it is not carried.",
+            ""]
+    large = models.get("BERT-Large")
+    if calibration and large:
+        out += ["### Beside the GPU", "",
+                "`make gpu-check` on an NVIDIA H100 80GB HBM3 (`results/gpu/nvidia-h100-80gb-hbm3.md`): "
+                "BERT-Large, fp16 autocast, sequence 128, the allocator's peak less parameters, gradients, "
+                "optimizer state and autocast's copies, LAMB and SLAMB v2 (the same within 0.02 GB).", "",
+                "| micro-batch | measured (GB) | predicted (GB) | predicted / measured |", "|---:|---:|---:|---:|"]
+        for mb, measured in sorted(calibration.items()):
+            pred = activations(fit, large["hidden"], large["layers"], mb) / 1e9
+            out.append(f"| {mb} | {measured:.2f} | {pred:.2f} | {pred / measured:.3f} |")
+        out.append("")
+    out += [
         "## Bytes per parameter",
         "",
         "State and scratch are counted from the objects after 5 steps (1-bit LAMB past its warm-up): state, "
@@ -276,47 +534,87 @@ def render(per_row: dict, models: dict[str, int]) -> str:
         "step; resume: the larger of `load_state_dict` of the saved state and the step after it), averaged over "
         "the 2 ranks. The saved state is loaded to the CPU, as the harness loads checkpoints; on a GPU run it "
         "stays in host memory while the optimizers copy it into their device buffers, so its bytes are "
-        "subtracted from the load's peak. gloo's collectives may stage copies that NCCL's in-place ones do not "
-        "make, so the transients of steps that communicate are upper bounds. Each cell: bytes per parameter "
-        "+ the fixed part (MB), from the two sizes.",
+        "subtracted from the load's peak and counted as host memory. v1's cut of its cyclic mask (a `randperm` "
+        "of every coordinate, sorted into chunks, drawn on the CPU on every device) is timed in a window of its "
+        "own inside the first and the resumed step: host memory, not in the step's column. Rebuild: DDP "
+        "rebuilds its buckets in the second iteration's forward; the peak of that iteration's forward and "
+        "backward above the third's. Evaluation: `slamb.averaged_model`, as the harness evaluates the ranks' "
+        "average, keeps a clone of each rank's floating-point parameters and buffers (clone, counted from the "
+        "object) and stages the all-reduce in one bucket; its peak above the resident memory after it. gloo's "
+        "collectives may stage copies that NCCL's in-place ones do not make, so the transients of steps that "
+        "communicate are upper bounds. Each cell: bytes per parameter + the fixed part (MB), from the two sizes.",
         "",
-        "| optimizer | state | scratch | DDP buckets (bucket view) | first step | later step | resume |",
-        "|---|---:|---:|---|---:|---:|---:|",
+        "| optimizer | state | scratch | DDP buckets (bucket view) | first step | later step | resume | DDP rebuild "
+        "| evaluation (clone) | host: first step | host: resume |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, p in per_row.items():
         buckets = ("no DDP" if not p["ddp"] else
                    f"{0 if p['bucket_view'] else WORD} ({'yes' if p['bucket_view'] else 'no'})")
         cell = {k: f"{p[k]:.2f} + {p.get(k + '_fixed', 0.0) / 1e6:.0f} MB" for k in PHASES}
         out.append(f"| {name} | {cell['state']} | {cell['scratch']} | {buckets} | {cell['first']} | "
-                   f"{cell['later']} | {cell['resume']} |")
-    for model, params in models.items():
+                   f"{cell['later']} | {cell['resume']} | {cell['rebuild']} | {cell['eval']} ({p['clone']:.2f}) | "
+                   f"{cell['first_host']} | {cell['resume_host']} |")
+    for model, m in models.items():
+        params, hidden, layers = m["params"], m["hidden"], m["layers"]
+        per_seq = fit["seq"] * per_token_bytes(fit, hidden, layers)
+        acts = micro_batch * per_seq
         out += ["", f"## {model} ({params / 1e6:,.0f}M parameters), GB per GPU", "",
+                f"Activations: {per_seq / 1e9:.3f} GB per sequence of {fit['seq']} (h {hidden}, {layers} layers), "
+                f"{acts / 1e9:.1f} GB at micro-batch {micro_batch}. Forward/backward is without them (the weights, "
+                "the state and autocast's copies); training adds them; DDP rebuild is the second iteration's "
+                "training peak. Host: per rank and per node of "
+                f"{GPUS_PER_NODE} GPUs, not in the GPU's peak.", "",
                 "| optimizer | parameters | gradients | DDP buckets | state | scratch | resident | forward/backward "
-                "| first step | later step | resume | fits in 80 GB |",
-                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+                f"| activations (micro-batch {micro_batch}) | training | DDP rebuild | first step | later step | resume "
+                "| evaluation | peak | fits in 80 GB | largest micro-batch | host per rank | host per node |",
+                "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
         for name, p in per_row.items():
-            b = model_bytes(p, params)
+            b = model_bytes(p, params, acts)
             cells = [gb(b[k]) for k in ("params", "grads", "buckets", "state", "scratch", "resident", "fwd_bwd",
-                                        "first", "later", "resume")]
+                                        "activations", "training", "rebuild", "first", "later", "resume", "eval",
+                                        "peak")]
             room = (GPU_BYTES - b["peak"]) / 1e9
             fits = f"yes ({room:.1f} GB left)" if b["fits"] else f"no ({-room:.1f} GB over)"
-            out.append(f"| {name} | {' | '.join(cells)} | {fits} |")
+            largest = largest_micro_batch(p, params, per_seq)
+            out.append(f"| {name} | {' | '.join(cells)} | {fits} | {largest if largest else 'none'} | "
+                       f"{gb(b['host'])} | {gb(GPUS_PER_NODE * b['host'])} |")
     out += ["", "Resident: parameters, gradients, DDP buckets, state and scratch, held between steps. Each peak "
-            "column is the resident bytes plus that phase's transient; fits compares the largest with the GPU. "
-            "Sharding the state (ZeRO) is not modelled.", ""]
+            "column is the resident bytes plus that phase's transient (training and DDP rebuild: plus autocast's "
+            "copies and the activations); peak is the largest, fits compares it with the GPU, and the largest "
+            f"micro-batch is the largest whose peak fits (sequence {fit['seq']}). Host: the larger of v1's cut "
+            "and the loaded optimizer state, per rank (they never overlap: `slamb.load_optimizer` drops the file "
+            "before the step that cuts). Sharding the state (ZeRO) is not modelled.", ""]
     return "\n".join(out)
+
+
+# BERT-Large's activations as `make gpu-check` measured them on an H100 (results/gpu/nvidia-h100-80gb-hbm3.md):
+# GB by micro-batch, LAMB's row (SLAMB v2's differs by 0.01)
+CALIBRATION_GB = {32: 5.57, 64: 11.12}
+
+
+def held_out_point(hidden: int, layers: int, batches=ACT_BATCHES, seq: int = SEQ) -> dict:
+    """A size measured as the fit's points are, to check the fit where it was not made."""
+    got = [activation_bytes(_bert_config(hidden, layers), b, seq) for b in batches]
+    per_token = (got[1]["peak"] - got[0]["peak"]) / ((batches[1] - batches[0]) * seq)
+    return {"hidden": hidden, "layers": layers, "numel": got[0]["numel"], "per_token": per_token,
+            "fixed": got[0]["peak"] - per_token * batches[0] * seq - AUTOCAST_COPY * got[0]["numel"]}
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
+    fit = activation_fit()
+    held_out = held_out_point(*HELD_OUT)
     per_row = measure_rows()
-    models = {"BERT-Large": sum(math.prod(s) for s in MODELS["bert_large"]()),
-              "BERT-XL": sum(math.prod(s) for s in MODELS["bert_xl"]())}
+    models = {}
+    for label, name in (("BERT-Large", "bert_large"), ("BERT-XL", "bert_xl")):
+        hidden, layers = model_shape(name)
+        models[label] = {"params": sum(math.prod(s) for s in MODELS[name]()), "hidden": hidden, "layers": layers}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(per_row, models))
+    out.write_text(render(per_row, models, fit, configured_micro_batch(), CALIBRATION_GB, held_out))
     print(f"wrote {out}")
 
 

@@ -2,6 +2,8 @@
 peak it measures, and the per-GPU arithmetic of its tables."""
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -62,21 +64,110 @@ def test_resident_peak_sees_a_freed_temporary():
     assert res.peak() - res.now() < 8 * 2**20
 
 
+def _fit():
+    """A fit of the form activation_fit returns: 100 h + 16 per layer, 12 h + 366,000 for the head, per token."""
+    points = [{"hidden": h, "layers": layers, "numel": 10**6, "fixed": 0.0,
+               "per_token": layers * (100 * h + 16) + 12 * h + 366_000} for h, layers in memory.ACT_SIZES]
+    return {"a": 100.0, "c": 16.0, "f": 12.0, "g": 366_000.0, "seq": 128, "points": points}
+
+
 def test_per_gpu_bytes_and_fit():
-    per = {"state": 12.0, "scratch": 4.0, "first": 6.0, "later": 2.0, "resume": 14.0, "ddp": True,
-           "bucket_view": False, "numel": [52_000_000, 107_000_000]}
+    per = {"state": 12.0, "scratch": 4.0, "first": 6.0, "later": 2.0, "resume": 14.0, "rebuild": 4.0, "eval": 5.0,
+           "clone": 4.0, "first_host": 20.0, "resume_host": 12.0, "ddp": True, "bucket_view": False,
+           "numel": [52_000_000, 107_000_000]}
     b = memory.model_bytes(per, 10**9)
     assert (b["params"], b["grads"], b["buckets"]) == (4e9, 4e9, 4e9)
-    assert b["resident"] == 28e9 and b["resume"] == 42e9 and b["fwd_bwd"] == 30e9
-    assert b["peak"] == 42e9 and b["fits"]
+    assert b["resident"] == 28e9 and b["resume"] == 42e9 and b["fwd_bwd"] == 30e9 and b["eval"] == 33e9
+    assert b["rebuild"] == 34e9 and b["peak"] == 42e9 and b["fits"]
+    # v1's cut and the loaded state are host memory: 20 bytes per parameter per rank, never in the GPU's peak
+    assert b["host"] == 20e9
+    assert b["peak"] == memory.model_bytes({**per, "first_host": 0.0, "resume_host": 0.0}, 10**9)["peak"]
+    acts = memory.model_bytes(per, 10**9, 30e9)  # activations: added to the forward and backward, not to a step
+    assert acts["training"] == 60e9 and acts["rebuild"] == 64e9 and acts["peak"] == 64e9 and acts["fits"]
+    assert acts["fwd_bwd"] == b["fwd_bwd"] and acts["resume"] == b["resume"]
     viewed = memory.model_bytes({**per, "bucket_view": True}, 3 * 10**9)
     assert viewed["buckets"] == 0 and viewed["peak"] == 3 * 38e9 and not viewed["fits"]
-    page = memory.render({"slamb_v2": per}, {"BERT-Large": 336_232_258, "BERT-XL": 2_767_626_050})
-    assert "| slamb_v2 | 1.3 | 1.3 | 1.3 | 4.0 | 1.3 | 9.4 |" in page  # BERT-Large in GB
-    assert "BERTs of 52M and 107M parameters" in page
     fixed = memory.model_bytes({**per, "scratch_fixed": 84e6}, 10**9)  # a bounded buffer: charged once
     assert fixed["scratch"] == 4e9 + 84e6 and fixed["resident"] == 28e9 + 84e6
+    # largest micro-batch: the second iteration's peak (34e9 + micro-batch x 1e9) within 80e9
+    assert memory.largest_micro_batch(per, 10**9, 1e9) == 46
+    assert memory.largest_micro_batch({**per, "resume": 60.0}, 10**9, 1e9) == 0  # a step that cannot fit
+
+    fit = _fit()
+    models = {"BERT-Large": {"params": 336_232_258, "hidden": 1024, "layers": 24},
+              "BERT-XL": {"params": 2_767_626_050, "hidden": 2560, "layers": 34}}
+    page = memory.render({"slamb_v2": per}, models, fit, 64, {32: 5.57})
+    assert "| slamb_v2 | 1.3 | 1.3 | 1.3 | 4.0 | 1.3 | 9.4 | 10.1 |" in page  # BERT-Large in GB
+    assert "BERTs of 52M and 107M parameters" in page
+    # BERT-Large: 128 x (24 x (100 x 1024 + 16) + 12 x 1024 + 366,000 + 49 x 1024) bytes per sequence
+    per_seq = 128 * (24 * (100 * 1024 + 16) + 12 * 1024 + 366_000 + 49 * 1024)
+    assert memory.activations(fit, 1024, 24, 1) == per_seq
+    assert f"Activations: {per_seq / 1e9:.3f} GB per sequence" in page
+    assert f"| 32 | 5.57 | {32 * per_seq / 1e9:.2f} |" in page
     assert "no (" in page.split("## BERT-XL")[1] and "yes (" in page.split("## BERT-XL")[0]
+
+
+def test_activation_fit_goes_through_its_points_and_predicts_a_third_size():
+    """At small sizes (hidden 64 and 128, sequence 64, BERT's vocabulary, whose logits make the peak at the
+    start of backward, as at full size): the fit reproduces the per-token bytes it was made from, and
+    predicts a size it was not made from, measured the same way, to 0.1%."""
+    fit = memory.activation_fit(sizes=((64, 1), (64, 2), (128, 1), (128, 2)), batches=(4, 8), seq=64)
+    for q in fit["points"]:
+        assert memory.per_token_bytes(fit, q["hidden"], q["layers"], cuda_dropout=False) == pytest.approx(q["per_token"])
+    got = [memory.activation_bytes(memory._bert_config(192, 3), b, 64) for b in (4, 8)]
+    per_token = (got[1]["peak"] - got[0]["peak"]) / (4 * 64)
+    assert memory.per_token_bytes(fit, 192, 3, cuda_dropout=False) == pytest.approx(per_token, rel=1e-3)
+    # a layer keeps tens of bytes per hidden unit and token (inputs of its matmuls, attention's q, k, v and out)
+    assert 30 < fit["a"] < 60
+    # CUDA's one-byte dropout masks: after the embeddings and twice per layer
+    assert memory.per_token_bytes(fit, 192, 3) - memory.per_token_bytes(fit, 192, 3, cuda_dropout=False) == 7 * 192
+
+
+def test_activations_are_linear_in_the_micro_batch():
+    config = memory._bert_config(64, 1, vocab_size=512)
+    got = [memory.activation_bytes(config, b, 32) for b in (2, 4, 6)]
+    assert got[2]["peak"] - got[1]["peak"] == got[1]["peak"] - got[0]["peak"] > 0
+    assert got[2]["saved"] - got[1]["saved"] == got[1]["saved"] - got[0]["saved"] > 0
+    assert all(g["saved"] < g["peak"] for g in got)  # backward's gradients come on top of what forward kept
+
+
+def test_live_bytes_follow_a_freed_temporary():
+    with memory._Live() as live:
+        x = torch.ones(1000)
+        y = x * 2  # 4,000 bytes
+        del y
+        z = x + 1  # made after y went: the peak holds x and one of them
+    assert live.peak == 8000 and live.total == 8000 and z.numel() == 1000
+
+
+def test_v1_cut_is_host_memory_apart_from_the_step():
+    """The cyclic mask's randperm (8 bytes per coordinate, and its sorted copy) gets its own window: its
+    bytes are host bytes, and the device peak is the step's without them."""
+    from slamb.optim.masks import CyclicMask
+
+    numel = 4 * 2**20
+    res = memory.Resident()
+    original = CyclicMask._recut
+    with memory.HostCut(res) as cut:
+        cut.start()
+        res.reset()
+        mask = CyclicMask(numel, seed=0, device=torch.device("cpu"))
+        mask(0, 0.1)
+        gc.collect()
+        device = cut.device_peak() - res.now()
+    assert cut.host >= 16 * numel  # the permutation and its sorted chunks, int64
+    assert device < 2 * numel  # the step's own: the drawn positions (k N int64), not the cut
+    assert CyclicMask._recut is original  # the measuring patch is gone after the phase
+
+
+def test_committed_page_beside_the_gpu_measurement():
+    """The page's activations of BERT-Large against the H100's (results/gpu/nvidia-h100-80gb-hbm3.md)."""
+    page = (memory.OUT).read_text()
+    section = page.split("### Beside the GPU", 1)[1].split("##", 1)[0]
+    rows = [line.strip("|").split("|") for line in section.splitlines() if line.startswith("| ") and "GB" not in line]
+    ratios = {int(r[0]): float(r[3]) for r in rows}
+    assert set(ratios) == set(memory.CALIBRATION_GB) and all(0.95 < v < 1.05 for v in ratios.values())
+    assert "| 64 | 11.12 |" in section
 
 
 def test_rows_include_fused_slamb():
@@ -108,5 +199,8 @@ def test_two_rank_measurement_of_the_real_optimizers():
     assert got["slamb_v2"]["bucket_view"] is True  # DDP sends nothing for SLAMB: no bucket copy of the gradients
     for row in got.values():
         assert row["ddp"] is True and isinstance(row["bucket_view"], bool)
-        for measured in row["measured"]:  # peaks above the resident memory, at each size
-            assert min(measured["first"], measured["later"], measured["resume"]) >= 0
+        # the evaluation's clone: each floating-point parameter once, fp32 (BERT's buffers are integer)
+        assert row["clone"] == pytest.approx(4.0) and row["clone_fixed"] == pytest.approx(0.0, abs=1e-6)
+        for n, measured in zip(row["numel"], row["measured"]):  # peaks above the resident memory, at each size
+            assert min(measured[k] for k in ("first", "later", "resume", "rebuild", "eval")) >= 0
+            assert measured["resume_host"] >= measured["state"]  # the loaded state, read to the CPU
