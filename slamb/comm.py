@@ -42,6 +42,9 @@ import torch.distributed as dist
 
 from .topology import NodeTopology
 
+# a collective's kind, or the kinds of a packed buffer's runs in order: ((kind, entries), ...)
+Kind = str | tuple[tuple[str, int], ...]
+
 # newer torch names all_gather_into_tensor all_gather_single and warns on the old name; 2.11 has only the old
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -187,7 +190,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _runs(kind, numel: int) -> list[tuple[str, int]]:
+def _runs(kind: Kind, numel: int) -> list[tuple[str, int]]:
     """``kind`` as runs ``[(kind, entries), ...]`` covering ``numel`` entries; empty runs dropped (all but one
     when every run is empty: the collective still runs and counts as a call)."""
     if isinstance(kind, str):
@@ -198,7 +201,7 @@ def _runs(kind, numel: int) -> list[tuple[str, int]]:
     return [r for r in runs if r[1]] or runs[:1]
 
 
-def _record(ledger, kind, op: str, t: torch.Tensor, n: int) -> None:
+def _record(ledger, kind: Kind, op: str, t: torch.Tensor, n: int) -> None:
     """Record the bytes of ``t`` handed to ``op``, by the kinds of its entries."""
     if ledger is not None:
         for k, count in _runs(kind, t.numel()):
@@ -227,7 +230,7 @@ def _plain(group, ledger):
     return group, ledger
 
 
-def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None, async_op=False):
+def all_reduce_sum_(tensor, *, kind: Kind, ledger: CommLedger | None, group=None, async_op=False):
     """In-place sum over ranks (nodes of a topology). Returns the work handle when ``async_op``."""
     if isinstance(group, NodeTopology):
         return _over_nodes(tensor, group, kind, ledger, async_op,
@@ -281,7 +284,7 @@ class MeanWork:
         return self.tensor
 
 
-def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind, ledger, async_op: bool, reduce):
+def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: Kind, ledger, async_op: bool, reduce):
     """Reduce ``tensor`` (identical on the L ranks of each node) over the nodes: local rank l reduces the
     l-th of L chunks over its inter-node group (``reduce(chunk, chunk_kind, ledger)``: a :class:`MeanWork`),
     then the node's ranks all-gather the reduced chunks. Every rank ends with the same bytes (each chunk comes
@@ -388,7 +391,7 @@ def int8_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, gr
     return work if async_op else work.wait()
 
 
-def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
+def all_reduce_mean_(tensor: torch.Tensor, *, kind: Kind, ledger: CommLedger | None, group=None,
                      async_op: bool = False, comm_dtype: torch.dtype | None = None):
     """In-place mean over ranks (nodes of a topology); with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
 
@@ -447,7 +450,7 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     return tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None):
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, ledger, group=None):
     """``output`` (n * input.numel()) receives every rank's ``input`` in rank order (one per node, in
     node order, over this rank's inter-node group of a topology)."""
     if isinstance(group, NodeTopology):
@@ -461,7 +464,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
     return output
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None,
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, ledger, group=None,
                       async_op: bool = False):
     """Equal split: rank j receives the j-th of n equal chunks of every rank's ``input`` (node j of a
     topology, over the inter-node group). With ``async_op`` the work handle, else ``output``."""
@@ -476,7 +479,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, l
     return work if async_op else output
 
 
-def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: str, ledger, group=None):
+def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: Kind, ledger, group=None):
     """``src``'s ``tensor`` on every rank (every rank of a topology; ``src`` a global rank)."""
     group, ledger = _plain(group, ledger)
     n = world_size(group)
