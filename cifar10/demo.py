@@ -31,11 +31,10 @@ ROWS = ("cifar10/demo_sgd", "cifar10/demo_lamb", "cifar10/demo_slamb")
 TABLE = "demo_digits_resnet8"  # the rows' paper.table
 SEEDS = (0, 1, 2)
 TEST_SIZE = 297
-# the ledger's kinds as the demo reports them; SLAMB's "momentum" is split into its sampled part and the
-# always-dense small tensors it packs beside it
-KINDS = (("grads", "gradients"), ("momentum", "momentum, sampled"), ("dense", "momentum, always-dense tensors"),
-         ("params", "parameter sync"), ("control", "control"))
-COMM_ITEMSIZE = {"float16": 2, "bfloat16": 2}
+# the ledger's kinds as the demo reports them, in its columns; SLAMB's exchange records its sampled entries and
+# the always-averaged tensors it packs beside them as kinds of their own
+KINDS = (("grads", "gradients"), ("momentum", "momentum, sampled"),
+         ("momentum_dense", "momentum, always-averaged tensors"), ("params", "parameter sync"), ("control", "control"))
 
 
 def write_digits_dataset(path: Path, seed: int = 0) -> Path:
@@ -53,38 +52,29 @@ def write_digits_dataset(path: Path, seed: int = 0) -> Path:
                          [str(c) for c in digits.target_names])
 
 
-def bytes_split(row: dict) -> dict[str, float]:
-    """A comparison row's bytes per worker by :data:`KINDS` (mean over its runs), plus ``other`` and ``all``.
-
-    The ledger records SLAMB's momentum exchange as one kind; its always-dense part (1-D and small
-    tensors, the complement of ``compressed_share``) is the same every step, so it is
-    ``(1 - share) x parameters x element size x steps``.
-    """
+def kind_columns(row: dict) -> dict[str, float]:
+    """A comparison row's bytes per worker (mean over its runs) in the ledger's :data:`KINDS`, the rest of its
+    kinds as ``other``, and ``all``."""
     kinds = dict(row["bytes_by_kind"])
     total = kinds.pop("all", sum(kinds.values()))
     out = {kind: kinds.pop(kind, 0.0) for kind, _ in KINDS}
-    share = row["compressed_share"]
-    if out["momentum"] and share is not None:
-        s, cfg = row["members"][0]["summary"], row["members"][0]["config"]
-        itemsize = COMM_ITEMSIZE.get(str((cfg.get("optimizer") or {}).get("comm_dtype")), 4)
-        out["dense"] = (1.0 - share) * s["params"] * itemsize * s["steps"]
-        out["momentum"] -= out["dense"]
     out["other"] = sum(kinds.values())
     out["all"] = total
     return out
 
 
 def bytes_markdown(rows: list[dict]) -> str:
-    splits = [bytes_split(r) for r in rows]
-    cols = [(k, name) for k, name in (*KINDS, ("other", "other")) if any(s[k] for s in splits)]
-    lines = ["Bytes each worker handed to the collectives over the run, by kind (mean over the seeds). The "
-             "compressed share is the part of a row's bytes that is sampled momentum.", "",
+    columns = [kind_columns(r) for r in rows]
+    cols = [(k, name) for k, name in (*KINDS, ("other", "other")) if any(s[k] for s in columns)]
+    lines = ["Bytes each worker handed to the collectives over the run, by the ledger's kinds (mean over the "
+             "seeds). The compressed share is the part of SLAMB's momentum bytes that were sampled entries: "
+             "sampled / (sampled + always-averaged), as measured.", "",
              "| Optimizer | " + " | ".join(name for _, name in cols) + " | total | compressed share |",
              "|---|" + "---|" * (len(cols) + 2)]
-    for r, s in zip(rows, splits):
-        share = s["momentum"] / s["all"] if s["all"] else math.nan
+    for r, s in zip(rows, columns):
+        share = "-" if r["compressed_share"] is None else f"{100 * r['compressed_share']:.1f}%"
         lines.append(f"| {r['optimizer']} | " + " | ".join(fmt_bytes(s[k]) for k, _ in cols)
-                     + f" | {fmt_bytes(s['all'])} | {100 * share:.1f}% |")
+                     + f" | {fmt_bytes(s['all'])} | {share} |")
     return "\n".join(lines) + "\n"
 
 

@@ -24,8 +24,9 @@ from .checkpoint import Checkpointer, open_run, restore_training, save_training,
 from .data import ShardedBatches, eval_shard
 from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums
 from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
-from .run import RunLogger, comm_metrics, comm_totals, compressed_share, git_revision
+from .run import RunLogger, comm_metrics, comm_totals, git_revision
 from .seeding import seed_everything
+from .tables import compressed_share
 
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",

@@ -30,7 +30,8 @@ import torch
 from slamb import averaged_model, comm
 from .checkpoint import open_run, save_training, unwrap
 from .distributed import maybe_inject_fault
-from .run import comm_metrics, comm_totals, compressed_share
+from .run import comm_metrics, comm_totals
+from .tables import compressed_share
 from .settings import check_count
 
 # Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
@@ -185,16 +186,17 @@ class Loop:
         seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
         steps = sum(h["period_steps"] for h in history)
         model = unwrap(self.model)
+        totals = comm_totals(self.optimizer)
         summary = {
             "name": self.cfg.name, "optimizer": self.cfg.optimizer.name, "world_size": self.env.world_size,
             "global_batch": self.global_batch, f"{self.unit}s": self.length, "steps": self.step,
             "params": sum(p.numel() for p in model.parameters()),
-            "compressed_share": compressed_share(self.optimizer, model), **fields,
+            "compressed_share": compressed_share(totals), **fields,
             # over every logged period of the run, resumed attempts included; a name of its own, as wandb's
             # run summary keeps the last logged value of a history column over an update of the same key
             f"mean_{self.throughput}": steps * self.global_batch / seconds
             if seconds > 0 else math.nan,
-            "bytes_total": comm_totals(self.optimizer),
+            "bytes_total": totals,
             "wall_time_s": sum(h["epoch_time_s"] for h in history),
             # per training step over the logged periods: the whole step, and the optimizer's share of it
             "mean_step_time_s": seconds / steps if steps else math.nan,

@@ -27,8 +27,6 @@ from pathlib import Path
 
 import torch
 
-from slamb.optim.slamb import always_averaged
-
 from .atomic import atomic_write_bytes, atomic_write_json
 from .distributed import DistEnv
 
@@ -161,16 +159,6 @@ def comm_metrics(totals: dict[str, int], before: dict[str, int]) -> dict[str, in
     out.setdefault("bytes/all", 0)
     out.setdefault("bytes_cum/all", 0)
     return out
-
-
-def compressed_share(optimizer, model) -> float | None:
-    """Fraction of parameters SLAMB compresses (those of tensors not :func:`~slamb.optim.slamb.always_averaged`)."""
-    threshold = getattr(optimizer, "min_compress_numel", None)
-    if threshold is None:
-        return None
-    params = [p for p in model.parameters() if p.requires_grad]
-    big = sum(p.numel() for p in params if not always_averaged(p, threshold))
-    return big / sum(p.numel() for p in params)
 
 
 def read_jsonl(path: Path, notice=print) -> list[dict]:

@@ -207,6 +207,7 @@ def comparison_rows(runs: list[dict]) -> list[dict]:
     for g in found:
         members = g["runs"]
         s = [m["summary"] for m in members]
+        kinds = bytes_by_kind(s)
         rows.append({
             "optimizer": g["row"], "configuration": g["label"],
             "paper_top1": (members[0]["config"].get("paper") or {}).get("top1"),
@@ -214,20 +215,31 @@ def comparison_rows(runs: list[dict]) -> list[dict]:
             "top1_local_stat": stat(_last(m, "test_top1_local") for m in members),
             "best_top1_stat": stat(x.get("best_test_top1") for x in s),
             "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0],
-            "bytes_by_kind": {k: stat(x["bytes_total"].get(k, 0) for x in s)[0]
-                              for k in sorted({k for x in s for k in x["bytes_total"]})},
+            "bytes_by_kind": kinds, "compressed_share": compressed_share(kinds),
             "wall_time_s": stat(x.get("wall_time_s") for x in s)[0],
             "step_time_s": stat(x.get("mean_step_time_s") for x in s)[0],
             "optimizer_time_s": stat(x.get("mean_optimizer_time_s") for x in s)[0],
             "runs": len(members), "seeds": sorted(m["config"].get("seed") for m in members),
             "epochs": s[0].get("epochs"), "workers": s[0].get("world_size"), "global_batch": s[0].get("global_batch"),
-            "params": s[0].get("params"), "compressed_share": s[0].get("compressed_share"),
-            "settings": g["settings"], "members": members,
+            "params": s[0].get("params"), "settings": g["settings"], "members": members,
         })
     return add_bytes_vs_lamb(rows)
 
 
 CSV_SKIP = ("settings", "members", "bytes_by_kind")
+
+
+def compressed_share(kinds: dict) -> float | None:
+    """The part of SLAMB's momentum bytes that were sampled entries, as the ledger measured them: kind
+    ``momentum`` over it and ``momentum_dense`` (the always-averaged tensors); None where neither was sent."""
+    sampled, dense = kinds.get("momentum", 0), kinds.get("momentum_dense", 0)
+    return sampled / (sampled + dense) if sampled + dense else None
+
+
+def bytes_by_kind(summaries: list[dict]) -> dict[str, float]:
+    """The runs' mean bytes per worker by the ledger's kinds (``all`` included)."""
+    return {k: stat(x["bytes_total"].get(k, 0) for x in summaries)[0]
+            for k in sorted({k for x in summaries for k in x["bytes_total"]})}
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
@@ -286,8 +298,9 @@ def comparison_markdown(table: str, rows: list[dict], note: str | None = None, t
                      f"{r['wall_time_s']:.0f} s | {r['runs']} |")
     slamb = next((r for r in rows if r["compressed_share"] is not None), None)
     if slamb is not None:
-        lines += ["", f"SLAMB compresses {100 * slamb['compressed_share']:.1f}% of the parameters (tensors with "
-                  "dim > 1 and >= min_compress_numel elements); the rest is averaged in full every step."]
+        lines += ["", f"{100 * slamb['compressed_share']:.1f}% of SLAMB's momentum bytes were sampled entries "
+                  "(tensors with dim > 1 and >= min_compress_numel elements), as the ledger measured them; the rest "
+                  "is the always-averaged tensors, sent in full every step."]
     lines += paper_markdown(rows, task or table)
     if note:
         lines += ["", note.strip()]
@@ -334,6 +347,7 @@ def pretrain_rows(runs: list[dict]) -> list[dict]:
     rows = []
     for g in found:
         s = [m["summary"] for m in g["runs"]]
+        kinds = bytes_by_kind(s)
         rows.append({"optimizer": g["row"], "configuration": g["label"],
                      "loss_stat": stat(x["final_loss"] for x in s),
                      "mlm_acc_stat": stat(x["final_mlm_acc"] for x in s),
@@ -341,9 +355,7 @@ def pretrain_rows(runs: list[dict]) -> list[dict]:
                      "val_mlm_loss_stat": stat(x.get("final_val_mlm_loss") for x in s),
                      "seqs_per_s": stat(x["mean_seqs_per_s"] for x in s)[0],
                      "bytes_per_worker": stat(x["bytes_total"].get("all", 0) for x in s)[0],
-                     "bytes_by_kind": {k: stat(x["bytes_total"].get(k, 0) for x in s)[0]
-                                       for k in sorted({k for x in s for k in x["bytes_total"]})},
-                     "compressed_share": s[0].get("compressed_share"), "runs": len(s),
+                     "bytes_by_kind": kinds, "compressed_share": compressed_share(kinds), "runs": len(s),
                      "steps": s[0]["steps"], "seq_len": s[0]["seq_len"], "workers": s[0]["world_size"],
                      "global_batch": s[0]["global_batch"], "params": s[0]["params"], "settings": g["settings"],
                      "members": g["runs"]})

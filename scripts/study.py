@@ -305,8 +305,6 @@ def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str
 
     build_tables(runs, out)  # the pipeline's own pre-training table, study_bert_phase1.md / .csv
     rows_ = pretrain_rows(runs)
-    for r in rows_:
-        r["compressed_share"] = r["members"][0]["summary"].get("compressed_share")
     head = rows_[0]
     curves = bert_curves(rows_, out)
     intro = (f"Phase-1 pre-training (seq {head['seq_len']}, global batch {head['global_batch']} = {head['workers']} "

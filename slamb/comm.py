@@ -24,6 +24,12 @@ kept beside the totals as ``levels`` in :meth:`CommLedger.summary`.
 ``comm_dtype=torch.int8`` in :func:`all_reduce_mean_`: a quantised
 reduce-scatter then all-gather, one float32 scale per block of 256 entries
 (see :func:`int8_mean_`).
+
+A packed buffer may carry several kinds: ``kind`` is then a tuple of runs
+``((kind, entries), ...)`` in buffer order, and each collective records, per
+kind, the bytes of that kind's entries it is handed (one record per kind, so
+a collective carrying two kinds is a call of each). Padding a collective adds
+belongs to the run it pads (:func:`_over_nodes`, :func:`all_reduce_mean_`).
 """
 from __future__ import annotations
 
@@ -35,6 +41,9 @@ import torch
 import torch.distributed as dist
 
 from .topology import NodeTopology
+
+# a collective's kind, or the kinds of a packed buffer's runs in order: ((kind, entries), ...)
+Kind = str | tuple[tuple[str, int], ...]
 
 # newer torch names all_gather_into_tensor all_gather_single and warns on the old name; 2.11 has only the old
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -181,6 +190,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _runs(kind: Kind, numel: int) -> list[tuple[str, int]]:
+    """``kind`` as runs ``[(kind, entries), ...]`` covering ``numel`` entries; empty runs dropped (all but one
+    when every run is empty: the collective still runs and counts as a call)."""
+    if isinstance(kind, str):
+        return [(kind, numel)]
+    runs = [(k, int(c)) for k, c in kind]
+    if sum(c for _, c in runs) != numel:
+        raise ValueError(f"kind runs {runs} cover {sum(c for _, c in runs)} entries, the tensor has {numel}")
+    return [r for r in runs if r[1]] or runs[:1]
+
+
+def _record(ledger, kind: Kind, op: str, t: torch.Tensor, n: int) -> None:
+    """Record the bytes of ``t`` handed to ``op``, by the kinds of its entries."""
+    if ledger is not None:
+        for k, count in _runs(kind, t.numel()):
+            ledger.record(k, op, count * t.element_size(), n)
+
+
 class _AtLevel:
     """A ledger whose records carry ``level``."""
 
@@ -203,17 +230,16 @@ def _plain(group, ledger):
     return group, ledger
 
 
-def all_reduce_sum_(tensor, *, kind: str, ledger: CommLedger | None, group=None, async_op=False):
+def all_reduce_sum_(tensor, *, kind: Kind, ledger: CommLedger | None, group=None, async_op=False):
     """In-place sum over ranks (nodes of a topology). Returns the work handle when ``async_op``."""
     if isinstance(group, NodeTopology):
         return _over_nodes(tensor, group, kind, ledger, async_op,
-                           lambda chunk, led: MeanWork(chunk, all_reduce_sum_(chunk, kind=kind, ledger=led,
-                                                                              group=group.inter, async_op=True)))
+                           lambda chunk, kinds, led: MeanWork(chunk, all_reduce_sum_(chunk, kind=kinds, ledger=led,
+                                                                                     group=group.inter, async_op=True)))
     n = world_size(group)
     if n == 1:
         return None
-    if ledger is not None:
-        ledger.record(kind, "all_reduce", _nbytes(tensor), n)
+    _record(ledger, kind, "all_reduce", tensor, n)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
 
@@ -258,24 +284,34 @@ class MeanWork:
         return self.tensor
 
 
-def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: str, ledger, async_op: bool, reduce):
+def _over_nodes(tensor: torch.Tensor, topo: NodeTopology, kind: Kind, ledger, async_op: bool, reduce):
     """Reduce ``tensor`` (identical on the L ranks of each node) over the nodes: local rank l reduces the
-    l-th of L chunks over its inter-node group (``reduce(chunk, ledger)``: a :class:`MeanWork`), then the
-    node's ranks all-gather the reduced chunks. Every rank ends with the same bytes (each chunk comes from
-    one inter-node collective, whose ranks all receive the same result)."""
+    l-th of L chunks over its inter-node group (``reduce(chunk, chunk_kind, ledger)``: a :class:`MeanWork`),
+    then the node's ranks all-gather the reduced chunks. Every rank ends with the same bytes (each chunk comes
+    from one inter-node collective, whose ranks all receive the same result).
+
+    Each run of ``kind`` is cut into L zero-padded pieces of its own and chunk l is the l-th piece of every
+    run: a run's padding is sent as that run's kind. A single kind is one run (chunk l: entries l c .. (l+1) c)."""
     if topo.n_nodes == 1 or tensor.numel() == 0:
         return MeanWork(tensor) if async_op else tensor
-    numel, local = tensor.numel(), topo.local_world_size
-    c = -(-numel // local)
-    padded = tensor.new_zeros(local * c)
-    padded[:numel] = tensor.reshape(-1)
-    chunk = padded[topo.local_rank * c:(topo.local_rank + 1) * c]
-    inner = reduce(chunk, at_level(ledger, "inter"))
+    runs, local = _runs(kind, tensor.numel()), topo.local_world_size
+    widths = [-(-count // local) for _, count in runs]
+    padded = tensor.new_zeros(local, sum(widths))  # row l: local rank l's chunk
+    cols = [0]
+    for (_, count), w, part in zip(runs, widths, tensor.reshape(-1).split([c for _, c in runs])):
+        piece = tensor.new_zeros(local * w)
+        piece[:count] = part
+        padded[:, cols[-1]:cols[-1] + w] = piece.view(local, w)
+        cols.append(cols[-1] + w)
+    chunk = padded[topo.local_rank]
+    chunk_kind = kind if isinstance(kind, str) else tuple((k, w) for (k, _), w in zip(runs, widths))
+    inner = reduce(chunk, chunk_kind, at_level(ledger, "inter"))
 
     def gather() -> None:
-        whole = all_gather_into_tensor(torch.empty_like(padded), chunk, kind=kind, ledger=at_level(ledger, "intra"),
-                                       group=topo.intra)
-        tensor.copy_(whole[:numel].view_as(tensor))
+        whole = all_gather_into_tensor(padded.new_empty(padded.numel()), chunk, kind=chunk_kind,
+                                       ledger=at_level(ledger, "intra"), group=topo.intra).view_as(padded)
+        parts = [whole[:, lo:hi].reshape(-1)[:count] for (_, count), lo, hi in zip(runs, cols, cols[1:])]
+        tensor.copy_((parts[0] if len(parts) == 1 else torch.cat(parts)).view_as(tensor))
 
     work = MeanWork(tensor, inner, finish=gather)
     return work if async_op else work.wait()
@@ -355,7 +391,7 @@ def int8_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, gr
     return work if async_op else work.wait()
 
 
-def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | None, group=None,
+def all_reduce_mean_(tensor: torch.Tensor, *, kind: Kind, ledger: CommLedger | None, group=None,
                      async_op: bool = False, comm_dtype: torch.dtype | None = None):
     """In-place mean over ranks (nodes of a topology); with ``async_op`` a :class:`MeanWork` to ``wait()`` on.
 
@@ -371,11 +407,21 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     """
     if isinstance(group, NodeTopology):
         return _over_nodes(tensor, group, kind, ledger, async_op,
-                           lambda chunk, led: all_reduce_mean_(chunk, kind=kind, ledger=led, group=group.inter,
-                                                               async_op=True, comm_dtype=comm_dtype))
+                           lambda chunk, kinds, led: all_reduce_mean_(chunk, kind=kinds, ledger=led, group=group.inter,
+                                                                      async_op=True, comm_dtype=comm_dtype))
     n = world_size(group)
     if n == 1:
         return MeanWork(tensor) if async_op else tensor
+    if comm_dtype == torch.int8 and not isinstance(kind, str):
+        # one int8 mean per run, its scales of its kind: in one quantised buffer a block straddling two runs
+        # has one scale for both and the chunk padding belongs to neither, so no split of those bytes would be
+        # measured; apart, each run's values, scales and padding are its own (more calls, a few bytes more)
+        runs = _runs(kind, tensor.numel())
+        parts = tensor.view(-1).split([c for _, c in runs])
+        works = [int8_mean_(part, kind=k, scale_kind=k, ledger=ledger, group=group, async_op=True)
+                 for (k, _), part in zip(runs, parts)]
+        mean = MeanWork(tensor, _Works(*works))
+        return mean if async_op else mean.wait()
     if comm_dtype == torch.int8:
         return int8_mean_(tensor, kind=kind, ledger=ledger, group=group, async_op=async_op)
     if comm_dtype is not None and comm_dtype != tensor.dtype:
@@ -404,7 +450,7 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: str, ledger: CommLedger | No
     return tensor
 
 
-def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None):
+def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, ledger, group=None):
     """``output`` (n * input.numel()) receives every rank's ``input`` in rank order (one per node, in
     node order, over this rank's inter-node group of a topology)."""
     if isinstance(group, NodeTopology):
@@ -413,13 +459,12 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: s
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return output
-    if ledger is not None:
-        ledger.record(kind, "all_gather", _nbytes(input), n)
+    _record(ledger, kind, "all_gather", input, n)
     _all_gather_single(output, input, group=group)
     return output
 
 
-def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, ledger, group=None,
+def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, ledger, group=None,
                       async_op: bool = False):
     """Equal split: rank j receives the j-th of n equal chunks of every rank's ``input`` (node j of a
     topology, over the inter-node group). With ``async_op`` the work handle, else ``output``."""
@@ -429,20 +474,18 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: str, l
     if n == 1:
         output.copy_(input)
         return MeanWork(output) if async_op else output
-    if ledger is not None:
-        ledger.record(kind, "all_to_all", _nbytes(input), n)
+    _record(ledger, kind, "all_to_all", input, n)
     work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
     return work if async_op else output
 
 
-def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: str, ledger, group=None):
+def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: Kind, ledger, group=None):
     """``src``'s ``tensor`` on every rank (every rank of a topology; ``src`` a global rank)."""
     group, ledger = _plain(group, ledger)
     n = world_size(group)
     if n == 1:
         return tensor
-    if ledger is not None:
-        ledger.record(kind, "broadcast", _nbytes(tensor), n)
+    _record(ledger, kind, "broadcast", tensor, n)
     dist.broadcast(tensor, src=src, group=group)
     return tensor
 

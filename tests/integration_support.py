@@ -26,6 +26,9 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in flat)
 
 
+BACKENDS: list = []  # this process's recording backends: the default group's and every subgroup's
+
+
 class RecordingBackend(C10dBackend):
     """gloo, with the bytes each collective is handed counted per operation (this rank's input, the
     ledger's ``payload``)."""
@@ -34,6 +37,7 @@ class RecordingBackend(C10dBackend):
         super().__init__(rank, size)
         self.inner = dist.ProcessGroupGloo(store, rank, size, timeout)
         self.sent: Counter = Counter()
+        BACKENDS.append(self)
 
     def getBackendName(self):
         return "recording"
@@ -94,6 +98,11 @@ def sent_bytes() -> int:
     """The bytes this rank has handed to collectives of the default group so far."""
     backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device("cpu"))
     return sum(backend.sent.values())
+
+
+def sent_by_op() -> Counter:
+    """The bytes this rank has handed to collectives of every group so far, by operation."""
+    return sum((b.sent for b in BACKENDS), Counter())
 
 
 def _entry(rank, fn, world_size, port, outdir, args):

@@ -375,9 +375,11 @@ def _fixture_run(root, name, row, top1s, bytes_per_epoch, paper=None, study=None
     (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     (d / "metrics.json").write_text(json.dumps({
         "final_test_top1": top1s[-1] if top1s else float("nan"), "best_test_top1": max(top1s, default=float("nan")),
-        "bytes_total": {"all": bytes_per_epoch * len(top1s)}, "wall_time_s": 12.0, "epochs": len(top1s),
-        "world_size": 4, "global_batch": 1024, "params": 1_727_962,
-        "compressed_share": 0.9 if row == "SLAMB" else None}))
+        "bytes_total": {"all": bytes_per_epoch * len(top1s),
+                        # SLAMB's exchange: sampled entries and always-averaged tensors, 9 to 1
+                        **({"momentum": 0.72 * bytes_per_epoch * len(top1s),
+                            "momentum_dense": 0.08 * bytes_per_epoch * len(top1s)} if row == "SLAMB" else {})},
+        "wall_time_s": 12.0, "epochs": len(top1s), "world_size": 4, "global_batch": 1024, "params": 1_727_962}))
 
 
 def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
@@ -421,7 +423,7 @@ def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     # the paper's numbers: a table of their own, under the paper's task
     assert "The paper's numbers (CIFAR-10 / ResNet-110, the paper's Table 1), for reference:" in md
     assert lines[5:] == ["| Optimizer | paper top-1 (%) |", "| SGD-M | 91.70 |", "| LAMB | 93.15 |", "| SLAMB | 93.21 |"]
-    assert "SLAMB compresses 90.0% of the parameters" in md
+    assert "90.0% of SLAMB's momentum bytes were sampled entries" in md
     rows = list(csv.DictReader((tmp_path / "results" / f"{t}.csv").read_text().splitlines()))
     assert [r["optimizer"] for r in rows] == ["SGD-M", "LAMB", "SLAMB", "SLAMB"]
     assert float(rows[2]["top1_std"]) == pytest.approx(0.4) and rows[2]["top1_n"] == "3"
@@ -445,8 +447,7 @@ def _demo_run(root, row, seed, top1, local, bytes_total):
     (d / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in hist))
     (d / "metrics.json").write_text(json.dumps({
         "final_test_top1": top1, "best_test_top1": top1, "bytes_total": bytes_total, "wall_time_s": 5.0, "epochs": 2,
-        "steps": 10, "world_size": 4, "global_batch": 256, "params": 1000,
-        "compressed_share": 0.9 if row == "SLAMB" else None}))
+        "steps": 10, "world_size": 4, "global_batch": 256, "params": 1000}))
 
 
 @pytest.mark.e2e
@@ -455,7 +456,7 @@ def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
 
     # SLAMB: 10 steps of k = 0.1 of the 900 compressed entries (3600 B) and the 100 dense ones (4000 B) in fp32,
     # two parameter syncs of 4000 B, 4 B of control per step
-    slamb = {"momentum": 7600, "params": 8000, "control": 40, "all": 15640}
+    slamb = {"momentum": 3600, "momentum_dense": 4000, "params": 8000, "control": 40, "all": 15640}
     lamb = {"grads": 40000, "control": 40, "all": 40040}
     for seed, (s, sl, l) in enumerate([(96.0, 95.0, 96.5), (96.4, 95.2, 96.7), (96.2, 95.1, 96.6)]):
         _demo_run(tmp_path / "runs", "SLAMB", seed, s, sl, slamb)
@@ -464,10 +465,10 @@ def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
     assert text == (tmp_path / "out" / "demo.md").read_text()
     assert "| LAMB | defaults | 96.60 ± 0.10 | 96.60 ± 0.10 | 96.60 ± 0.10 | 40 KB | 1.000x | 5 s | 3 |" in text
     assert "| SLAMB | defaults | 96.20 ± 0.20 | 95.10 ± 0.10 | 96.20 ± 0.20 | 15.6 KB | 0.391x | 5 s | 3 |" in text
-    assert ("| Optimizer | gradients | momentum, sampled | momentum, always-dense tensors | parameter sync | control "
-            "| total | compressed share |") in text
-    assert "| LAMB | 40 KB | 0 B | 0 B | 0 B | 40 B | 40 KB | 0.0% |" in text
-    assert "| SLAMB | 0 B | 3.6 KB | 4 KB | 8 KB | 40 B | 15.6 KB | 23.0% |" in text
+    assert ("| Optimizer | gradients | momentum, sampled | momentum, always-averaged tensors | parameter sync | "
+            "control | total | compressed share |") in text
+    assert "| LAMB | 40 KB | 0 B | 0 B | 0 B | 40 B | 40 KB | - |" in text
+    assert "| SLAMB | 0 B | 3.6 KB | 4 KB | 8 KB | 40 B | 15.6 KB | 47.4% |" in text  # 3600 / (3600 + 4000)
     # the difference (-0.40) exceeds two standard errors (2 sqrt(0.2^2/3 + 0.1^2/3) = 0.26)
     assert text.rstrip().endswith(
         "SLAMB's averaged model is 0.40 points below LAMB's (96.20% vs 96.60% top-1, mean of 3 and 3 seeds; two "

@@ -104,15 +104,19 @@ def slamb_worker(rank, world):
 def test_slamb_with_int8_exchange_plain_and_overlapped():
     res = distributed.run(slamb_worker, 2)
     n = 2
+    dense = sum(p.numel() for p in OverlapNet().parameters() if p.dim() == 1 or p.numel() < 9000)
     for r in res:
         for t, step in enumerate(r["int8"], start=1):
-            c, b = comm.int8_layout(step["selected"], n)
-            assert step["stats"]["momentum"]["payload"] == n * c + c
-            assert step["stats"]["scales"]["payload"] == 4 * (n * c + c) // b
+            # each part its own quantised mean: int8 values and a float32 scale per block, both ways
+            for part, entries in (("momentum_dense", dense), ("momentum", step["selected"] - dense)):
+                c, b = comm.int8_layout(entries, n)
+                assert step["stats"][part]["payload"] == (n * c + c) + 4 * (n * c + c) // b
+            assert "scales" not in step["stats"]
         # overlapped: one exchange per DDP bucket, the same entries
-        total = sum(s["stats"]["momentum"]["payload"] for s in r["int8-overlap"])
-        plain = sum(s["stats"]["momentum"]["payload"] for s in r["int8"])
-        assert 0 <= total - plain <= 6 * 3 * (n + 1) * 256  # each bucket pads its own chunks
+        for part in ("momentum", "momentum_dense"):
+            total = sum(s["stats"][part]["payload"] for s in r["int8-overlap"])
+            plain = sum(s["stats"][part]["payload"] for s in r["int8"])
+            assert 0 <= total - plain <= 6 * 3 * (n + 1) * 260  # each bucket pads its own chunks (and scales)
         # against the float32 exchange's run, relative to how far that run moved the parameters
         moved = torch.cat([(a - b).reshape(-1) for a, b in zip(r["fp32"][-1]["params"], r["init"])]).norm()
         for name in ("int8", "int8-overlap"):
@@ -138,9 +142,9 @@ def test_int8_exchange_across_nodes():
         for t in range(5):
             for a, b in zip(res[node * L][t]["params"], res[node * L + 1][t]["params"]):
                 assert torch.equal(a, b)
-    levels = res[0][1]["stats"]["momentum"]["levels"]
-    # the int8 exchange runs over the nodes (2 of them) on 1/L of the entries; the node gathers float64
-    c, b = comm.int8_layout(levels["intra"]["payload"] // 8, 2)
-    assert levels["inter"]["payload"] == 2 * c + c
-    assert res[0][1]["stats"]["scales"]["levels"] == {"inter": {"payload": 4 * 3 * c // b, "wire": 4 * 2 * c // b,
-                                                                "calls": 2}}
+    for part in ("momentum", "momentum_dense"):
+        levels = res[0][1]["stats"][part]["levels"]
+        # the int8 exchange runs over the nodes (2 of them) on 1/L of the part's entries; the node gathers float64
+        c, b = comm.int8_layout(levels["intra"]["payload"] // 8, 2)
+        assert levels["inter"] == {"payload": (2 * c + c) + 4 * 3 * c // b, "wire": (c + 1 * c) + 4 * 2 * c // b,
+                                   "calls": 4}

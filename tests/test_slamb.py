@@ -247,7 +247,9 @@ def test_ledger_bytes_follow_the_formula(runs):
         for w in range(N):
             for t in range(1, STEPS + 1):
                 step = run[w][t - 1]
-                assert step["bytes"]["momentum"] == int(step["mask"].sum()) * size
+                dense = dense_flags()  # the always-averaged tensors' part, then the sampled entries
+                assert step["bytes"]["momentum_dense"] == int(dense.sum()) * size
+                assert step["bytes"]["momentum"] == int(step["mask"][~dense].sum()) * size
                 assert step["bytes"].get("params", 0) == (total * 8 if (t - 1) % SYNC == 0 else 0)
                 # the non-finite agreement: one float per step (+ the layout and mask-count checks at step 1),
                 # and with fp16 the agreed scale of the exchange: one float
@@ -590,7 +592,9 @@ def test_wrap_model_keeps_slamb_gradients_local_and_records_lamb_allreduce():
     # SLAMB: DDP broadcast rank 0's weights, gradients stay local, no gradient bytes
     assert not torch.equal(res[0]["slamb"]["grads"][0], res[1]["slamb"]["grads"][0])
     assert "grads" not in res[0]["slamb"]["stats"]
-    assert res[0]["slamb"]["stats"]["momentum"]["payload"] > 0
+    # every tensor is under min_compress_numel: all of the momentum is averaged, in fp32, and nothing sampled
+    assert res[0]["slamb"]["stats"]["momentum_dense"]["payload"] == numel * 4
+    assert "momentum" not in res[0]["slamb"]["stats"]
     # step 1 is a sync step: parameters agree again
     for a, b in zip(res[0]["slamb"]["params"], res[1]["slamb"]["params"]):
         assert torch.equal(a, b)
@@ -636,10 +640,12 @@ def overlap_worker(rank, world, variant, steps=6):
             x = torch.randn(8, 100, generator=gen, dtype=torch.float64)
             opt.zero_grad()
             ddp(x).square().mean().backward()
-            launched.append(len(opt.exchange.pending))  # exchanges already in flight when step() starts
+            launched.append(list(opt.exchange.pending))  # exchanges already in flight when step() starts
             opt.step()
-        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()],
-                        "launched": launched, "momentum": opt.comm_stats()["total"]["momentum"]}
+        out[overlap] = {"params": [p.detach().clone() for p in model.parameters()], "launched": launched,
+                        "dense": opt.exchange.next_sel.dense if overlap else None,
+                        "momentum": opt.comm_stats()["total"]["momentum"],
+                        "momentum_dense": opt.comm_stats()["total"]["momentum_dense"]}
     return out
 
 
@@ -652,10 +658,14 @@ def test_overlapped_exchange_equals_the_plain_one(variant, world):
         for a, b in zip(plain["params"], overlapped["params"]):
             torch.testing.assert_close(b, a, rtol=1e-13, atol=1e-15)
         # the first step's buckets come before the layout; from then on every bucket is sent in backward
-        assert plain["launched"] == [0] * 6
-        assert overlapped["launched"][0] == 0 and min(overlapped["launched"][1:]) >= 2
-        # the same bytes, cut into one all-reduce per bucket instead of one per step
-        assert overlapped["momentum"]["payload"] == plain["momentum"]["payload"]
-        assert plain["momentum"]["calls"] == 6
-        assert overlapped["momentum"]["calls"] == 1 + 5 * overlapped["launched"][1]
+        assert plain["launched"] == [[]] * 6
+        buckets = overlapped["launched"]
+        assert buckets[0] == [] and min(len(b) for b in buckets[1:]) >= 2
+        # the same bytes, cut into one all-reduce per bucket instead of one per step; each part's calls are
+        # the all-reduces that carried some of it
+        for part, is_dense in (("momentum", False), ("momentum_dense", True)):
+            assert overlapped[part]["payload"] == plain[part]["payload"] > 0
+            assert plain[part]["calls"] == 6
+            carried = sum(any(overlapped["dense"][i] == is_dense for i in key) for b in buckets[1:] for key in b)
+            assert overlapped[part]["calls"] == 1 + carried
     assert not torch.equal(res[0][True]["params"][0], res[1][True]["params"][0])  # ranks drift between syncs

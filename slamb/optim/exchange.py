@@ -1,6 +1,12 @@
 """Step 4 of SLAMB (``docs/algorithm.md``): m[M_t] = the mean over the workers
 of m[M_t], one asynchronous all-reduce of the packed selected entries.
 
+The packed buffer holds the always-averaged tensors' momentum first, then the
+sampled entries of the others (:func:`packing`); the ledger records the two
+runs of each collective as kinds ``"momentum_dense"`` and ``"momentum"``, the
+bytes of each run's entries (:mod:`slamb.comm`), so the compressed share of
+the traffic is measured, in every ``comm_dtype``.
+
 :class:`MomentumExchange` holds everything the exchange needs (the group,
 the ledger, the wire dtype, per-parameter views of the momentum and their
 parameter groups, the coming step's mask) and the exchanges in flight; the
@@ -94,15 +100,16 @@ class MomentumExchange:
         return works
 
     def finish(self, sel: Selection, works: dict) -> list[tuple[list[int], torch.Tensor]]:
-        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places, packed averages)."""
+        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages)."""
         alike = self.alike_steps is not None
         means = []
-        for ids, work in works.items():
+        for key, work in works.items():
+            ids = packing(sel, key)[0]
             mean = work.wait().to(self.momenta[ids[0]].dtype)
             if alike:
                 alike = self._same_as_local(sel, ids, mean)
             sel.put_([self.momenta[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
-            means.append((list(ids), mean))
+            means.append((ids, mean))
         if self.alike_steps is not None and comm.world_size(self.process_group) > 1:
             self._count_alike(alike)
         return means
@@ -140,21 +147,36 @@ def discard(pending: dict) -> None:
         work.wait()
 
 
+def packing(sel: Selection, ids) -> tuple[list[int], tuple[tuple[str, int], ...]]:
+    """The packed buffer of parameters ``ids``: their order in it (always-averaged tensors first, each part in
+    ``ids`` order) and its kind runs for the ledger, ``(("momentum_dense", entries), ("momentum", entries))``.
+
+    One buffer, one collective: the runs only apportion its bytes (see :func:`slamb.comm.all_reduce_mean_`
+    for int8, which sends each run as a quantised mean of its own)."""
+    dense = [i for i in ids if sel.dense[i]]
+    sampled = [i for i in ids if not sel.dense[i]]
+    return dense + sampled, (("momentum_dense", sum(sel.counts[i] for i in dense)),
+                             ("momentum", sum(sel.counts[i] for i in sampled)))
+
+
 def launch(state: MomentumExchange, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
     """Steps 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
 
     ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum and the
     gradients, so it can run during backward; the dense momentum update of ``step()`` then recomputes these
-    entries and the average overwrites them.
+    entries and the average overwrites them. The average comes back in :func:`packing`'s order.
     """
-    ms = sel.take([state.momenta[i] for i in ids], ids)
+    order, kinds = packing(sel, ids)
+    g_of = dict(zip(ids, gs))
+    gs = [g_of[i] for i in order]
+    ms = sel.take([state.momenta[i] for i in order], order)
     gs = [g.to(m.dtype) for g, m in zip(gs, ms)]  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
-    weights = [1 - state.groups[i]["betas"][0] for i in ids]
+    weights = [1 - state.groups[i]["betas"][0] for i in order]
     if len(set(weights)) == 1:
         new = torch._foreach_lerp(ms, gs, weights[0])
     else:
         new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
-    return comm.all_reduce_mean_(torch.cat(new), kind="momentum", ledger=state.ledger, group=state.process_group,
+    return comm.all_reduce_mean_(torch.cat(new), kind=kinds, ledger=state.ledger, group=state.process_group,
                                  async_op=True, comm_dtype=state.wire_dtype)
 
 
