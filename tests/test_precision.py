@@ -162,6 +162,7 @@ def split_worker(rank, world, variant):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("variant", ["v1", "v2"])
 def test_split_norms_do_not_cancel_when_the_averaged_entries_dominate(variant):
     for rank, run in enumerate(distributed.run(split_worker, 2, variant)):
