@@ -204,7 +204,7 @@ def run_from_hydra(worker, cfg):
     from omegaconf import OmegaConf
 
     from .checkpoint import prepare_run
-    from .distributed import planned_world_size, started_externally
+    from .distributed import started_externally
     from .run import RunLock
 
     container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
@@ -221,7 +221,8 @@ def run_from_hydra(worker, cfg):
     local = not started_externally()
     with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
         try:
-            finished = prepare_run(container, run_dir, clear=local, world_size=world_size)
+            finished = prepare_run(container, run_dir, clear=local,
+                                   world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
         except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
             refuse(e)
         if finished is not None:

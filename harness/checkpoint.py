@@ -51,7 +51,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from slamb import comm
 from .atomic import atomic_torch_save, atomic_write_json, verified_torch_load
 from .distributed import DistEnv, barrier
 from .run import RunLogger

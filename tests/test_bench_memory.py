@@ -174,6 +174,7 @@ def test_rows_include_fused_slamb():
     assert set(memory.rows()) == {"lamb", "onebit_lamb", "slamb_v2", "slamb_v1", "slamb_v2_fused", "slamb_v1_fused"}
 
 
+@pytest.mark.multiprocess  # 2 gloo processes
 def test_two_rank_measurement_of_the_real_optimizers():
     """The page's measuring run on a tiny BERT in a 2-rank gloo group: state per parameter as counted
     above, DDP's bucket view read from the DDP that wrap_model builds, transients that are not negative."""

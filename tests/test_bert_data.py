@@ -58,6 +58,7 @@ def read(path: Path) -> dict[str, np.ndarray]:
         return {k: f[k][:] for k in f}
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_shards_have_nvidia_field_names_shapes_and_dtypes(shards):
     out, stats, _ = shards
     assert [p.name for p in find_shards(out)] == ["part0_training.hdf5", "part1_training.hdf5"]
@@ -73,6 +74,7 @@ def test_shards_have_nvidia_field_names_shapes_and_dtypes(shards):
     assert sum(s["examples"] for s in stats) == sum(len(read(p)["next_sentence_labels"]) for p in find_shards(out))
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_examples_are_cls_a_sep_b_sep_pairs_zero_padded(shards):
     out, _, tok = shards
     cls, sep = tok.convert_tokens_to_ids(["[CLS]", "[SEP]"])
@@ -89,6 +91,7 @@ def test_examples_are_cls_a_sep_b_sep_pairs_zero_padded(shards):
 
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_masking_statistics_follow_the_15_percent_80_10_10_recipe(shards):
     out, _, tok = shards
     mask_id = tok.convert_tokens_to_ids("[MASK]")
@@ -119,6 +122,7 @@ def test_masking_statistics_follow_the_15_percent_80_10_10_recipe(shards):
     assert counts["random"] / m == pytest.approx(0.1 - 0.1 / 120, abs=0.025)
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_next_sentence_labels_are_about_half_random(shards):
     out, stats, _ = shards
     labels = np.concatenate([read(p)["next_sentence_labels"] for p in find_shards(out)])
@@ -128,6 +132,7 @@ def test_next_sentence_labels_are_about_half_random(shards):
     assert sum(s["random_next"] for s in stats) == labels.sum()
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_continuation_pairs_are_consecutive_text_of_one_document(corpus, shards):
     root, files, vocab = corpus
     out, _, tok = shards
@@ -153,6 +158,7 @@ def test_continuation_pairs_are_consecutive_text_of_one_document(corpus, shards)
     assert checked > 20
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_preparation_is_reproducible_with_any_number_of_workers(corpus, shards, tmp_path):
     root, files, vocab = corpus
     out, _, _ = shards
@@ -236,6 +242,7 @@ def nvidia_selection(data_dir: Path) -> list[str]:
     return sorted(f for f in os.listdir(data_dir) if os.path.isfile(data_dir / f) and "training" in f)
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_default_pattern_follows_nvidia_rule_and_selects_our_shards(shards, tmp_path):
     out, _, _ = shards
     assert nvidia_selection(out) == [p.name for p in find_shards(out)] == ["part0_training.hdf5", "part1_training.hdf5"]
@@ -264,6 +271,7 @@ def example_ids(batch) -> list[tuple]:
     return [tuple(r.tolist()) for r in batch["input_ids"]]
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 @pytest.mark.parametrize("world", [2, 3])  # 2: shards dealt to ranks; 3 > 2 shards: strided examples
 def test_stream_splits_each_pass_between_ranks_and_resumes_exactly(shards, world):
     out, _, _ = shards
@@ -296,6 +304,7 @@ def test_stream_splits_each_pass_between_ranks_and_resumes_exactly(shards, world
     assert example_ids(next(streams[0].micro_batches(start=s.epoch_batches(0)))) != example_ids(next(streams[0].micro_batches()))
 
 
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
 def test_prefetched_stream_is_the_stream_and_resumes_exactly(shards):
     """Read ahead by the thread or in the loop: the same batches in the same order, across a pass's end,
     and from a resumed position."""

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess  # runs the demo as a subprocess
 def test_bert_demo_runs_and_prints_its_summary(tmp_path):
     out = tmp_path / "demo"
     # one worker and a few steps: the demo's own corpus, vocabulary and shards, through bert.train (one worker

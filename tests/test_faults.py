@@ -92,6 +92,7 @@ def damaged_rank_worker(rank, world, run_dir):
     return {"progress": progress, "b": mine["b"][0].item(), "printed": printed.getvalue(), "error": error}
 
 
+@pytest.mark.multiprocess  # starts workers
 def test_a_damaged_file_on_another_rank_sends_every_rank_back_and_is_named(tmp_path):
     out = distributed.run(damaged_rank_worker, 2, str(tmp_path))
     bad = tmp_path / "ckpt" / "step000000002" / "rank1.pt"
@@ -305,6 +306,7 @@ def _world_and_timeout(cfg, run_dir):
     return env.world_size, backend.options._timeout.total_seconds()
 
 
+@pytest.mark.multiprocess  # starts workers
 def test_a_launch_takes_the_configured_timeout_and_leaves_no_launcher_folder_behind(tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

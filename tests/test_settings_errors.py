@@ -21,6 +21,8 @@ from tests.test_configs import ROOTS, compose_root
 
 ROOT = Path(__file__).resolve().parents[1]
 
+pytestmark = pytest.mark.multiprocess  # each case runs a pipeline's command line as a subprocess
+
 
 def refused(module: str, args: list[str], run_dir: Path) -> str:
     """Run ``python -m module args`` and return its one stderr line, checking it ended before any worker."""
