@@ -181,9 +181,9 @@ def check_settings(cfg: dict) -> None:
     t = cfg["trainer"]
     check_trainer(t)
     check_optimizer(cfg["optimizer"])
+    on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     check_data(cfg.get("data") or {}, planned_world_size(t["nproc_per_node"]))
     check_inputs_exist(cfg)
-    on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 

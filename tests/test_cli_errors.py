@@ -95,7 +95,9 @@ def gpus(monkeypatch):
 
 
 def device_settings(*overrides) -> dict:
-    return compose_cfg("experiment=cifar10/slamb", "trainer.nproc_per_node=2", *overrides)
+    # an existing data.dir: the checks before any worker also refuse a missing one, and these cases test the device
+    return compose_cfg("experiment=cifar10/slamb", "trainer.nproc_per_node=2", f"data.dir={Path(__file__).parent}",
+                       *overrides)
 
 
 @pytest.mark.parametrize("device", ["auto", "cuda"])

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.multiprocess  # each case runs a pipeline's command lin
 def refused(module: str, args: list[str], run_dir: Path) -> str:
     """Run ``python -m module args`` and return its one stderr line, checking it ended before any worker."""
     tic = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+    # trainer.device=cpu: auto would add its one-line CPU-fallback notice on a machine without a GPU
+    done = subprocess.run([sys.executable, "-m", module, *args, "trainer.device=cpu", f"hydra.run.dir={run_dir}"],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=300, check=False,
                           env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
     elapsed = time.perf_counter() - tic
@@ -51,8 +53,8 @@ CIFAR = ["experiment=cifar10/lamb", "trainer.nproc_per_node=2"]
     ("trainer.checkpoint.keep=0", "error: invalid trainer.checkpoint.keep=0: must be an integer >= 1 (the last "
                                   "checkpoint resumes the run); fix: set trainer.checkpoint.keep to an allowed value"),
     ("trainer.timeout_s=0", "error: invalid trainer.timeout_s=0: must be a number of seconds > 0"),
-    ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3; known: ['checkpoint', 'deterministic', "
-                               "'device', 'max_restarts', "),
+    ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3; known: ['checkpoint', 'cudnn_benchmark', "
+                               "'deterministic', 'device', 'max_restarts', "),
     ("+trainer.checkpoint.evry=5", "error: unknown setting trainer.checkpoint.evry=5; known: ['enabled', 'every', "
                                    "'keep']; fix: drop trainer.checkpoint.evry or correct its name "
                                    "(configs/trainer/default.yaml)"),
@@ -72,7 +74,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path)
     assert stderr.startswith(f"error: checkpoint directory {run / 'ckpt'} is not writable ({run / 'ckpt'}: Not a "
                              "directory): make it writable, choose another run directory"), stderr
     # a run without checkpoints has nothing to write there: it gets past this check (to the data it lacks)
-    done = subprocess.run([sys.executable, "-m", "cifar10.train", *CIFAR, "trainer.nproc_per_node=1",
+    done = subprocess.run([sys.executable, "-m", "cifar10.train", *CIFAR, "trainer.nproc_per_node=1", "trainer.device=cpu",
                            f"data.dir={tmp_path / 'empty'}", "trainer.checkpoint.enabled=false",
                            f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False, env={**os.environ, "WANDB_MODE": "offline"})
