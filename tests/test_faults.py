@@ -178,6 +178,7 @@ def test_truncating_the_metrics_on_resume_is_atomic(tmp_path, monkeypatch):
 # ------------------------------------------------------------------------------- through a pipeline
 
 
+@pytest.mark.multiprocess  # reruns a pipeline with its workers
 def test_a_rerun_comes_through_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path):
     """``python -m cifar10.train``: the newest checkpoint's byte flipped and a torn metrics line appended; the
     rerun (one epoch longer, so that it resumes) drops the line, resumes from the older checkpoint, finishes."""
@@ -229,6 +230,7 @@ def test_resuming_with_other_settings_is_refused_naming_each_one(tmp_path):
         Checkpointer(tmp_path, solo(), settings=_settings(sync_interval=10)).load()
 
 
+@pytest.mark.multiprocess  # runs the pipeline's command line and its workers
 def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_resumes(tmp_path):
     from tests.test_cifar10 import TINY, cli, write_tiny_cifar
 

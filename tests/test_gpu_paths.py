@@ -372,10 +372,11 @@ def test_wrap_model_checks_the_device_before_building_ddp(eight_gpus, monkeypatc
     monkeypatch.setenv("LOCAL_RANK", "1")
     monkeypatch.setattr(slamb.ddp.comm, "world_size", lambda group=None: 2)
 
-    def no_ddp(*args, **kwargs):
-        raise AssertionError("DDP built before the device check")
+    class NoDDP(torch.nn.parallel.DistributedDataParallel):  # a class still: wrap_model also refuses DDP modules
+        def __init__(self, *args, **kwargs):
+            raise AssertionError("DDP built before the device check")
 
-    monkeypatch.setattr(slamb.ddp, "DistributedDataParallel", no_ddp)
+    monkeypatch.setattr(slamb.ddp, "DistributedDataParallel", NoDDP)
     opt = slamb.create_optimizer("lamb", torch.nn.Linear(2, 2), lr=0.1)
     with pytest.raises(ValueError, match=r"call torch\.cuda\.set_device\(local_rank\)"):
         slamb.wrap_model(OnCuda(0), opt)
