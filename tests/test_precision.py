@@ -107,13 +107,17 @@ def test_a_state_saved_in_bf16_loads_promoted_to_fp32(name):
     model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 2)).bfloat16()
     kw = dict(lr=1e-3, **({"inner": "lamb"} if name == "diloco" else {}))  # inner AdamW is torch's own
     opt = slamb.create_optimizer(name, model, **kw)
-    for _ in range(2):
+
+    def step(o):
         if name == "jointspar":
-            opt.sample_round()
+            o.sample_round()
         for p in model.parameters():
             if p.requires_grad:
                 p.grad = torch.randn_like(p)
-        opt.step()
+        o.step()
+
+    for _ in range(2):
+        step(opt)
     if name == "jointspar":
         opt.unfreeze()  # the layers of the fresh optimizer are those with requires_grad
     sd = opt.state_dict()
@@ -127,12 +131,7 @@ def test_a_state_saved_in_bf16_loads_promoted_to_fp32(name):
     floating = [v for s in fresh.state.values() for key, v in s.items()
                 if torch.is_tensor(v) and v.is_floating_point() and key != "step"]
     assert floating and all(v.dtype == torch.float32 for v in floating)
-    if name == "jointspar":
-        fresh.sample_round()
-    for p in model.parameters():
-        if p.requires_grad:
-            p.grad = torch.randn_like(p)
-    fresh.step()
+    step(fresh)  # and it steps
 
 
 # -- split norms: SLAMB's paths where the averaged entries dominate the direction ----------------------------
