@@ -9,8 +9,8 @@ others, and the age advances (step 6: 0 where averaged, else one more).
 Pass 2, :func:`update_pass`: p -= clamp(A + B r, lo, hi) (E0 + E1 r) u, with u recomputed from m, v, p
 (recomputing costs the same traffic as writing it in pass 1 and reading it back, and keeps no scratch)
 and r = b3^age (1 without an age buffer). Both passes compute in the moments' dtype (fp32 under bf16
-and fp16 parameters, :mod:`slamb.optim.precision`): such a parameter is rounded once, when written. LAMB, SLAMB v1 and v2 differ only in the per-tensor A, B,
-lo, hi, E0, E1 (see each optimizer).
+and fp16 parameters, :mod:`slamb.optim.precision`): such a parameter is rounded once, when written.
+LAMB, SLAMB v1 and v2 differ only in the per-tensor A, B, lo, hi, E0, E1 (see each optimizer).
 
 Every scalar arrives in a small per-tensor table (a tensor, so a new lr or t reuses the graphs): a
 scalar expression traced into a graph (b1^t, a trust ratio) is evaluated inside the innermost loop of

@@ -122,7 +122,6 @@ class SlambLayout:
             self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
                                                         device=layout.device))
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        self._index: dict[tuple[int, ...], torch.Tensor] = {}
         # the fused path's runs of tensors, their compiled passes, and each tensor's group (in ``layout.groups``)
         self.runs = fused_passes.runs([(lo, hi) for _, lo, hi in layout.groups])
         self.passes = fused_passes.Passes("SLAMB")
@@ -130,11 +129,8 @@ class SlambLayout:
                                         device=layout.device)
 
     def index(self, ids: list[int]) -> torch.Tensor:
-        """``ids`` as a tensor on the device, made once per distinct list."""
-        key = tuple(ids)
-        if key not in self._index:
-            self._index[key] = torch.tensor(ids, device=self.layout.device)
-        return self._index[key]
+        """``ids`` as a tensor on the device, made once per distinct list (the passes' cache)."""
+        return self.passes.index(ids, self.layout.device)
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
@@ -147,20 +143,24 @@ class SlambLayout:
 def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
     """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi), each
     summed over its own entries (the module docstring: no cancellation)."""
-    whole = torch.stack(torch._foreach_norm(tensors))
     ids, at = plan.compressed_of[lo]
     if not ids:
+        whole = torch.stack(torch._foreach_norm(tensors))
         return whole, torch.zeros_like(whole)
     # the flattened tensor itself where its layout allows, else a copy, which needs nothing put back
     flats = [x.view(-1) if x.is_contiguous() else x.flatten() for x in (tensors[i - lo] for i in ids)]
     taken = sel.take(flats, ids)
-    selected = whole.index_copy(0, at, torch.stack(torch._foreach_norm(taken)))
     for i, x in zip(ids, flats):
         x.index_fill_(0, sel.local[i], 0.0)
-    rest = torch.stack(torch._foreach_norm(flats))
+    zeroed = list(tensors)
+    for i, x in zip(ids, flats):
+        zeroed[i - lo] = x
+    # one pass: an always-averaged tensor's whole norm, a compressed tensor's norm of its other entries
+    norms = torch.stack(torch._foreach_norm(zeroed))
     for i, x, v in zip(ids, flats, taken):
         x.index_copy_(0, sel.local[i], v)
-    return selected, torch.zeros_like(whole).index_copy_(0, at, rest)
+    selected = norms.index_copy(0, at, torch.stack(torch._foreach_norm(taken)))
+    return selected, torch.zeros_like(norms).index_copy_(0, at, norms.index_select(0, at))
 
 
 def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
