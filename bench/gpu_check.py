@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from harness.run import git_revision
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "gpu"
 PARTS = ("tests", "memory", "step")
@@ -62,12 +64,12 @@ def environment() -> dict:
     keys = ("smi_name", "driver", "memory_total", "mig_mode", "compute_cap")
     env = dict(zip(keys, smi)) if len(smi) == len(keys) else {"nvidia_smi": "not available"}
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    revision = git_revision(ROOT)
     env.update(gpu=props.name, sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                capability=f"{props.major}.{props.minor}", torch=torch.__version__, cuda=torch.version.cuda,
                nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
                cudnn=torch.backends.cudnn.version(), python=platform.python_version(),
-               revision=_run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"]) or "unknown",
-               dirty=bool(_run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])))
+               revision=revision["commit"][:7], dirty=bool(revision["dirty"]))
     return env
 
 
@@ -204,9 +206,7 @@ def peak_memory() -> list[dict]:
             # one GPU, no DDP: the page's buckets are not allocated here
             weights_and_state = pred["forward/backward"] - pred.get("DDP buckets", 0.0)
             rows.append({"optimizer": row, "micro_batch": mb, "seq": SEQ, **got,
-                         "predicted_no_activations_gb": round(weights_and_state, 2),
-                         "predicted_page_peak_gb": max(pred[k] for k in ("forward/backward", "first step",
-                                                                          "later step"))})
+                         "predicted_no_activations_gb": round(weights_and_state, 2)})
             if "activations per sequence" in pred:
                 rows[-1]["predicted_gb"] = round(weights_and_state + mb * pred["activations per sequence"], 2)
             if "peak_gb" in got:

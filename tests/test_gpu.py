@@ -17,8 +17,7 @@ from slamb.optim import masks
 from tests import distributed
 from tests.test_registry import SETTINGS
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = pytest.mark.gpu  # skipped without CUDA by tests/tiers.py
 
 CUDA = torch.device("cuda")
 CPU = torch.device("cpu")
