@@ -588,9 +588,18 @@ def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, 
     return "\n".join(out)
 
 
-# BERT-Large's activations as `make gpu-check` measured them on an H100 (results/gpu/nvidia-h100-80gb-hbm3.md):
-# GB by micro-batch, LAMB's row (SLAMB v2's differs by 0.01)
-CALIBRATION_GB = {32: 5.57, 64: 11.12}
+# the GPU page whose BERT-Large activations the fit is set beside (`make gpu-check` writes it)
+CALIBRATION_PAGE = ROOT / "results" / "gpu" / "nvidia-h100-80gb-hbm3.json"
+
+
+def calibration_gb(page: Path = CALIBRATION_PAGE) -> dict[int, float]:
+    """BERT-Large's activations in GB by micro-batch, as `make gpu-check` measured them: LAMB's rows (SLAMB
+    v2's differ by 0.01)."""
+    import json
+
+    rows = json.loads(page.read_text())["memory"]
+    return {r["micro_batch"]: r["activations_gb"] for r in rows if r["optimizer"] == "lamb" and "activations_gb" in r}
+
 
 
 def held_out_point(hidden: int, layers: int, batches=ACT_BATCHES, seq: int = SEQ) -> dict:
@@ -614,7 +623,7 @@ def main(argv=None) -> None:
         models[label] = {"params": sum(math.prod(s) for s in MODELS[name]()), "hidden": hidden, "layers": layers}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(per_row, models, fit, configured_micro_batch(), CALIBRATION_GB, held_out))
+    out.write_text(render(per_row, models, fit, configured_micro_batch(), calibration_gb(), held_out))
     print(f"wrote {out}")
 
 
