@@ -56,15 +56,18 @@ def _run(cmd: list[str]) -> str:
         return ""
 
 
-def environment() -> dict:
-    """What the results depend on, read only (nvidia-smi is asked, never told)."""
+def environment(revision: str | None = None) -> dict:
+    """What the results depend on, read only (nvidia-smi is asked, never told).
+
+    ``revision`` names the commit for a copy of the tree whose ``.git`` does not match it (a device
+    machine that receives the working tree beside an older repository)."""
     props = torch.cuda.get_device_properties(0)
     smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,mig.mode.current,compute_cap",
                 "--format=csv,noheader"]).split(", ")
     keys = ("smi_name", "driver", "memory_total", "mig_mode", "compute_cap")
     env = dict(zip(keys, smi)) if len(smi) == len(keys) else {"nvidia_smi": "not available"}
     nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
-    revision = git_revision(ROOT)
+    revision = {"commit": revision, "dirty": False} if revision else git_revision(ROOT)
     env.update(gpu=props.name, sm_count=props.multi_processor_count, gpu_memory_gib=round(props.total_memory / 2**30, 1),
                capability=f"{props.major}.{props.minor}", torch=torch.__version__, cuda=torch.version.cuda,
                nccl=".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl),
@@ -306,6 +309,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS))
     parser.add_argument("--out-dir", default=str(OUT))
+    parser.add_argument("--revision", help="the commit this tree is, where its .git is a stale copy")
     parser.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
                         help="passed to pytest after the test files (last on the command line)")
     args = parser.parse_args(argv)
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
         return 0
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    env = environment()
+    env = environment(args.revision)
     stem = out / slug(env["gpu"])
     json_path = stem.with_suffix(".json")
     res = json.loads(json_path.read_text()) if json_path.exists() else {}
