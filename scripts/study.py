@@ -82,21 +82,55 @@ def welch_interval(a, b, level: float = 0.95) -> tuple[float, float, float]:
     return diff, float(ci.low), float(ci.high)
 
 
+DELTA = {"digits": 1.0, "bert": 0.05}  # the equivalence margins: 1 point of top-1, 0.05 nats of MLM loss
+
+
+def judgement(lo: float, hi: float, delta: float, *, higher_is_better: bool, digits: int) -> str:
+    """What a difference's interval decides: equivalence within ±``delta`` when it lies inside that margin,
+    better or worse when it excludes 0 (both can hold), otherwise undecided with its half-width."""
+    if math.isnan(lo):
+        return "no interval"
+    said = []
+    if lo > 0 or hi < 0:
+        said.append("better than LAMB" if (lo > 0) == higher_is_better else "worse than LAMB")
+    if -delta <= lo and hi <= delta:
+        said.append(f"equivalent within ±{delta:g}")
+    return " and ".join(said) if said else f"undecided, interval ±{(hi - lo) / 2:.{digits}f}"
+
+
 def verdict(row: str, values: list[float], lamb: list[float], bytes_ratio: float, *, unit: str, metric: str,
-            higher_is_better: bool) -> str:
-    """One sentence: ``row`` against LAMB (difference, its 95% interval over the seeds) and the bytes ratio."""
+            higher_is_better: bool, delta: float) -> str:
+    """One sentence: ``row`` against LAMB (difference, its 95% interval over the seeds, what the interval
+    decides at the margin ``delta``) and the bytes ratio."""
+    digits = unit_digits(unit)
     d, lo, hi = welch_interval(values, lamb)
     word = ("above" if d > 0 else "below") if d != 0 else "level with"
-    better = (d > 0) == higher_is_better
-    ci = f"95% CI {lo:+.{unit_digits(unit)}f} to {hi:+.{unit_digits(unit)}f}" if not math.isnan(lo) else "one seed"
-    if not math.isnan(lo):
-        clear = lo > 0 or hi < 0
-        judged = (("better" if better else "worse") + " than LAMB beyond the seeds' spread") if clear else \
-            "the seeds cannot tell it from LAMB"
+    if math.isnan(lo):
+        ci = "one seed"
     else:
-        judged = "no interval"
-    return (f"{row}'s averaged model is {abs(d):.{unit_digits(unit)}f} {unit} {word} LAMB's {metric} "
-            f"({ci}, n = {len(values)} and {len(lamb)}; {judged}) at {bytes_ratio:.3f}x LAMB's bytes per worker.")
+        half = (hi - lo) / 2
+        ci = (f"95% CI {lo:+.{digits}f} to {hi:+.{digits}f}, ±{half:.{digits}f}: "
+              + (f"within the ±{delta:g} target" if half <= delta else f"wider than the ±{delta:g} target"))
+    return (f"{row}'s averaged model is {abs(d):.{digits}f} {unit} {word} LAMB's {metric} "
+            f"({ci}; n = {len(values)} and {len(lamb)}): "
+            f"**{judgement(lo, hi, delta, higher_is_better=higher_is_better, digits=digits)}**, "
+            f"at {bytes_ratio:.3f}x LAMB's bytes per worker.")
+
+
+def seeds_for(values: list[float], lamb: list[float], delta: float, cap: int, level: float = 0.95) -> int:
+    """The fewest runs per row (of this row and of LAMB each, at most ``cap``) at which a Welch interval with
+    these samples' standard deviations would be at most ±``delta`` wide."""
+    from scipy import stats
+
+    va, vb = statistics.variance(values), statistics.variance(lamb)
+    for n in range(max(len(values), len(lamb)), cap + 1):
+        se2 = (va + vb) / n
+        if se2 == 0:
+            return n
+        df = se2 ** 2 / (((va / n) ** 2 + (vb / n) ** 2) / (n - 1))
+        if stats.t.ppf(0.5 + level / 2, df) * math.sqrt(se2) <= delta:
+            return n
+    return cap
 
 
 def unit_digits(unit: str) -> int:
@@ -176,9 +210,58 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
     return time.perf_counter() - tic
 
 
-def task_runs(sweep: Path, task: str, seeds: list[int]) -> list[dict]:
-    return [r for r in load_runs(sweep)
-            if (r["config"].get("paper") or {}).get("table") == TABLES[task] and r["config"].get("seed") in seeds]
+def task_runs(sweep: Path, task: str, seeds: list[int] | None = None) -> list[dict]:
+    """The runs of ``task`` under ``sweep`` (of these seeds only, when given)."""
+    return [r for r in load_runs(sweep) if (r["config"].get("paper") or {}).get("table") == TABLES[task]
+            and (seeds is None or r["config"].get("seed") in seeds)]
+
+
+def table_rows(runs: list[dict], task: str) -> list[dict]:
+    return comparison_rows(runs) if task == "digits" else pretrain_rows(runs)
+
+
+def experiment(row: dict) -> str:
+    """The row file a table row was run from (``name: study_<file>``)."""
+    return "study/" + row["members"][0]["config"]["name"].removeprefix("study_")
+
+
+def top_up_plan(rows_: list[dict], task: str, cap: int) -> dict[str, int]:
+    """Row file -> the runs it needs (at most ``cap``) for every SLAMB row's interval against LAMB to be at
+    most ±DELTA wide, estimated from the spread of the runs so far; the rows that need none are left out."""
+    lamb = next((r for r in rows_ if r["optimizer"] == "LAMB"), None)
+    want: dict[str, int] = {}
+    for r in rows_:
+        if lamb is None or r["settings"].get("optimizer.name") != "slamb":
+            continue
+        values, ref = (_metric_values(x, task) for x in (r, lamb))
+        if min(len(values), len(ref)) < 2:
+            continue
+        _, lo, hi = welch_interval(values, ref)
+        if (hi - lo) / 2 <= DELTA[task]:
+            continue
+        n = seeds_for(values, ref, DELTA[task], cap)
+        for x in (r, lamb):
+            want[experiment(x)] = max(want.get(experiment(x), 0), n)
+    have = {experiment(r): r["runs"] for r in rows_}
+    return {e: n for e, n in sorted(want.items()) if n > have[e]}
+
+
+def top_up(module: str, sweep: Path, task: str, overrides: list[str], cap: int, rounds: int = 3) -> float:
+    """More seeds for the rows whose intervals are wider than the margin (:func:`top_up_plan`), new seeds
+    after each row's highest, re-estimated after each round; returns the wall time (s)."""
+    took = 0.0
+    for _ in range(rounds):
+        rows_ = table_rows(task_runs(sweep, task), task)
+        plan = top_up_plan(rows_, task, cap)
+        if not plan:
+            break
+        seeds = {experiment(r): r["seeds"] if "seeds" in r else sorted(m["config"]["seed"] for m in r["members"])
+                 for r in rows_}
+        for exp, n in plan.items():
+            first = max(seeds[exp]) + 1
+            print(f"study: {exp} needs {n} runs for a ±{DELTA[task]:g} interval; adding seeds {first}..{first + n - len(seeds[exp]) - 1}", flush=True)
+            took += multirun(module, [exp], list(range(first, first + n - len(seeds[exp]))), sweep, overrides)
+    return took
 
 
 METRIC = {"digits": "final_test_top1", "bert": "final_val_mlm_loss"}
@@ -208,14 +291,14 @@ def verdicts(rows_: list[dict], task: str) -> list[str]:
         values, ref = (_metric_values(x, task) for x in (r, lamb))
         if task == "digits":
             out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="points",
-                               metric="test top-1", higher_is_better=True))
+                               metric="test top-1", higher_is_better=True, delta=DELTA[task]))
             if r["settings"].get("optimizer.hierarchy") == "node":
                 out[-1] += (" Its bytes are every collective of a process, the dense gradient average inside each "
                             "node included; what crosses the nodes is in results/comm_volume.md and "
                             "results/netbench_hierarchical.md.")
         else:
             out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="nats",
-                               metric="validation MLM loss", higher_is_better=False))
+                               metric="validation MLM loss", higher_is_better=False, delta=DELTA[task]))
     return out
 
 
@@ -275,17 +358,36 @@ def other_kinds(rows_: list[dict]) -> str:
     return ("\"other\" is the ledger's kinds of the compressed exchanges (" + "; ".join(parts) + ").\n") if parts else ""
 
 
-def still_improving(rows_: list[dict], epochs: int = 2, points: float = 1.0) -> str:
-    """The rows whose mean test top-1 rose by more than ``points`` over the last ``epochs`` epochs."""
-    rising = []
+PLATEAU = {"digits": 0.3, "bert": 0.02}  # LAMB's mean may move this little over the last 20% (points; fraction)
+
+
+def last_fifth(hists: list[list[dict]], key: str) -> tuple[float, float, int, int]:
+    """Mean over the runs of ``key`` at the entry 80% of the way through the runs and at the last one, with the
+    epochs or steps of both."""
+    length = min(len(h) for h in hists)
+    at = max(0, math.ceil(0.8 * length) - 1)
+    when = "epoch" if "epoch" in hists[0][-1] and "step" not in key else "step"
+    before, last = (statistics.fmean(h[i][key] for h in hists) for i in (at, length - 1))
+    return before, last, hists[0][at].get(when, hists[0][at].get("step")), hists[0][length - 1].get(when, hists[0][length - 1].get("step"))
+
+
+def digits_plateau(rows_: list[dict]) -> str:
+    """How much each row's mean test top-1 moved over the last 20% of the epochs; LAMB's decides whether the
+    study compares converged runs."""
+    parts, lamb = [], None
     for r in rows_:
-        hists = [m["history"] for m in r["members"]]
-        if min(len(h) for h in hists) > epochs:
-            gain = statistics.fmean(h[-1]["test_top1"] - h[-1 - epochs]["test_top1"] for h in hists)
-            if gain > points:
-                rising.append(f"{r['optimizer']} (+{gain:.1f})")
-    return (f"Still improving at the end (mean top-1 up by more than {points:g} point over the last {epochs} "
-            f"epochs): {', '.join(rising)}.\n") if rising else ""
+        before, last, e0, e1 = last_fifth([m["history"] for m in r["members"]], "test_top1")
+        parts.append(f"{r['optimizer']} {last - before:+.2f}")
+        if r["optimizer"] == "LAMB":
+            lamb = (last - before, e0, e1)
+    if lamb is None:
+        return ""
+    moved, e0, e1 = lamb
+    ok = abs(moved) < PLATEAU["digits"]
+    return (f"Convergence: LAMB's mean top-1 moved {moved:+.2f} points from epoch {e0} to epoch {e1} (the last 20% of "
+            f"the epochs): {'under' if ok else 'NOT under'} the {PLATEAU['digits']:g}-point plateau criterion"
+            + ("" if ok else ", so the rows are compared before LAMB has converged") + ". Every row over the same "
+            "epochs: " + ", ".join(parts) + ".\n")
 
 
 def digits_section(runs: list[dict], out: Path) -> tuple[str, list[str]]:
@@ -294,7 +396,7 @@ def digits_section(runs: list[dict], out: Path) -> tuple[str, list[str]]:
     build_tables(runs, out)
     rows_ = comparison_rows(runs)
     lines = verdicts(rows_, "digits")
-    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), still_improving(rows_), bytes_markdown(rows_),
+    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), digits_plateau(rows_), bytes_markdown(rows_),
                       other_kinds(rows_),
                       f"![accuracy vs epoch and vs bytes]({TABLES['digits']}_curves.png)", ""])
     return text, lines
@@ -354,9 +456,8 @@ def page(parts: dict, args, times: dict) -> str:
                   "here ResNet-8 on scikit-learn's 1,797 digits (upsampled to 32x32 RGB) for the epochs in the table, "
                   "4 CPU workers x 64 (global batch 256, 17% of the training set per step: a large batch for the "
                   "data, as in the paper's setting). SLAMB's H and the warm-up stages of DGC and 1-bit LAMB are "
-                  "scaled to the run (the note under the table). The runs are short: rows still improving at the "
-                  "last epoch (named under the table) are compared before convergence, where the paper compares "
-                  "final accuracies.",
+                  "scaled to the run (the note under the table). The page checks that LAMB has plateaued (under "
+                  "the table), since the paper compares final accuracies.",
         "bert": "- Text: the paper pre-trains BERT-Large on Wikipedia + BookCorpus (phase 1: 7,038 steps at global "
                 "batch 65,536, fp16, 128 GPUs) and reports the validation MLM loss; here a 2-layer BERT with hidden "
                 "size 64 on standard-library docstrings, fp32, 4 CPU workers, with SLAMB's H and 1-bit LAMB's "
@@ -393,8 +494,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where the page, tables and plots go (default: results/study, "
                         "or runs/study-quick/results with --quick)")
     parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick])")
-    parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="default 0..4 (quick: 0 1)")
-    parser.add_argument("--bert-seeds", type=int, nargs="+", default=None, help="default 0..2 (quick: 0)")
+    parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="the seeds of every row, "
+                        "without top-ups (default 0..4 (quick: 0 1), then more for LAMB and each SLAMB row whose "
+                        "interval is wider than ±1 point, up to --digits-max-seeds)")
+    parser.add_argument("--bert-seeds", type=int, nargs="+", default=None, help="likewise (default 0..2 (quick: 0), "
+                        "then top-ups to ±0.05 nats, up to --bert-max-seeds)")
+    parser.add_argument("--digits-max-seeds", type=int, default=20)
+    parser.add_argument("--bert-max-seeds", type=int, default=6)
     parser.add_argument("--rows", nargs="+", default=None, help="run only these rows (file names in "
                         "configs/experiment/study/, without .yaml) beside the runs already under --runs; their time "
                         "is added to the task's")
@@ -408,6 +514,10 @@ def main(argv=None) -> int:
     out = Path(args.out) if args.out else (scratch / "results" if args.quick else ROOT / "results" / "study")
     seeds = {"digits": args.digits_seeds or ([0, 1] if args.quick else [0, 1, 2, 3, 4]),
              "bert": args.bert_seeds or ([0] if args.quick else [0, 1, 2])}
+    # named seeds are the runs, as are the quick study's; otherwise the spread decides how many more
+    cap = {task: len(seeds[task]) if (args.quick or named) else maximum for task, named, maximum in
+           (("digits", args.digits_seeds, args.digits_max_seeds), ("bert", args.bert_seeds, args.bert_max_seeds))}
+    chosen = {task: seeds[task] if cap[task] == len(seeds[task]) else None for task in seeds}
     args.machine = args.machine or f"{os.cpu_count()} CPU cores"
     out.mkdir(parents=True, exist_ok=True)
     times_path = runs_root / "times.json"
@@ -423,11 +533,12 @@ def main(argv=None) -> int:
         todo = QUICK["digits_rows"] if args.quick else rows("digits", args.rows)
         if not args.report_only and todo:
             write_digits_dataset(digits_dir)
-            took = multirun("cifar10.train", todo, seeds["digits"], sweep,
-                            [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])])
+            overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
+            took = multirun("cifar10.train", todo, seeds["digits"], sweep, overrides)
+            took += top_up("cifar10.train", sweep, "digits", overrides, cap["digits"])
             # rows run beside recorded ones add their time to the task's
             times["digits"] = times.get("digits", 0.0) + took if args.rows else took
-        runs = task_runs(sweep, "digits", seeds["digits"])
+        runs = task_runs(sweep, "digits", chosen["digits"])
         parts["digits"] = digits_section(runs, out)
         record["digits"] = per_run(runs, "digits")
 
@@ -441,13 +552,13 @@ def main(argv=None) -> int:
                              limit_files=60 if args.quick else None)
             data_json.write_text(json.dumps(data, indent=1))
             prep = time.perf_counter() - tic
-            took = prep + multirun(
-                "bert.train", todo, seeds["bert"], sweep,
-                [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
-                 f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])])
+            overrides = [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
+                         f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])]
+            took = prep + multirun("bert.train", todo, seeds["bert"], sweep, overrides)
+            took += top_up("bert.train", sweep, "bert", overrides, cap["bert"])
             times["bert"] = times.get("bert", 0.0) + took if args.rows else took
         data = json.loads(data_json.read_text())
-        runs = task_runs(sweep, "bert", seeds["bert"])
+        runs = task_runs(sweep, "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)
         record["bert"] = per_run(runs, "bert")
 
