@@ -193,7 +193,36 @@ def bert_data(root: Path, *, vocab_size: int, dupe_factor: int, limit_files: int
             "train_documents": len(train_docs), "valid_documents": len(valid_docs),
             "train_words": sum(len(d.split()) for d in train_docs), "valid_words": sum(len(d.split()) for d in valid_docs),
             "train_examples": sum(s["examples"] for s in train), "valid_examples": sum(s["examples"] for s in valid),
-            "dupe_factor": dupe_factor}
+            "dupe_factor": dupe_factor,
+            "unigram_entropy": unigram_cross_entropy(root / "train", root / "valid", vocab)}
+
+
+def unigram_cross_entropy(train_dir: Path, valid_dir: Path, vocab: Path) -> float:
+    """Cross-entropy (nats) of the validation shards' masked tokens under the training shards' token frequencies
+    (add-one smoothed over the vocabulary, [CLS] and [SEP] left out): the loss of a model that has learned
+    which tokens are common and nothing of their context, the line a model must get below to have learned any."""
+    import numpy as np
+
+    from bert.data import find_shards, open_shard
+
+    tokens = vocab.read_text(encoding="utf-8").splitlines()
+    special = [tokens.index(t) for t in ("[CLS]", "[SEP]") if t in tokens]
+    counts = np.zeros(len(tokens), dtype=np.float64)
+    for path in find_shards(train_dir, "*.hdf5"):
+        with open_shard(path) as f:
+            ids, mask = f["input_ids"][:].astype(np.int64), f["input_mask"][:].astype(bool)
+            pos, orig = f["masked_lm_positions"][:].astype(np.int64), f["masked_lm_ids"][:].astype(np.int64)
+        rows = np.broadcast_to(np.arange(len(ids))[:, None], pos.shape)
+        ids[rows[pos > 0], pos[pos > 0]] = orig[pos > 0]  # the text as written, before [MASK] replaced it
+        counts += np.bincount(ids[mask], minlength=len(tokens))
+    counts[special] = 0
+    logp = np.log((counts + 1) / (counts.sum() + len(tokens)))
+    masked = []
+    for path in find_shards(valid_dir, "*.hdf5"):
+        with open_shard(path) as f:
+            pos, orig = f["masked_lm_positions"][:], f["masked_lm_ids"][:]
+        masked.append(orig[pos > 0].astype(np.int64))
+    return float(-logp[np.concatenate(masked)].mean())
 
 
 # ------------------------------------------------------------------------------------------- runs
@@ -208,6 +237,21 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
     tic = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
     return time.perf_counter() - tic
+
+
+def run_missing(module: str, experiments: list[str], seeds: list[int], sweep: Path, overrides: list[str]) -> float:
+    """:func:`multirun` for the (row, seed) pairs without a finished run under ``sweep``: a study stopped part
+    way continues where it stopped. Returns the wall time (s)."""
+    done = {(f"study/{r['config']['name'].removeprefix('study_')}", r["config"].get("seed"))
+            for r in load_runs(sweep, log=lambda _: None)} if sweep.exists() else set()
+    todo: dict[tuple[int, ...], list[str]] = {}
+    for e in experiments:
+        missing = tuple(s for s in seeds if (e, s) not in done)
+        if missing:
+            todo.setdefault(missing, []).append(e)
+        if len(missing) < len(seeds):
+            print(f"study: {e}: seeds {sorted(set(seeds) - set(missing))} already ran under {sweep}", flush=True)
+    return sum(multirun(module, exps, list(missing), sweep, overrides) for missing, exps in todo.items())
 
 
 def task_runs(sweep: Path, task: str, seeds: list[int] | None = None) -> list[dict]:
@@ -260,7 +304,7 @@ def top_up(module: str, sweep: Path, task: str, overrides: list[str], cap: int, 
         for exp, n in plan.items():
             first = max(seeds[exp]) + 1
             print(f"study: {exp} needs {n} runs for a ±{DELTA[task]:g} interval; adding seeds {first}..{first + n - len(seeds[exp]) - 1}", flush=True)
-            took += multirun(module, [exp], list(range(first, first + n - len(seeds[exp]))), sweep, overrides)
+            took += run_missing(module, [exp], list(range(first, first + n - len(seeds[exp]))), sweep, overrides)
     return took
 
 
@@ -273,10 +317,15 @@ def per_run(runs: list[dict], task: str) -> list[dict]:
         folder = Path(folder).resolve()
         return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
 
-    return [{"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
+    def entry(r: dict) -> dict:
+        e = {"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
              "metric": r["summary"][METRIC[task]], "bytes": r["summary"]["bytes_total"].get("all", 0),
              "bytes_by_kind": r["summary"]["bytes_total"], "wall_time_s": r["summary"]["wall_time_s"]}
-            for r in runs]
+        if task == "bert":
+            e["val_mlm_acc"] = next((h["val_mlm_acc"] for h in reversed(r["history"]) if "val_mlm_acc" in h), None)
+        return e
+
+    return [entry(r) for r in runs]
 
 
 def verdicts(rows_: list[dict], task: str) -> list[str]:
@@ -361,14 +410,13 @@ def other_kinds(rows_: list[dict]) -> str:
 PLATEAU = {"digits": 0.3, "bert": 0.02}  # LAMB's mean may move this little over the last 20% (points; fraction)
 
 
-def last_fifth(hists: list[list[dict]], key: str) -> tuple[float, float, int, int]:
-    """Mean over the runs of ``key`` at the entry 80% of the way through the runs and at the last one, with the
-    epochs or steps of both."""
+def last_fifth(hists: list[list[dict]], key: str, when: str) -> tuple[float, float, int, int]:
+    """Mean over the runs of ``key`` at the entry 80% of the way through the runs and at the last one, and the
+    ``when`` (epoch or step) of both."""
     length = min(len(h) for h in hists)
     at = max(0, math.ceil(0.8 * length) - 1)
-    when = "epoch" if "epoch" in hists[0][-1] and "step" not in key else "step"
     before, last = (statistics.fmean(h[i][key] for h in hists) for i in (at, length - 1))
-    return before, last, hists[0][at].get(when, hists[0][at].get("step")), hists[0][length - 1].get(when, hists[0][length - 1].get("step"))
+    return before, last, hists[0][at][when], hists[0][length - 1][when]
 
 
 def digits_plateau(rows_: list[dict]) -> str:
@@ -376,7 +424,7 @@ def digits_plateau(rows_: list[dict]) -> str:
     study compares converged runs."""
     parts, lamb = [], None
     for r in rows_:
-        before, last, e0, e1 = last_fifth([m["history"] for m in r["members"]], "test_top1")
+        before, last, e0, e1 = last_fifth([m["history"] for m in r["members"]], "test_top1", "epoch")
         parts.append(f"{r['optimizer']} {last - before:+.2f}")
         if r["optimizer"] == "LAMB":
             lamb = (last - before, e0, e1)
@@ -419,18 +467,38 @@ def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str
              "masked tokens) and accuracy of the ranks' averaged model at the last step, mean ± standard deviation "
              "over the n seeds; training loss of the last logged period; bytes = payload each worker handed to "
              "the collectives.")
-    falling = []
-    for r in rows_:
-        hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
-        if min(len(h) for h in hists) > 2:
-            drop = statistics.fmean(h[-3]["val_mlm_loss"] - h[-1]["val_mlm_loss"] for h in hists)
-            falling.append(f"{r['optimizer']} {drop:.3f} over steps {hists[0][-3]['step']}-{hists[0][-1]['step']}")
-    still = ("Validation loss still falling at the end (mean drop over the last two logged periods): "
-             + ", ".join(falling) + ": the runs compare the optimizers early in pre-training.\n") if falling else ""
-    text = "\n".join([f"### {TABLES['bert']}", "", intro, "", bert_table(rows_), still, bytes_markdown(rows_),
-                      other_kinds(rows_),
+    text = "\n".join([f"### {TABLES['bert']}", "", intro, "", bert_table(rows_), bert_learning(rows_, data),
+                      bytes_markdown(rows_), other_kinds(rows_),
                       f"![validation MLM loss vs step and vs bytes]({curves.name})", ""])
     return text, verdicts(rows_, "bert")
+
+
+def bert_learning(rows_: list[dict], data: dict) -> str:
+    """Whether the runs learned context (LAMB's loss against the unigram line) and had converged (each row's
+    relative improvement over the last 20% of the steps; LAMB's decides)."""
+    ends = {}
+    for r in rows_:
+        hists = [[h for h in m["history"] if "val_mlm_loss" in h] for m in r["members"]]
+        ends[r["optimizer"]] = last_fifth(hists, "val_mlm_loss", "step")
+    if "LAMB" not in ends:
+        return ""
+    before, last, s0, s1 = ends["LAMB"]
+    lines = []
+    unigram = data.get("unigram_entropy")
+    if unigram is not None:
+        below = unigram - last
+        lines.append(f"Reference line: the unigram cross-entropy of the validation masked tokens (the training "
+                     f"shards' token frequencies, no context) is {unigram:.3f} nats. LAMB's final validation MLM "
+                     f"loss is {below:.3f} nats below it: "
+                     + ("at least the 0.5 nats that show a model that learned context." if below >= 0.5 else
+                        "NOT the 0.5 nats that show a model that learned context, so the rows are compared before "
+                        "it has."))
+    gain = (before - last) / before
+    lines.append(f"Convergence: LAMB's mean validation MLM loss improved {100 * gain:.2f}% from step {s0} to step {s1} "
+                 f"(the last 20% of the steps): {'under' if gain < PLATEAU['bert'] else 'NOT under'} the "
+                 f"{100 * PLATEAU['bert']:g}% plateau criterion. Every row over the same steps: "
+                 + ", ".join(f"{row} {100 * (b - l) / b:.2f}%" for row, (b, l, _, _) in ends.items()) + ".")
+    return "\n\n".join(lines) + "\n"
 
 
 def page(parts: dict, args, times: dict) -> str:
@@ -493,7 +561,9 @@ def main(argv=None) -> int:
     parser.add_argument("--tasks", nargs="+", default=list(TABLES), choices=list(TABLES))
     parser.add_argument("--out", default=None, help="where the page, tables and plots go (default: results/study, "
                         "or runs/study-quick/results with --quick)")
-    parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick])")
+    parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick]); "
+                        "a (row, seed) that has a finished run there is not run again, so a stopped study continues "
+                        "(delete the folder to start over)")
     parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="the seeds of every row, "
                         "without top-ups (default 0..4 (quick: 0 1), then more for LAMB and each SLAMB row whose "
                         "interval is wider than ±1 point, up to --digits-max-seeds)")
@@ -534,10 +604,10 @@ def main(argv=None) -> int:
         if not args.report_only and todo:
             write_digits_dataset(digits_dir)
             overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
-            took = multirun("cifar10.train", todo, seeds["digits"], sweep, overrides)
+            took = run_missing("cifar10.train", todo, seeds["digits"], sweep, overrides)
             took += top_up("cifar10.train", sweep, "digits", overrides, cap["digits"])
-            # rows run beside recorded ones add their time to the task's
-            times["digits"] = times.get("digits", 0.0) + took if args.rows else took
+            # the runs of earlier invocations under --runs stay, and so does their time
+            times["digits"] = times.get("digits", 0.0) + took
         runs = task_runs(sweep, "digits", chosen["digits"])
         parts["digits"] = digits_section(runs, out)
         record["digits"] = per_run(runs, "digits")
@@ -548,15 +618,18 @@ def main(argv=None) -> int:
         todo = QUICK["bert_rows"] if args.quick else rows("bert", args.rows)
         if not args.report_only and todo:
             tic = time.perf_counter()
-            data = bert_data(bert_root, vocab_size=400 if args.quick else 2000, dupe_factor=1 if args.quick else 3,
-                             limit_files=60 if args.quick else None)
-            data_json.write_text(json.dumps(data, indent=1))
+            if data_json.exists():  # a continued study trains on the data its first runs had
+                data = json.loads(data_json.read_text())
+            else:
+                data = bert_data(bert_root, vocab_size=400 if args.quick else 2000,
+                                 dupe_factor=1 if args.quick else 3, limit_files=60 if args.quick else None)
+                data_json.write_text(json.dumps(data, indent=1))
             prep = time.perf_counter() - tic
             overrides = [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
                          f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])]
-            took = prep + multirun("bert.train", todo, seeds["bert"], sweep, overrides)
+            took = prep + run_missing("bert.train", todo, seeds["bert"], sweep, overrides)
             took += top_up("bert.train", sweep, "bert", overrides, cap["bert"])
-            times["bert"] = times.get("bert", 0.0) + took if args.rows else took
+            times["bert"] = times.get("bert", 0.0) + took
         data = json.loads(data_json.read_text())
         runs = task_runs(sweep, "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)

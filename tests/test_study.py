@@ -43,14 +43,95 @@ def test_welch_interval_and_verdict_on_known_numbers():
     assert (d, lo, hi) == pytest.approx((-1.0, -1.0 - 2.3060041, -1.0 + 2.3060041), abs=1e-6)
 
     text = study.verdict("SLAMB v1", [1, 2, 3, 4, 5], [2, 3, 4, 5, 6], 0.36, unit="points", metric="test top-1",
-                         higher_is_better=True)
+                         higher_is_better=True, delta=1.0)
     assert text == ("SLAMB v1's averaged model is 1.00 points below LAMB's test top-1 (95% CI -3.31 to +1.31, "
-                    "n = 5 and 5; the seeds cannot tell it from LAMB) at 0.360x LAMB's bytes per worker.")
+                    "±2.31: wider than the ±1 target; n = 5 and 5): **undecided, interval ±2.31**, at 0.360x "
+                    "LAMB's bytes per worker.")
     text = study.verdict("SLAMB", [2.0, 2.1, 2.05], [2.5, 2.6, 2.55], 0.1, unit="nats", metric="validation MLM loss",
-                         higher_is_better=False)
-    assert "0.5000 nats below LAMB's validation MLM loss" in text and "better than LAMB beyond the seeds' spread" in text
+                         higher_is_better=False, delta=0.05)
+    assert "0.5000 nats below LAMB's validation MLM loss" in text and "**better than LAMB**" in text
     assert "one seed" in study.verdict("SLAMB", [2.0], [2.5], 0.1, unit="nats", metric="validation MLM loss",
-                                        higher_is_better=False)
+                                        higher_is_better=False, delta=0.05)
+
+
+def test_verdicts_are_equivalence_statements_at_the_margin():
+    study = load_study()
+    j = lambda lo, hi, higher=True: study.judgement(lo, hi, 1.0, higher_is_better=higher, digits=2)  # noqa: E731
+    assert j(-0.6, 0.4) == "equivalent within ±1"                    # inside the margin, 0 inside too
+    assert j(-0.9, -0.1) == "worse than LAMB and equivalent within ±1"  # both hold: a small, certain loss
+    assert j(-2.5, -1.5) == "worse than LAMB"
+    assert j(0.2, 1.7) == "better than LAMB"
+    assert j(-0.2, 0.3, higher=False) == "equivalent within ±1"
+    assert j(0.1, 0.3, higher=False) == "worse than LAMB and equivalent within ±1"  # a higher loss is worse
+    assert j(-1.4, 1.2) == "undecided, interval ±1.30"
+    assert j(math.nan, math.nan) == "no interval"
+
+
+def test_seeds_for_reaches_the_margin_with_the_spread_it_saw():
+    """The runs per row at which Welch's interval with these spreads is within the margin: the smallest n at
+    which welch_by_hand on samples of that spread would be, checked one below and at it."""
+    study = load_study()
+    a, b = [96.0, 97.3, 96.6, 95.1, 97.9], [97.5, 96.0, 98.0, 97.0, 96.4]
+    n = study.seeds_for(a, b, 1.0, cap=50)
+    va, vb = statistics.variance(a), statistics.variance(b)
+
+    def half(k):  # Welch's half-width for k runs of each with these variances
+        se2 = (va + vb) / k
+        df = se2 ** 2 / (((va / k) ** 2 + (vb / k) ** 2) / (k - 1))
+        return stats.t.ppf(0.975, df) * math.sqrt(se2)
+
+    assert 5 < n < 50 and half(n) <= 1.0 < half(n - 1)
+    assert study.seeds_for(a, b, 1.0, cap=8) == 8  # never more than the cap
+    assert study.seeds_for(a, b, 10.0, cap=50) == 5  # already within: the runs there are
+
+
+def test_top_up_plan_asks_for_more_runs_of_lamb_and_the_wide_rows_only():
+    study = load_study()
+
+    def row(name, file, values, slamb=True):
+        return {"optimizer": name, "runs": len(values), "settings": {"optimizer.name": "slamb" if slamb else "lamb"},
+                "members": [{"config": {"name": f"study_{file}"}, "summary": {"final_test_top1": v}} for v in values]}
+
+    lamb = row("LAMB", "digits_lamb", [97.0, 96.0, 98.0, 97.5, 96.5], slamb=False)
+    wide = row("SLAMB v1", "digits_slamb_v1", [95.0, 97.5, 96.0, 98.0, 94.5])
+    narrow = row("SLAMB v2", "digits_slamb_v2", [97.0, 97.1, 96.9, 97.0, 97.05])
+    sgd = row("SGD-M", "digits_sgd", [80.0, 90.0, 85.0, 70.0, 95.0], slamb=False)  # wide, but no verdict
+    plan = study.top_up_plan([lamb, wide, narrow, sgd], "digits", cap=20)
+    n = study.seeds_for(study._metric_values(wide, "digits"), study._metric_values(lamb, "digits"), 1.0, 20)
+    assert plan == {"study/digits_lamb": n, "study/digits_slamb_v1": n} and n > 5
+
+
+def test_unigram_line_is_the_cross_entropy_of_the_masked_tokens_under_training_frequencies(tmp_path):
+    """Shards written in the real format by hand: the line is -mean log p over the validation's masked tokens,
+    p the add-one-smoothed frequency of the training text as written (masked positions restored, [CLS] and
+    [SEP] left out, padding left out)."""
+    import h5py
+    import numpy as np
+
+    study = load_study()
+    vocab = tmp_path / "vocab.txt"
+    vocab.write_text("\n".join(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "a", "b", "c"]) + "\n")
+
+    def shard(path, ids, positions, labels):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        ids = np.array(ids, dtype="i4")
+        with h5py.File(path, "w") as f:
+            f["input_ids"] = ids
+            f["input_mask"] = (ids != 0).astype("i1")
+            f["segment_ids"] = np.zeros_like(ids, dtype="i1")
+            f["masked_lm_positions"] = np.array(positions, dtype="i4")
+            f["masked_lm_ids"] = np.array(labels, dtype="i4")
+            f["next_sentence_labels"] = np.zeros(len(ids), dtype="i1")
+
+    # training text: [CLS] a a b [SEP] c (pad) with b masked, and [CLS] a [MASK]=a [SEP] (pad pad pad)
+    shard(tmp_path / "train" / "t.hdf5", [[2, 5, 5, 4, 3, 7, 0], [2, 5, 4, 3, 0, 0, 0]], [[3, 0], [2, 0]],
+          [[6, 0], [5, 0]])
+    shard(tmp_path / "valid" / "v.hdf5", [[2, 4, 6, 4, 3, 0, 0]], [[1, 3]], [[5, 7]])
+    counts = np.array([0, 0, 0, 0, 0, 4, 1, 1], dtype=float)  # a x4, b, c; [MASK] is never text
+    p = (counts + 1) / (counts.sum() + 8)
+    want = -(math.log(p[5]) + math.log(p[7])) / 2
+    got = study.unigram_cross_entropy(tmp_path / "train", tmp_path / "valid", vocab)
+    assert got == pytest.approx(want, rel=1e-12)
 
 
 def test_rows_are_the_config_files():
@@ -127,6 +208,8 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     (line,) = record["verdicts"]["bert"]
     d = bert[("SLAMB", 0)]["summary"]["final_val_mlm_loss"] - bert[("LAMB", 0)]["summary"]["final_val_mlm_loss"]
     assert f"{abs(d):.4f} nats" in line and "one seed" in line
+    assert {r["val_mlm_acc"] for r in record["runs"]["bert"]} == {b["history"][-1]["val_mlm_acc"] for b in bert.values()}
+    assert record["bert_data"]["unigram_entropy"] > 0 and "Reference line: the unigram cross-entropy" in page
     assert f"at {slamb_bytes / lamb_bytes:.3f}x LAMB's bytes" in line
     assert (out / "study_bert_curves.png").stat().st_size > 0 and (out / "study_digits_resnet8_curves.png").exists()
     assert {r["metric"] for r in record["runs"]["bert"]} == {b["summary"]["final_val_mlm_loss"] for b in bert.values()}
