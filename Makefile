@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo study test test-quick bench comm-volume tables gpu-check clean
+.PHONY: demo study sweeps time-to-accuracy test test-quick bench comm-volume tables gpu-check clean
 
 # the library requires ranges (pyproject.toml); the checkout installs the exact versions it is tested with
 $(STAMP): pyproject.toml constraints.txt
@@ -21,6 +21,21 @@ demo: $(STAMP)
 # into results/study/; not part of `make test`
 study: $(STAMP)
 	$(PY) scripts/study.py
+
+# SLAMB's beta3 x k grid and its H line on the study's digits recipe, 2 seeds each, beside LAMB's runs of the
+# same recipe, through the user's own sweep scripts; pages into results/sweeps/ (about 45 minutes on 2 cores)
+SWEEPS := RUNS=runs/sweeps TABLES=results/sweeps EXPERIMENT=study/digits_slamb_v1
+SWEEP_DATA := data.dir=runs/sweeps/data/digits-cifar10-layout
+sweeps: $(STAMP)
+	$(PY) -c "from cifar10.demo import write_digits_dataset; write_digits_dataset('runs/sweeps/data/digits-cifar10-layout')"
+	$(PY) -m cifar10.train --multirun experiment=study/digits_lamb seed=0,1 $(SWEEP_DATA)
+	$(SWEEPS) GRID=1 scripts/sweep_compress_ratio.sh seed=0,1 $(SWEEP_DATA)
+	$(SWEEPS) scripts/sweep_sync_interval.sh seed=0,1 $(SWEEP_DATA)
+
+# the speed claim: LAMB, SLAMB and 1-bit LAMB to accuracy on 2 emulated hosts behind a 5 Mbit/s link, 3 seeds
+# (needs root for the network namespaces); results/time_to_accuracy.md and .json (about 30 minutes)
+time-to-accuracy: $(STAMP)
+	$(PY) -m bench.time_to_accuracy
 
 test: $(STAMP)
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -39,7 +39,7 @@ from pathlib import Path
 import yaml
 
 from .run import read_jsonl
-from .settings import INPUT_KEYS, effective_config
+from .settings import INPUT_KEYS, effective_config, lookup
 
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
 DATA_PATH_KEYS = tuple(k for k in INPUT_KEYS if k.startswith("data."))
@@ -387,13 +387,16 @@ def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> 
 
 
 GRID_KEYS = ("optimizer.beta3", "optimizer.compress_ratio")
+LINE_KEYS = {"sync_interval": "optimizer.sync_interval"}  # the one-setting sweeps drawn as a line of cells
+WITHIN = 1.0  # points of top-1: a setting "stays with LAMB" within this
 
 
-def study_grids(runs: list[dict]) -> list[tuple[str, list, list, dict]]:
-    """One grid per configuration of the rest: (label, beta3 values, k values, {(beta3, k): stat})."""
+def study_grids(runs: list[dict], keys: tuple[str, ...] = GRID_KEYS) -> list[tuple[str, dict, dict]]:
+    """One grid per configuration of the rest: (label, rest settings, {cell: {"top1": stat, "bytes": mean}}),
+    a cell being the tuple of the runs' values of ``keys``."""
     by_rest: dict[tuple, list] = defaultdict(list)
     for run in runs:
-        rest = {k: v for k, v in configuration(run).items() if k not in GRID_KEYS}
+        rest = {k: v for k, v in configuration(run).items() if k not in keys}
         by_rest[_key(rest)].append((rest, run))
     found = [{"settings": members[0][0], "runs": [r for _, r in members]} for members in by_rest.values()]
     label_groups(found)
@@ -401,12 +404,84 @@ def study_grids(runs: list[dict]) -> list[tuple[str, list, list, dict]]:
     for g in found:
         cells = defaultdict(list)
         for run in g["runs"]:
-            o = run["config"]["optimizer"]
-            cells[(o.get("beta3"), o.get("compress_ratio"))].append(run["summary"]["final_test_top1"])
-        grid = {key: stat(v) for key, v in cells.items()}
-        out.append((g["label"] if len(found) > 1 else "", sorted({b for b, _ in grid}), sorted({k for _, k in grid}),
-                    grid))
+            cells[tuple(lookup(run["config"], k) for k in keys)].append(run)
+        grid = {cell: {"top1": stat(r["summary"]["final_test_top1"] for r in rs),
+                       "bytes": statistics.fmean(r["summary"]["bytes_total"].get("all", 0) for r in rs)}
+                for cell, rs in cells.items()}
+        out.append((g["label"] if len(found) > 1 else "", g["settings"], grid))
     return out
+
+
+def lamb_reference(runs: list[dict], rest: dict) -> tuple[float, float, int] | None:
+    """LAMB's top-1 (mean, sd, n) over the runs of the same model, data, length and workers as ``rest``."""
+    scale = _scale(rest)
+    top1 = [r["summary"]["final_test_top1"] for r in runs
+            if (r["config"].get("optimizer") or {}).get("name") == "lamb" and _scale(configuration(r)) == scale]
+    return stat(top1) if top1 else None
+
+
+def grid_findings(grid: dict, lamb: tuple[float, float, int] | None) -> str:
+    """Sentences computed from a beta3 x k grid: where SLAMB stays within WITHIN points of LAMB and at what
+    bytes, and whether the authors' advice (fix k, tune beta3) holds here."""
+    betas, ks = sorted({b for b, _ in grid}), sorted({k for _, k in grid})
+    mean = {c: v["top1"][0] for c, v in grid.items()}
+    sds = [v["top1"][1] for v in grid.values() if v["top1"][2] > 1]
+    noise = statistics.fmean(sds) if sds else math.nan
+    out = []
+    if lamb is not None:
+        near = sorted((c for c in grid if mean[c] >= lamb[0] - WITHIN), key=lambda c: grid[c]["bytes"])
+        head = (f"LAMB's top-1 on the same recipe: {pm(lamb)} (n = {lamb[2]}). ")
+        if near:
+            cheapest = near[0]
+            out.append(head + f"Within {WITHIN:g} point of it: {len(near)} of {len(grid)} cells ("
+                       + ", ".join(f"beta3 {b}, k {k}" for b, k in near) + f"); the cheapest is beta3 {cheapest[0]}, "
+                       f"k {cheapest[1]} at {fmt_bytes(grid[cheapest]['bytes'])} per worker.")
+        else:
+            best = max(grid, key=mean.get)
+            out.append(head + f"No cell is within {WITHIN:g} point of it; the best is beta3 {best[0]}, k {best[1]} "
+                       f"({mean[best]:.2f}, {lamb[0] - mean[best]:.2f} points below).")
+    if len(betas) > 1 and len(ks) > 1:
+        across_b = [max(mean[(b, k)] for b in betas if (b, k) in mean) - min(mean[(b, k)] for b in betas if (b, k) in mean)
+                    for k in ks]
+        across_k = [max(mean[(b, k)] for k in ks if (b, k) in mean) - min(mean[(b, k)] for k in ks if (b, k) in mean)
+                    for b in betas]
+        best_b = {k: max((b for b in betas if (b, k) in mean), key=lambda b: mean[(b, k)]) for k in ks}
+        matters = statistics.fmean(across_b) > noise if not math.isnan(noise) else None
+        out.append(f"At a fixed k, beta3 moves the top-1 by {statistics.fmean(across_b):.2f} points on average (largest "
+                   f"{max(across_b):.2f}); at a fixed beta3, k moves it by {statistics.fmean(across_k):.2f} (largest "
+                   f"{max(across_k):.2f}); a cell's seeds spread by {noise:.2f} (mean sd). The best beta3 per k: "
+                   + ", ".join(f"k {k}: {b}" for k, b in best_b.items()) + ". "
+                   + ("The authors' advice, fix k and tune beta3, "
+                      + ("holds here: beta3 moves the top-1 by more than the seeds' spread."
+                         if matters else "is not borne out here: beta3 moves the top-1 by no more than the seeds' "
+                         "spread, so tuning it buys nothing measurable.")
+                      if matters is not None else "One seed per cell: no spread to judge the advice against."))
+    return " ".join(out)
+
+
+def line_section(name: str, key: str, runs: list[dict], all_runs: list[dict], out: Path) -> list[Path]:
+    """A one-setting sweep (e.g. SLAMB's H): a row per value with top-1, bytes and whether it stays with LAMB."""
+    written = []
+    for i, (label, rest, grid) in enumerate(study_grids(runs, (key,))):
+        page = name if i == 0 else f"{name}_{i + 1}"
+        lamb = lamb_reference(all_runs, rest)
+        short = key.rsplit(".", 1)[-1]
+        lines = [f"### {page}", "", f"Final top-1 (%) of the averaged model by {short}, mean ± standard deviation over "
+                 "the n runs of a value; bytes each worker sent over the run"
+                 + (f"; configuration: {label}" if label else "") + ".", "",
+                 f"| {short} | top-1 | n | bytes / worker |" + (" within 1 point of LAMB |" if lamb else ""),
+                 "|---|---|---|---|" + ("---|" if lamb else "")]
+        for (v,), cell in sorted(grid.items()):
+            ok = "" if lamb is None else (" yes |" if cell["top1"][0] >= lamb[0] - WITHIN else " no |")
+            lines.append(f"| {v} | {pm(cell['top1'])} | {cell['top1'][2]} | {fmt_bytes(cell['bytes'])} |{ok}")
+        if lamb:
+            lines += ["", f"LAMB's top-1 on the same recipe: {pm(lamb)} (n = {lamb[2]})."]
+        md, csv_path = out / f"{page}.md", out / f"{page}.csv"
+        md.write_text("\n".join(lines) + "\n")
+        write_csv([{short: v, "top1": c["top1"][0], "top1_std": c["top1"][1], "n": c["top1"][2], "bytes": c["bytes"]}
+                   for (v,), c in sorted(grid.items())], csv_path)
+        written += [md, csv_path]
+    return written
 
 
 def _plots(table: str, rows: list[dict], out: Path) -> list[Path]:
@@ -448,26 +523,30 @@ def save_figure(fig, axes, path: Path, *, legend_size: int = 8) -> Path:
     return path
 
 
-def _heatmap(name: str, betas, ks, grid, out: Path) -> Path:
+def _heatmap(name: str, betas, ks, grid, out: Path, what: str = "top1") -> Path:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    values = np.array([[grid[(b, k)][0] if (b, k) in grid else np.nan for k in ks] for b in betas])
+    def value(cell):
+        return cell["top1"][0] if what == "top1" else cell["bytes"] / 1e6
+
+    values = np.array([[value(grid[(b, k)]) if (b, k) in grid else np.nan for k in ks] for b in betas])
     fig, ax = plt.subplots(figsize=(1.5 + 1.2 * len(ks), 1.2 + 0.8 * len(betas)))
     im = ax.imshow(values, cmap="viridis", aspect="auto")
     ax.set_xticks(range(len(ks)), [str(k) for k in ks])
     ax.set_yticks(range(len(betas)), [str(b) for b in betas])
-    ax.set(xlabel="compression ratio k", ylabel="beta3", title=f"{name}: final top-1 (%)")
+    ax.set(xlabel="compression ratio k", ylabel="beta3",
+           title=f"{name}: " + ("final top-1 (%)" if what == "top1" else "MB sent per worker"))
     for i in range(len(betas)):
         for j in range(len(ks)):
             if not np.isnan(values[i, j]):
                 ax.text(j, i, f"{values[i, j]:.1f}", ha="center", va="center", color="w")
     fig.colorbar(im)
     fig.tight_layout()
-    path = out / f"{name}_heatmap.png"
+    path = out / (f"{name}_heatmap.png" if what == "top1" else f"{name}_bytes_heatmap.png")
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
@@ -514,20 +593,33 @@ def build_tables(runs: list[dict], out) -> dict[str, list[Path]]:
         write_csv(rows, csv_path)
         written[table] = [md, csv_path]
     for study, members in sorted(studies.items()):
+        kind = members[0]["config"].get("study")
+        if kind in LINE_KEYS:
+            written[study] = line_section(study, LINE_KEYS[kind], members, runs, out)
+            continue
         grids = study_grids(members)
-        for i, (label, betas, ks, grid) in enumerate(grids):
+        for i, (label, rest, grid) in enumerate(grids):
             name = study if len(grids) == 1 else f"{study}_{i + 1}"
+            betas, ks = sorted({b for b, _ in grid}), sorted({k for _, k in grid})
             header = "| beta3 \\ k | " + " | ".join(str(k) for k in ks) + " |"
             lines = [f"### {name}", "", "Final top-1 (%) by beta3 (rows) and compression ratio k (columns), "
                      "mean ± standard deviation over the n runs of a cell (n in brackets)"
                      + (f"; configuration: {label}" if label else "") + ".", "",
                      header, "|---" * (len(ks) + 1) + "|"]
             for b in betas:
-                cells = [f"{pm(grid[(b, k)])} ({grid[(b, k)][2]})" if (b, k) in grid else "-" for k in ks]
+                cells = [f"{pm(grid[(b, k)]['top1'])} ({grid[(b, k)]['top1'][2]})" if (b, k) in grid else "-"
+                         for k in ks]
                 lines.append(f"| {b} | " + " | ".join(cells) + " |")
+            lines += ["", "Bytes each worker sent over the run, mean over the cell's runs:", "", header,
+                      "|---" * (len(ks) + 1) + "|"]
+            for b in betas:
+                lines.append(f"| {b} | " + " | ".join(fmt_bytes(grid[(b, k)]["bytes"]) if (b, k) in grid else "-"
+                                                      for k in ks) + " |")
+            lines += ["", grid_findings(grid, lamb_reference(runs, rest))]
             md, csv_path = out / f"{name}.md", out / f"{name}.csv"
             md.write_text("\n".join(lines) + "\n")
-            write_csv([{"beta3": b, "compress_ratio": k, "top1": v[0]} for (b, k), v in sorted(grid.items())],
-                      csv_path)
-            written[name] = [md, csv_path, _heatmap(name, betas, ks, grid, out)]
+            write_csv([{"beta3": b, "compress_ratio": k, "top1": v["top1"][0], "bytes": v["bytes"]}
+                       for (b, k), v in sorted(grid.items())], csv_path)
+            written[name] = [md, csv_path, _heatmap(name, betas, ks, grid, out),
+                             _heatmap(name, betas, ks, grid, out, what="bytes")]
     return written

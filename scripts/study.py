@@ -631,6 +631,10 @@ def main(argv=None) -> int:
             took += top_up("bert.train", sweep, "bert", overrides, cap["bert"])
             times["bert"] = times.get("bert", 0.0) + took
         data = json.loads(data_json.read_text())
+        if "unigram_entropy" not in data:  # data prepared before the page printed its reference line
+            data["unigram_entropy"] = unigram_cross_entropy(ROOT / data["train_dir"], ROOT / data["valid_dir"],
+                                                            ROOT / data["vocab"])
+            data_json.write_text(json.dumps(data, indent=1))
         runs = task_runs(sweep, "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)
         record["bert"] = per_run(runs, "bert")

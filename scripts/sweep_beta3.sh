@@ -7,4 +7,4 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}
 "$PY" -m "${PIPELINE:-cifar10}.train" --multirun "experiment=${EXPERIMENT:-cifar10/slamb}" sweep=beta3 "$@"
-"$PY" scripts/make_tables.py --runs runs --out results
+"$PY" scripts/make_tables.py --runs "${RUNS:-runs}" --out "${TABLES:-results}"

@@ -9,4 +9,4 @@ export WANDB_MODE=${WANDB_MODE:-offline}
 sweep=compress_ratio
 [[ "${GRID:-0}" == 1 ]] && sweep=beta3_compress_ratio
 "$PY" -m "${PIPELINE:-cifar10}.train" --multirun "experiment=${EXPERIMENT:-cifar10/slamb}" sweep=$sweep "$@"
-"$PY" scripts/make_tables.py --runs runs --out results
+"$PY" scripts/make_tables.py --runs "${RUNS:-runs}" --out "${TABLES:-results}"

@@ -284,7 +284,8 @@ def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_pat
     written = build_tables(runs, tmp_path / "tables")
     grid = (tmp_path / "tables" / "cifar10_resnet110_beta3.csv").read_text().splitlines()
     by_beta3 = {r["config"]["optimizer"]["beta3"]: r["summary"]["final_test_top1"] for r in runs}
-    assert grid == ["beta3,compress_ratio,top1"] + [f"{b},0.1,{by_beta3[b]}" for b in (0.9, 0.99)]
+    bytes_by = {r["config"]["optimizer"]["beta3"]: r["summary"]["bytes_total"]["all"] for r in runs}
+    assert grid == ["beta3,compress_ratio,top1,bytes"] + [f"{b},0.1,{by_beta3[b]},{float(bytes_by[b])}" for b in (0.9, 0.99)]
     assert any(str(p).endswith("_heatmap.png") for p in written["cifar10_resnet110_beta3"])
 
 

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 
@@ -432,7 +433,8 @@ def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     assert "| beta3 \\ k | 0.05 | 0.1 |" in grid and "| 0.9 | 89.00 (1) | 90.50 ± 0.71 (2) |" in grid
     assert "| 0.99 | - | 92.00 (1) |" in grid
     pngs = [p for files in written.values() for p in files if str(p).endswith(".png")]
-    assert sorted(p.name for p in pngs) == [f"{t}_beta3_compress_ratio_heatmap.png", f"{t}_curves.png"]
+    assert sorted(p.name for p in pngs) == [f"{t}_beta3_compress_ratio_bytes_heatmap.png",
+                                           f"{t}_beta3_compress_ratio_heatmap.png", f"{t}_curves.png"]
     assert all(p.stat().st_size > 10_000 for p in pngs)
 
 
@@ -518,3 +520,43 @@ def test_every_pipeline_hands_its_cuda_math_to_the_worker_start_up(monkeypatch, 
     with pytest.raises(Started):
         importlib.import_module(module).train(cfg, "/nonexistent")
     assert seen == {"tf32": tf32, "cudnn_benchmark": benchmark}
+
+
+def test_sweep_pages_state_where_slamb_stays_with_lamb_and_at_what_bytes(tmp_path):
+    """The beta3 x k grid and the H line beside LAMB's runs of the same recipe: the sentences are computed
+    from the cells (means over seeds, bytes), checked here against numbers worked by hand."""
+    runs = tmp_path / "runs"
+    t = "study_digits_resnet8"
+    lamb = {"table": t, "row": "LAMB"}
+    for seed, acc in enumerate([96.0, 98.0]):  # LAMB: 97.0
+        _fixture_run(runs, f"lamb{seed}", "LAMB", [50.0, acc], 4_000_000, lamb, seed=seed)
+    # cells (beta3, k): two seeds each; bytes per epoch grow with k
+    cells = {(0.9, 0.05): (95.0, 95.4), (0.9, 0.1): (96.2, 96.4), (0.99, 0.05): (94.0, 94.2), (0.99, 0.1): (96.6, 96.0)}
+    for i, ((b3, k), accs) in enumerate(cells.items()):
+        for seed, acc in enumerate(accs):
+            _fixture_run(runs, f"grid{i}_{seed}", "SLAMB", [50.0, acc], int(10_000_000 * k), {"table": t, "row": "SLAMB"},
+                         study="beta3_compress_ratio", seed=seed,
+                         optimizer={"name": "slamb", "beta3": b3, "compress_ratio": k})
+    for i, (h, accs) in enumerate({5: (96.5, 96.7), 50: (93.0, 94.0)}.items()):
+        for seed, acc in enumerate(accs):
+            _fixture_run(runs, f"h{i}_{seed}", "SLAMB", [50.0, acc], 1_000_000 // h, {"table": t, "row": "SLAMB"},
+                         study="sync_interval", seed=seed, optimizer={"name": "slamb", "sync_interval": h})
+    written = build_tables(load_runs(runs), tmp_path / "out")
+    grid = (tmp_path / "out" / f"{t}_beta3_compress_ratio.md").read_text()
+    # within 1 point of LAMB's 97.00: (0.9, 0.1) at 96.30 and (0.99, 0.1) at 96.30; both send 2 MB (2 epochs x 1 MB)
+    assert "LAMB's top-1 on the same recipe: 97.00 ± 1.41 (n = 2)." in grid
+    assert "Within 1 point of it: 2 of 4 cells (beta3 0.9, k 0.1, beta3 0.99, k 0.1)" in grid
+    assert "the cheapest is beta3 0.9, k 0.1 at 2 MB per worker." in grid
+    # across beta3 at fixed k: k 0.05: 95.2 - 94.1 = 1.1; k 0.1: 96.3 - 96.3 = 0 -> mean 0.55, largest 1.10
+    # across k at fixed beta3: 0.9: 96.3 - 95.2 = 1.1; 0.99: 96.3 - 94.1 = 2.2 -> mean 1.65, largest 2.20
+    assert "beta3 moves the top-1 by 0.55 points on average (largest 1.10)" in grid
+    assert "k moves it by 1.65 (largest 2.20)" in grid
+    assert "The best beta3 per k: k 0.05: 0.9, k 0.1: 0.9." in grid  # a tie keeps the first
+    sds = [statistics.stdev(v) for v in cells.values()]
+    assert f"a cell's seeds spread by {statistics.fmean(sds):.2f} (mean sd)" in grid
+    assert ("holds here" in grid) == (0.55 > statistics.fmean(sds))
+    assert "| 0.9 | 1 MB | 2 MB |" in grid  # the bytes table
+    names = sorted(p.name for p in written[f"{t}_beta3_compress_ratio"])
+    assert f"{t}_beta3_compress_ratio_bytes_heatmap.png" in names and f"{t}_beta3_compress_ratio_heatmap.png" in names
+    line = (tmp_path / "out" / f"{t}_sync_interval.md").read_text()
+    assert "| 5 | 96.60 ± 0.14 | 2 | 400 KB | yes |" in line and "| 50 | 93.50 ± 0.71 | 2 | 40 KB | no |" in line

@@ -30,7 +30,8 @@ import torch
 from harness.loop import Loop
 
 TIERS = ("multiprocess", "e2e", "netns", "gpu")
-BENCH_ENTRIES = ("bench.optimizer_step", "bench.comm_volume", "bench.memory", "bench.netbench", "bench.scaling")
+BENCH_ENTRIES = ("bench.optimizer_step", "bench.comm_volume", "bench.memory", "bench.netbench", "bench.scaling",
+                 "bench.time_to_accuracy", "bench.gpu_check")
 _used = pytest.StashKey[set]()
 
 
