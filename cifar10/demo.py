@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from harness.tables import build_tables, comparison_rows, fmt_bytes, load_runs
+from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, fmt_bytes, load_runs
 
 from .data import write_cifar10
 
@@ -115,13 +115,19 @@ def verdict(rows: list[dict]) -> str:
             f"({1 / ratio:.1f}x fewer).")
 
 
+def select(root, seeds) -> list[dict]:
+    """The demo's finished runs of these seeds under ``root``."""
+    return [r for r in load_runs(root)
+            if (r["config"].get("paper") or {}).get("table") == TABLE and r["config"].get("seed") in seeds]
+
+
 def report(runs: list[dict], out: Path) -> str:
     """Tables and plots of the demo's runs into ``out``; returns ``demo.md``'s text (also written there)."""
     written = build_tables(runs, out)
     rows = comparison_rows(runs)
     (table,) = written
     text = "\n".join([(out / f"{table}.md").read_text(), bytes_markdown(rows), time_markdown(rows), verdict(rows),
-                      ""])
+                      "", RERUN_DRIFT, ""])
     (out / "demo.md").write_text(text)
     return text
 
@@ -132,8 +138,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=str(ROOT / "results" / "demo"), help="where the tables and plot go")
     parser.add_argument("--data", default=str(ROOT / "data" / "digits-cifar10-layout"))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of every row")
+    parser.add_argument("--report-only", action="store_true", help="rebuild the page from the runs under --runs")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for every row (e.g. epochs=5)")
     args = parser.parse_args(argv)
+    if args.report_only:
+        print(report(select(args.runs, args.seeds), Path(args.out)))
+        return 0
 
     write_digits_dataset(Path(args.data))
     tic = time.perf_counter()
@@ -144,9 +154,7 @@ def main(argv=None) -> int:
     subprocess.run(cmd, cwd=ROOT, check=True)
     total = time.perf_counter() - tic
 
-    runs = [r for r in load_runs(args.runs)
-            if (r["config"].get("paper") or {}).get("table") == TABLE and r["config"].get("seed") in args.seeds]
-    text = report(runs, Path(args.out))
+    text = report(select(args.runs, args.seeds), Path(args.out))
     print(f"\nDemo finished in {total:.0f} s ({len(ROWS)} rows x {len(args.seeds)} seeds x 4 workers). "
           f"Tables and plots in {args.out}.\n")
     print(text)

@@ -386,6 +386,11 @@ def pretrain_markdown(table: str, rows: list[dict], note: str | None = None) -> 
     return "\n".join(lines) + "\n"
 
 
+# what a rerun elsewhere moves: said on every page whose numbers a user will try to reproduce
+RERUN_DRIFT = ("Reruns: on one machine the runs repeat exactly (fixed seeds, gloo, deterministic kernels); on another "
+               "CPU they are not bit-identical, since its vector units and thread counts reorder floating-point sums. A "
+               "fresh clone on another machine gave the demo's LAMB 97.19 / SLAMB 96.75 where the page of that code said "
+               "96.97 / 96.86 (means of three seeds): moves of a few tenths of a point, inside the seeds' spread.")
 GRID_KEYS = ("optimizer.beta3", "optimizer.compress_ratio")
 LINE_KEYS = {"sync_interval": "optimizer.sync_interval"}  # the one-setting sweeps drawn as a line of cells
 WITHIN = 1.0  # points of top-1: a setting "stays with LAMB" within this
