@@ -21,7 +21,7 @@ import slamb
 import harness
 from harness.checkpoint import Checkpointer
 from harness.run import RunLock, RunLogger
-from harness.tables import build_tables, load_runs
+from harness.tables import RERUN_DRIFT, build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
 from tests import distributed
@@ -475,7 +475,7 @@ def test_demo_report_splits_bytes_by_kind_and_states_the_comparison(tmp_path):
     assert text.rstrip().endswith(
         "SLAMB's averaged model is 0.40 points below LAMB's (96.20% vs 96.60% top-1, mean of 3 and 3 seeds; two "
         "standard errors of the difference: 0.26, so a difference beyond the seeds' spread) at 0.391x LAMB's bytes "
-        "per worker (2.6x fewer).")
+        "per worker (2.6x fewer).\n\n" + RERUN_DRIFT)  # and what a rerun elsewhere moves
 
 
 # ----------------------------------------------------------------------------- CUDA math at worker start-up
