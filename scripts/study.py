@@ -592,7 +592,14 @@ def main(argv=None) -> int:
     args.machine = args.machine or f"{os.cpu_count()} CPU cores"
     out.mkdir(parents=True, exist_ok=True)
     times_path = runs_root / "times.json"
-    times = json.loads(times_path.read_text()) if times_path.exists() else {}  # the shown runs' times
+
+    def add_time(task: str, seconds: float) -> None:
+        """The runs under --runs keep the time they took: each invocation adds its own, read and written at once,
+        so that two invocations running side by side (one task each) both count."""
+        times_path.parent.mkdir(parents=True, exist_ok=True)
+        now = json.loads(times_path.read_text()) if times_path.exists() else {}
+        now[task] = now.get(task, 0.0) + seconds
+        times_path.write_text(json.dumps(now))
     parts, data, record = {}, None, {}
     data_root = runs_root / "data"
 
@@ -605,10 +612,8 @@ def main(argv=None) -> int:
         if not args.report_only and todo:
             write_digits_dataset(digits_dir)
             overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
-            took = run_missing("cifar10.train", todo, seeds["digits"], sweep, overrides)
-            took += top_up("cifar10.train", sweep, "digits", overrides, cap["digits"])
-            # the runs of earlier invocations under --runs stay, and so does their time
-            times["digits"] = times.get("digits", 0.0) + took
+            add_time("digits", run_missing("cifar10.train", todo, seeds["digits"], sweep, overrides))
+            add_time("digits", top_up("cifar10.train", sweep, "digits", overrides, cap["digits"]))
         runs = task_runs(sweep, "digits", chosen["digits"])
         parts["digits"] = digits_section(runs, out)
         record["digits"] = per_run(runs, "digits")
@@ -628,9 +633,8 @@ def main(argv=None) -> int:
             prep = time.perf_counter() - tic
             overrides = [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
                          f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])]
-            took = prep + run_missing("bert.train", todo, seeds["bert"], sweep, overrides)
-            took += top_up("bert.train", sweep, "bert", overrides, cap["bert"])
-            times["bert"] = times.get("bert", 0.0) + took
+            add_time("bert", prep + run_missing("bert.train", todo, seeds["bert"], sweep, overrides))
+            add_time("bert", top_up("bert.train", sweep, "bert", overrides, cap["bert"]))
         data = json.loads(data_json.read_text())
         if "unigram_entropy" not in data:  # data prepared before the page printed its reference line
             data["unigram_entropy"] = unigram_cross_entropy(ROOT / data["train_dir"], ROOT / data["valid_dir"],
@@ -640,10 +644,8 @@ def main(argv=None) -> int:
         parts["bert"] = bert_section(runs, out, data)
         record["bert"] = per_run(runs, "bert")
 
-    if not args.report_only:
-        times_path.parent.mkdir(parents=True, exist_ok=True)
-        times_path.write_text(json.dumps(times))
-    text = page(parts, args, times)
+    times = json.loads(times_path.read_text()) if times_path.exists() else {}
+    text = page(parts, args, {task: times[task] for task in parts if task in times})
     (out / "README.md").write_text(text)
     (out / "study.json").write_text(json.dumps({"runs": record, "verdicts": {k: v[1] for k, v in parts.items()},
                                                 "wall_time_s": times, "bert_data": data}, indent=1))
