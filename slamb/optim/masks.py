@@ -216,25 +216,34 @@ class Selection:
 
     def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
         self.layout, self.dense = layout, dense
-        sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
-        starts = [0]
-        for s in sizes:
-            starts.append(starts[-1] + s)
+        spans = Selection.spans(layout, dense)
         if bounds is None:  # ``Selection.bounds(layout, dense)``, made once by a caller that draws every step
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
         cut = torch.searchsorted(drawn, bounds).tolist()
-        self.local = [None if d else drawn[cut[i]:cut[i + 1]] - starts[i] for i, d in enumerate(dense)]
-        self.counts = [n if d else cut[i + 1] - cut[i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
+        self.local = [None if d else drawn[cut[2 * i]:cut[2 * i + 1]] - lo
+                      for i, (d, (lo, _)) in enumerate(zip(dense, spans))]
+        self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
 
     @staticmethod
+    def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
+        """Each tensor's (start, end) in the concatenation of the compressible tensors, the coordinates a policy
+        draws over: the WHOLE tensors' (a sharded parameter's global numel), each tensor's span being its
+        local entries (the shard at its global offset); empty for an always-averaged tensor."""
+        spans, start = [], 0
+        for d, n, whole, offset in zip(dense, layout.numels, layout.global_numels, layout.global_offsets):
+            spans.append((start, start) if d else (start + offset, start + offset + n))
+            start += 0 if d else whole
+        return spans
+
+    @staticmethod
     def bounds(layout, dense: list[bool]) -> torch.Tensor:
-        """Where each compressible tensor starts in the concatenation of them, and its end."""
-        sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
-        return torch.tensor([0] + sizes, device=layout.device).cumsum(0)
+        """:meth:`spans` flattened, on the layout's device: the values a draw is cut at."""
+        return torch.tensor([x for span in Selection.spans(layout, dense) for x in span], dtype=torch.long,
+                            device=layout.device)
 
     def dense_runs(self) -> list[tuple[int, int]]:
         """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""
