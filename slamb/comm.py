@@ -21,6 +21,9 @@ inter-node groups and then inside the node, and each record carries its level
 (``"inter"``, ``"intra"``, or ``"world"`` for a collective over every rank),
 kept beside the totals as ``levels`` in :meth:`CommLedger.summary`.
 
+A :class:`slamb.topology.MeshTopology` (FSDP2's sharded parameters) is accepted likewise: a worker is
+a replica, and each rank reduces with the ranks holding its shard (level ``"replicate"``).
+
 ``comm_dtype=torch.int8`` in :func:`all_reduce_mean_`: a quantised
 reduce-scatter then all-gather, one float32 scale per block of 256 entries
 (see :func:`int8_mean_`).

@@ -23,6 +23,8 @@ STEPS = 6
 SYNC = 2  # parameter syncs after steps 1, 3, 5; the replicas differ after step 6
 CONFIGS = {f"{v}-{name}": dict(variant=v, comm_dtype=dtype)
            for v in ("v1", "v2") for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}
+# int8 quantises blocks of each rank's packed entries: not the unsharded run's numbers, but its masks
+MASK_ONLY = {f"{v}-int8": dict(variant=v, comm_dtype=torch.int8) for v in ("v1", "v2")}
 
 
 def make_model():
@@ -87,19 +89,26 @@ class Traffic:
         comm._all_gather_single = self.saved["slamb"]
 
 
+def masks_of(opt):
+    """The entries averaged at the last step, per parameter (this rank's shard, flattened)."""
+    return opt.last_sync_mask().split(opt._layout.numels)
+
+
 def hsdp_slamb(rank, cfg):
     model = slamb.shard_model(make_model(), hsdp_mesh(), blocks=(torch.nn.Linear, torch.nn.LayerNorm))
     opt = slamb.SLAMB(model.parameters(), **slamb_settings(cfg))
     model = slamb.wrap_model(model, opt)
-    stats = []
+    stats, masks = [], []
     with Traffic() as traffic:
         for t in range(1, STEPS + 1):
             opt.zero_grad(set_to_none=True)
             loss_of(model, rank, t).backward()
             opt.step()
             stats.append(opt.comm_stats()["last_step"])
+            masks.append(masks_of(opt))
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # this replica's whole parameters
-    return {"params": full, "stats": stats, "traffic": traffic.bytes,
+    return {"params": full, "stats": stats, "traffic": traffic.bytes, "masks": masks,
+            "offsets": opt._layout.global_offsets,
             "shapes": [(tuple(p.shape), tuple(p.to_local().shape)) for p in model.parameters()]}
 
 
@@ -118,7 +127,7 @@ def flat_slamb(rank, cfg, peers):
     """Flat SLAMB on R workers; worker r's gradient is the mean of its group's S gradients."""
     model = make_model()
     opt = slamb.SLAMB(model.parameters(), process_group=peers, **slamb_settings(cfg))
-    replica = rank // S
+    replica, masks = rank // S, []
     for t in range(1, STEPS + 1):
         grads = []
         for member in range(replica * S, (replica + 1) * S):
@@ -128,7 +137,8 @@ def flat_slamb(rank, cfg, peers):
         for p, *gs in zip(model.parameters(), *grads):
             p.grad = sum(gs) / S
         opt.step()
-    return [p.detach().clone() for p in model.parameters()]
+        masks.append(masks_of(opt))
+    return [p.detach().clone() for p in model.parameters()], masks
 
 
 def lamb_runs(rank, world):
@@ -174,8 +184,11 @@ def worker(rank, world):
     peers = [dist.new_group([r * S + j for r in range(R)]) for j in range(S)][rank % S]
     out = {"slamb": {}, "rank": rank}
     for name, cfg in CONFIGS.items():
-        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "node": node_slamb(rank, cfg),
-                              "flat": flat_slamb(rank, cfg, peers)}
+        flat, flat_masks = flat_slamb(rank, cfg, peers)
+        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "node": node_slamb(rank, cfg), "flat": flat,
+                              "flat_masks": flat_masks}
+    for name, cfg in MASK_ONLY.items():
+        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat_masks": flat_slamb(rank, cfg, peers)[1]}
     out["lamb"] = lamb_runs(rank, world)
     out["refusals"] = refusals()
     return out
@@ -206,6 +219,18 @@ def test_hsdp_slamb_equals_hierarchical_and_flat_slamb(runs, config):
     assert shapes[0] == ((17, 6), (8, 6)) and shapes[-2] == ((3, 16), (1, 16))
 
 
+@pytest.mark.parametrize("config", [*CONFIGS, *MASK_ONLY])
+def test_a_shard_averages_its_slice_of_the_unsharded_models_mask(runs, config):
+    for r in runs:
+        res = r["slamb"][config]
+        hsdp = res["hsdp"]
+        for t, (mine, whole) in enumerate(zip(hsdp["masks"], res["flat_masks"]), start=1):
+            for i, (m, w, off) in enumerate(zip(mine, whole, hsdp["offsets"])):
+                assert torch.equal(m, w[off:off + m.numel()]), (config, r["rank"], t, i)
+    # the compressed tensors' masks select a fraction of the entries, so the slices are not all or nothing
+    assert 0 < int(runs[1]["slamb"][config]["hsdp"]["masks"][1][0].sum()) < 8 * 6
+
+
 def test_fsdp_lamb_equals_ddp_lamb(runs):
     worst = max(max_diff(r["lamb"]["sharded"], r["lamb"]["ddp"]) for r in runs)
     print(f"max |FSDP LAMB - DDP LAMB| = {worst:.3g}")
@@ -218,7 +243,7 @@ def test_replicate_dimension_carries_exactly_the_ledger(runs):
         rank = r["rank"]
         replicas = tuple(rank % S + S * i for i in range(R))
         shard = tuple(range(rank - rank % S, rank - rank % S + S))
-        for config, res in r["slamb"].items():
+        for config, res in r["slamb"].items():  # int8 included
             stats = res["hsdp"]["stats"]
             ledger = {level: sum(s[k].get("levels", {}).get(level, {}).get("payload", 0) for s in stats
                                  for k in s if k != "all")
@@ -229,12 +254,13 @@ def test_replicate_dimension_carries_exactly_the_ledger(runs):
             # inside the replica: FSDP's all-gathers and reduce-scatters, and the norms (4 per tensor, one call)
             for s in stats:
                 assert s["norms"]["calls"] == 1 and s["norms"]["levels"]["shard"]["payload"] == 4 * 8 * 8
-                assert s["momentum"]["levels"]["replicate"]["calls"] == 1
+                assert s["momentum"]["levels"]["replicate"]["calls"] == (1 if "int8" not in config else 4)
             assert crossed[shard] > ledger["shard"]
             if rank == 0 and config == "v2-fp16":
                 per_step = {k: (v["payload"], v["levels"]) for k, v in stats[-1].items() if k != "all"}
-                print(f"{config} rank 0, step {STEPS}: ledger {per_step}; bytes handed to collectives over 5 steps: "
-                      f"replicate group {crossed[replicas]}, shard group {crossed[shard]}, world {crossed.get((0, 1, 2, 3), 0)}")
+                print(f"{config} rank 0, step {STEPS}: ledger {per_step}; bytes handed to collectives per step (mean of "
+                      f"{STEPS}): replicate group {crossed[replicas] / STEPS:.0f}, shard group {crossed[shard] / STEPS:.0f}, "
+                      f"every rank {crossed.get((0, 1, 2, 3), 0) / STEPS:.0f}")
 
 
 def test_other_optimizers_and_paths_refuse_sharded_parameters_in_one_line(runs):

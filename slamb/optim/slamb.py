@@ -68,6 +68,13 @@ class SLAMB(LocalStateOptimizer):
     carrying a share (:mod:`slamb.topology`); n is the number of nodes. ``comm_dtype=torch.int8``
     quantises the exchange per chunk (:func:`slamb.comm.int8_mean_`).
 
+    FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or a (replicate, shard) HSDP mesh,
+    :mod:`slamb.sharding`): the workers are the replicas, n = R; each rank keeps the state of its shard,
+    draws the unsharded model's mask and keeps its slice, exchanges and syncs with the ranks holding its
+    shard, and takes the trust ratios of the whole tensors (one all-reduce of the norms over the shard
+    group per step, kind ``"norms"``). :func:`slamb.wrap_model` drops FSDP's gradient all-reduce across
+    the replicas. The multi-tensor path only (not ``fused``, ``foreach=False``, ``overlap``, ``hierarchy``).
+
     ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``;
     the next step's mask uses it, and a cyclic mask re-cuts its permutation
     into int(1/k) chunks. ``compression_warmup`` (None, a list of per-epoch
