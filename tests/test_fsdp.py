@@ -107,7 +107,9 @@ def hsdp_slamb(rank, cfg):
             stats.append(opt.comm_stats()["last_step"])
             masks.append(masks_of(opt))
     full = [p.full_tensor().detach().clone() for p in model.parameters()]  # this replica's whole parameters
-    return {"params": full, "stats": stats, "traffic": traffic.bytes, "masks": masks,
+    slamb.average_model(model)  # the run's model: each shard averaged over its replicas
+    averaged = [p.full_tensor().detach().clone() for p in model.parameters()]
+    return {"params": full, "averaged": averaged, "stats": stats, "traffic": traffic.bytes, "masks": masks,
             "offsets": opt._layout.global_offsets,
             "shapes": [(tuple(p.shape), tuple(p.to_local().shape)) for p in model.parameters()]}
 
@@ -138,29 +140,28 @@ def flat_slamb(rank, cfg, peers):
             p.grad = sum(gs) / S
         opt.step()
         masks.append(masks_of(opt))
-    return [p.detach().clone() for p in model.parameters()], masks
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.average_parameters()
+    return params, masks, [p.detach().clone() for p in model.parameters()]
+
+
+def lamb_run(rank, model, steps=STEPS):
+    opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
+    wrapped = slamb.wrap_model(model, opt)
+    for t in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss_of(wrapped, rank, t).backward()
+        opt.step()
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return [p.detach().clone() for p in params], opt.comm_stats()["last_step"]
 
 
 def lamb_runs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    settings = dict(lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
-    model = slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)), blocks=lambda m: len(list(m.children())) == 0 and any(True for _ in m.parameters(recurse=False)))
-    opt = slamb.LAMB(model.parameters(), **settings)
-    model = slamb.wrap_model(model, opt)
-    for t in range(1, STEPS + 1):
-        opt.zero_grad(set_to_none=True)
-        loss_of(model, rank, t).backward()
-        opt.step()
-    sharded = [p.full_tensor().detach().clone() for p in model.parameters()]
-    norms = opt.comm_stats()["last_step"].get("norms")
-    ref_model = make_model()
-    ref = slamb.LAMB(ref_model.parameters(), **settings)
-    ddp = slamb.wrap_model(ref_model, ref)
-    for t in range(1, STEPS + 1):
-        ref.zero_grad(set_to_none=True)
-        loss_of(ddp, rank, t).backward()
-        ref.step()
-    return {"sharded": sharded, "ddp": [p.detach().clone() for p in ref_model.parameters()], "norms": norms}
+    blocks = (torch.nn.Linear, torch.nn.LayerNorm)
+    fsdp, stats = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)), blocks=blocks))
+    hsdp = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks))[0]
+    return {"fsdp": fsdp, "hsdp": hsdp, "ddp": lamb_run(rank, make_model())[0], "norms": stats.get("norms")}
 
 
 def refusals():
@@ -184,9 +185,9 @@ def worker(rank, world):
     peers = [dist.new_group([r * S + j for r in range(R)]) for j in range(S)][rank % S]
     out = {"slamb": {}, "rank": rank}
     for name, cfg in CONFIGS.items():
-        flat, flat_masks = flat_slamb(rank, cfg, peers)
+        flat, flat_masks, flat_averaged = flat_slamb(rank, cfg, peers)
         out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "node": node_slamb(rank, cfg), "flat": flat,
-                              "flat_masks": flat_masks}
+                              "flat_masks": flat_masks, "flat_averaged": flat_averaged}
     for name, cfg in MASK_ONLY.items():
         out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat_masks": flat_slamb(rank, cfg, peers)[1]}
     out["lamb"] = lamb_runs(rank, world)
@@ -210,8 +211,10 @@ def test_hsdp_slamb_equals_hierarchical_and_flat_slamb(runs, config):
         res = r["slamb"][config]
         for ref in worst:
             worst[ref] = max(worst[ref], max_diff(res["hsdp"]["params"], res[ref]))
-    print(f"{config}: max |HSDP - node| = {worst['node']:.3g}, max |HSDP - flat| = {worst['flat']:.3g}")
-    assert worst["node"] < 1e-12 and worst["flat"] < 1e-12, worst
+    averaged = max(max_diff(r["slamb"][config]["hsdp"]["averaged"], r["slamb"][config]["flat_averaged"]) for r in runs)
+    print(f"{config}: max |HSDP - node| = {worst['node']:.3g}, max |HSDP - flat| = {worst['flat']:.3g}, "
+          f"averaged models {averaged:.3g}")
+    assert worst["node"] < 1e-12 and worst["flat"] < 1e-12 and averaged < 1e-12, (worst, averaged)
     # the replicas differ between syncs (the comparison tells 2 workers from 1), each replica's shards agree
     assert not torch.equal(runs[0]["slamb"][config]["hsdp"]["params"][0], runs[S]["slamb"][config]["hsdp"]["params"][0])
     assert max_diff(runs[0]["slamb"][config]["hsdp"]["params"], runs[1]["slamb"][config]["hsdp"]["params"]) == 0
@@ -231,10 +234,11 @@ def test_a_shard_averages_its_slice_of_the_unsharded_models_mask(runs, config):
     assert 0 < int(runs[1]["slamb"][config]["hsdp"]["masks"][1][0].sum()) < 8 * 6
 
 
-def test_fsdp_lamb_equals_ddp_lamb(runs):
-    worst = max(max_diff(r["lamb"]["sharded"], r["lamb"]["ddp"]) for r in runs)
-    print(f"max |FSDP LAMB - DDP LAMB| = {worst:.3g}")
-    assert worst < 1e-12
+def test_fsdp_and_hsdp_lamb_equal_ddp_lamb(runs):
+    fsdp = max(max_diff(r["lamb"]["fsdp"], r["lamb"]["ddp"]) for r in runs)
+    hsdp = max(max_diff(r["lamb"]["hsdp"], r["lamb"]["ddp"]) for r in runs)
+    print(f"max |FSDP (4 shards) LAMB - DDP LAMB| = {fsdp:.3g}, max |HSDP (2 x 2) LAMB - DDP LAMB| = {hsdp:.3g}")
+    assert fsdp < 1e-12 and hsdp < 1e-12
     assert runs[0]["lamb"]["norms"]["levels"]["shard"]["calls"] == 1  # one all-reduce of the norms per step
 
 
