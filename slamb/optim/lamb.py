@@ -16,10 +16,10 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
+from ..sharding import local, reduce_squares, sharded_topology
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
-from ..sharding import local, reduce_squares, sharded_topology
 from .precision import promote_state_, state_dtype, working_copies, write_back_
 
 
@@ -212,7 +212,8 @@ class LAMB(ContractDefaults, Optimizer):
         for params, gs, ms, vs, hyper in todo:
             work, gs = working_copies(params), working_copies(gs)
             if self.foreach:
-                u, c = lamb_direction(work, gs, ms, vs, **{k: v for k, v in hyper.items() if k not in ("lr", "trust_clamp")})
+                direction = {k: v for k, v in hyper.items() if k not in ("lr", "trust_clamp")}
+                u, c = lamb_direction(work, gs, ms, vs, **direction)
                 staged.append((params, work, u, c, lamb_norms(work, u, c), hyper))
             else:
                 for p, g, m, v in zip(work, gs, ms, vs):

@@ -96,24 +96,31 @@ class CyclicMask(_Policy):
 
     Each chunk is kept sorted, as the gaps between its positions in int16
     (int32 when a gap does not fit): half a word per coordinate, where the
-    permutation itself would take one, and a step's positions are one cumsum."""
+    permutation itself would take one, and a step's positions are one cumsum.
+    ``keep`` (sorted ``[lo, hi, lo, hi, ...]`` spans: a shard's coordinates in the whole model's) keeps
+    only the positions inside them: a shard holds half a word per coordinate of its own, not of the model."""
 
-    def __init__(self, numel: int, seed: int, device: torch.device):
+    def __init__(self, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
         super().__init__(numel, seed, device)
+        self.keep = keep
         self._cut: tuple[int, int] | None = None
 
     def _recut(self, size: int, chunks: int) -> None:
         self.gaps = self.starts = None  # the old cut's memory goes before the new one is built
         perm = torch.randperm(self.numel, generator=torch.Generator().manual_seed(self.seed))
-        full = (chunks - 1) * size
-        ordered = torch.cat([perm[:full].view(chunks - 1, size).sort(dim=1).values.view(-1),
-                             perm[full:].sort().values])
+        gaps, starts, self.cuts = [], [], [0]
+        for j in range(chunks):
+            ordered = perm[j * size:(j + 1) * size].sort().values
+            if self.keep is not None:
+                ordered = ordered[torch.searchsorted(self.keep, ordered, right=True) % 2 == 1]
+            gaps.append(torch.diff(ordered, prepend=ordered[:1]))  # a chunk's first position is kept in ``starts``
+            starts.append(int(ordered[0]) if ordered.numel() else 0)
+            self.cuts.append(self.cuts[-1] + ordered.numel())
         del perm
-        gaps = torch.diff(ordered, prepend=ordered[:1])
-        gaps[::size] = 0  # a chunk's first position is kept whole in ``starts``
-        small = int(gaps.max()) < 2**15
+        gaps = torch.cat(gaps)
+        small = gaps.numel() == 0 or int(gaps.max()) < 2**15
         self.gaps = gaps.to(torch.int16 if small else torch.int32).to(self.device)
-        self.starts = ordered[::size].clone().to(self.device)  # a copy: a view would keep all of it alive
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=self.device)
         self._cut = (size, chunks)
 
     def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
@@ -121,7 +128,7 @@ class CyclicMask(_Policy):
         if self._cut != (size, chunks):
             self._recut(size, chunks)
         j = step % chunks
-        gaps = self.gaps[j * size:(j + 1) * size]
+        gaps = self.gaps[self.cuts[j]:self.cuts[j + 1]]
         return self._scratch(gaps.numel()).copy_(gaps).cumsum_(0).add_(self.starts[j]).to(torch.int64)
 
 
@@ -202,8 +209,12 @@ class BernoulliMask:
         return out.cumsum_(0).sub_(1)
 
 
-def make_mask(policy: str, numel: int, seed: int, device: torch.device):
-    return {"cyclic": CyclicMask, "bernoulli": BernoulliMask}[policy](numel, seed, device)
+def make_mask(policy: str, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
+    """``keep``: the spans a shard holds (:class:`CyclicMask`); a Bernoulli draw is a run of gaps over every
+    coordinate, so it draws the whole model's and :class:`Selection` cuts the shard's out."""
+    if policy == "cyclic":
+        return CyclicMask(numel, seed, device, keep)
+    return BernoulliMask(numel, seed, device)
 
 
 class Selection:

@@ -215,8 +215,8 @@ class SLAMB(LocalStateOptimizer):
         self.exchange = MomentumExchange(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype)
 
     def _check_sharded(self, *, hierarchy, foreach, overlap) -> None:
-        for bad, what in ((self.fused, "fused=True"), (foreach is False, "foreach=False"),
-                          (overlap, "overlap=True (a DDP comm hook)"), (hierarchy is not None, f"hierarchy={hierarchy!r}")):
+        for bad, what in ((self.fused, "fused=True"), (foreach is False, "foreach=False"), (overlap, "overlap=True"),
+                          (hierarchy is not None, f"hierarchy={hierarchy!r}")):
             if bad:
                 raise ValueError(f"SLAMB({what}) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path "
                                  "(fused=False, foreach=None, overlap=False, hierarchy=None) does")
@@ -328,8 +328,10 @@ class SLAMB(LocalStateOptimizer):
         self._plan = SlambLayout(layout, self._dense)
         self._views = {key: self._plan.views(buf) for key, buf in self._flat.items()}
         compressible = sum(n for n, d in zip(layout.global_numels, self._dense) if not d)  # the unsharded model's
-        self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
         self._bounds = Selection.bounds(layout, self._dense)
+        keep = self._bounds.cpu() if self.shards is not None else None  # a shard's cyclic mask keeps its own part
+        self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep)
+                         if compressible else None)
         self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of])
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
