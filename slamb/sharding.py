@@ -49,10 +49,11 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if is_sharded(t) else t
 
 
-def refuse_sharded(name: str, params, works: str = "the multi-tensor path of " + SHARDED_OPTIMIZERS) -> None:
+def refuse_sharded(name: str, params) -> None:
     """One line naming what takes sharded parameters, where ``name`` does not."""
     if any(is_sharded(p) for p in params):
-        raise ValueError(f"{name} takes no sharded (FSDP2 DTensor) parameters; {works} does")
+        raise ValueError(f"{name} takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path of "
+                         f"{SHARDED_OPTIMIZERS} does")
 
 
 def _shard_dim(p) -> int:
