@@ -8,10 +8,11 @@ from .contract import DistributedOptimizer, adopt
 from .ddp import wrap_model
 from .optim import DGC, LAMB, SLAMB, DiLoCo, JointSpar, OnebitLamb, PowerSGD
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
+from .sharding import shard_model
 
 __version__ = "0.1.0"
 __all__ = [
     "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "PowerSGD", "DiLoCo", "CommLedger", "comm", "wrap_model", "adopt", "DistributedOptimizer",
     "average_model", "averaged_model", "save_optimizer", "load_optimizer", "RankAgreedGradScaler",
-    "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay",
+    "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay", "shard_model",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
+from .sharding import local, sharded_topology
 
 
 def _floating(tensors) -> list[torch.Tensor]:
@@ -64,6 +65,17 @@ def model_tensors(model: torch.nn.Module, *, buffers: bool = True) -> list[torch
     return tensors
 
 
+def _averaged_together(model: torch.nn.Module, process_group, buffers: bool) -> list[tuple[list, object]]:
+    """``[(tensors, group)]``: a sharded (FSDP2) model's shards are averaged with the ranks holding the same
+    shard (its replicas), its buffers (not sharded) over every rank."""
+    module = getattr(model, "module", model)
+    shards = sharded_topology(list(module.parameters()))
+    if shards is None:
+        return [(model_tensors(model, buffers=buffers), process_group)]
+    return [(_floating(local(p.data) for p in module.parameters()), shards),
+            (_floating(module.buffers()) if buffers else [], process_group)]
+
+
 def average_model(model: torch.nn.Module, *, process_group=None, buffers: bool = True,
                   ledger: comm.CommLedger | None = None) -> None:
     """Every rank ends with the ranks' average of ``model``'s floating-point parameters and buffers.
@@ -72,7 +84,8 @@ def average_model(model: torch.nn.Module, *, process_group=None, buffers: bool =
     ``num_batches_tracked``) are left as they are. Pass the optimizer's
     ``ledger`` to count the bytes as training traffic (kind ``"params"``).
     """
-    average_tensors_(model_tensors(model, buffers=buffers), process_group=process_group, ledger=ledger)
+    for tensors, group in _averaged_together(model, process_group, buffers):
+        average_tensors_(tensors, process_group=group, ledger=ledger)
 
 
 class averaged_model:
@@ -83,14 +96,15 @@ class averaged_model:
     """
 
     def __init__(self, model: torch.nn.Module, *, process_group=None, buffers: bool = True):
-        self.tensors = model_tensors(model, buffers=buffers)
-        self.process_group = process_group
+        self.parts = _averaged_together(model, process_group, buffers)
+        self.tensors = [t for tensors, _ in self.parts for t in tensors]
         self.saved: list[torch.Tensor] | None = None
 
     def __enter__(self):
-        if comm.world_size(self.process_group) > 1:
+        if any(comm.world_size(group) > 1 for _, group in self.parts):
             self.saved = [t.clone() for t in self.tensors]
-            average_tensors_(self.tensors, process_group=self.process_group, kind="eval")
+            for tensors, group in self.parts:
+                average_tensors_(tensors, process_group=group, kind="eval")
         return self
 
     def __exit__(self, *exc) -> None:

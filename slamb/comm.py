@@ -21,6 +21,9 @@ inter-node groups and then inside the node, and each record carries its level
 (``"inter"``, ``"intra"``, or ``"world"`` for a collective over every rank),
 kept beside the totals as ``levels`` in :meth:`CommLedger.summary`.
 
+A :class:`slamb.topology.MeshTopology` (FSDP2's sharded parameters) is accepted likewise: a worker is
+a replica, and each rank reduces with the ranks holding its shard (level ``"replicate"``).
+
 ``comm_dtype=torch.int8`` in :func:`all_reduce_mean_`: a quantised
 reduce-scatter then all-gather, one float32 scale per block of 256 entries
 (see :func:`int8_mean_`).
@@ -40,7 +43,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from .topology import NodeTopology
+from .topology import MeshTopology, NodeTopology
 
 # a collective's kind, or the kinds of a packed buffer's runs in order: ((kind, entries), ...)
 Kind = str | tuple[tuple[str, int], ...]
@@ -67,19 +70,23 @@ __all__ = [
 ]
 
 
-def world_size(group: dist.ProcessGroup | NodeTopology | None = None) -> int:
-    """Ranks of ``group``; nodes of a :class:`NodeTopology`."""
+def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | None = None) -> int:
+    """Ranks of ``group``; nodes of a :class:`NodeTopology`, replicas of a :class:`MeshTopology`."""
     if isinstance(group, NodeTopology):
         return group.n_nodes
+    if isinstance(group, MeshTopology):
+        return group.n_replicas
     if not (dist.is_available() and dist.is_initialized()):
         return 1
     return dist.get_world_size(group)
 
 
-def rank(group: dist.ProcessGroup | NodeTopology | None = None) -> int:
-    """This rank in ``group``; its node in a :class:`NodeTopology`."""
+def rank(group: dist.ProcessGroup | NodeTopology | MeshTopology | None = None) -> int:
+    """This rank in ``group``; its node in a :class:`NodeTopology`, its replica in a :class:`MeshTopology`."""
     if isinstance(group, NodeTopology):
         return group.node
+    if isinstance(group, MeshTopology):
+        return group.replica
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     return dist.get_rank(group)
@@ -225,8 +232,16 @@ def at_level(ledger: CommLedger | None, level: str):
 
 def _plain(group, ledger):
     """A collective over every rank of ``group``: the process group, and the ledger at level "world"."""
-    if isinstance(group, NodeTopology):
+    if isinstance(group, (NodeTopology, MeshTopology)):
         return group.group, at_level(ledger, "world")
+    return group, ledger
+
+
+def _replicas(group, ledger):
+    """A collective among the workers of a :class:`MeshTopology`: each rank with the ranks holding its shard
+    (level "replicate"); call it once ``world_size(group) > 1``."""
+    if isinstance(group, MeshTopology):
+        return group.replicate, at_level(ledger, "replicate")
     return group, ledger
 
 
@@ -239,6 +254,7 @@ def all_reduce_sum_(tensor, *, kind: Kind, ledger: CommLedger | None, group=None
     n = world_size(group)
     if n == 1:
         return None
+    group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_reduce", tensor, n)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
 
@@ -412,6 +428,7 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: Kind, ledger: CommLedger | N
     n = world_size(group)
     if n == 1:
         return MeanWork(tensor) if async_op else tensor
+    group, ledger = _replicas(group, ledger)
     if comm_dtype == torch.int8 and not isinstance(kind, str):
         # one int8 mean per run, its scales of its kind: in one quantised buffer a block straddling two runs
         # has one scale for both and the chunk padding belongs to neither, so no split of those bytes would be
@@ -459,6 +476,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: K
     if n == 1:
         output.copy_(input.reshape(output.shape))
         return output
+    group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_gather", input, n)
     _all_gather_single(output, input, group=group)
     return output
@@ -474,6 +492,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, 
     if n == 1:
         output.copy_(input)
         return MeanWork(output) if async_op else output
+    group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_to_all", input, n)
     work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
     return work if async_op else output

@@ -26,7 +26,11 @@ from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable
 
+import torch
+
 from . import comm
+from .sharding import refuse_sharded
+from .topology import MeshTopology, whole_group
 
 GRADIENT_ALLREDUCE = "gradient_allreduce"
 OPTIMIZER_HOOK = "optimizer_hook"
@@ -56,7 +60,18 @@ class ContractDefaults:
     communication: str = GRADIENT_ALLREDUCE
     params_differ: bool = False
     per_rank_state: bool = False
+    takes_sharded: bool = False  # FSDP2's DTensor parameters (slamb.sharding): SLAMB and LAMB
     ledger: comm.CommLedger
+
+    def add_param_group(self, param_group: dict) -> None:
+        params = param_group["params"]
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        elif not isinstance(params, set):  # a set is torch's to refuse
+            param_group["params"] = params = list(params)
+        if not self.takes_sharded:
+            refuse_sharded(type(self).__name__, params)
+        super().add_param_group(param_group)
 
     def comm_stats(self) -> dict:
         return self.ledger.summary()
@@ -73,7 +88,10 @@ class ContractDefaults:
 
 
 def rank_stamp(process_group) -> dict:
-    """The world a rank's own state (:attr:`per_rank_state`) is saved in: its size and the rank."""
+    """The world a rank's own state (:attr:`per_rank_state`) is saved in: its size and the rank (every rank
+    of a sharded run: the ranks of a replica hold different shards)."""
+    if isinstance(process_group, MeshTopology):
+        process_group = whole_group(process_group)
     return {"world_size": comm.world_size(process_group), "rank": comm.rank(process_group)}
 
 

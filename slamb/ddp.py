@@ -13,7 +13,8 @@ happens to the gradient buckets during backward is the optimizer's
   more than DDP's reducer can follow): the model is returned unwrapped and the
   optimizer broadcasts the initial parameters itself.
 
-An optimizer over a :class:`slamb.topology.NodeTopology` (``SLAMB(hierarchy="node")``)
+FSDP2 modules are not wrapped (:mod:`slamb.sharding`). An optimizer over a
+:class:`slamb.topology.NodeTopology` (``SLAMB(hierarchy="node")``)
 gets its hook after a dense averaging of each bucket inside the node (kind
 ``"grads"``, level ``"intra"``): DDP spans every rank (its initial broadcast
 from global rank 0 gives every node the same start), the hook's all-reduce
@@ -34,6 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import comm
 from .contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
+from .sharding import fsdp_modules, prepare_fsdp
 from .topology import NodeTopology
 
 
@@ -125,8 +127,17 @@ def wrap_model(model: torch.nn.Module, optimizer, *, process_group=None, **ddp_k
 
     Returns ``model`` itself when there is no process group (one worker).
     ``ddp_kwargs`` go to :class:`DistributedDataParallel` (``device_ids``, ...).
+
+    An FSDP2 module (``fully_shard``, :func:`slamb.shard_model`) is returned itself, its gradient
+    reduction made the one ``optimizer`` needs (:func:`slamb.sharding.prepare_fsdp`): FSDP's own for
+    LAMB, only the reduce-scatter inside each replica for SLAMB.
     """
     adopt(optimizer)
+    if fsdp_modules(model):
+        if ddp_kwargs or process_group is not None:
+            raise ValueError("slamb.wrap_model: an FSDP2 module takes no DDP arguments or process group (its device "
+                             "mesh has them)")
+        return prepare_fsdp(model, optimizer)
     if isinstance(model, DistributedDataParallel):
         # caught here, not 3 steps later by SLAMB's warning: the inner DDP's reducer would still all-reduce
         # every gradient under whatever hook the outer one gets

@@ -23,7 +23,7 @@ import os
 
 import torch.distributed as dist
 
-__all__ = ["NodeTopology", "node_topology", "whole_group", "HIERARCHIES"]
+__all__ = ["NodeTopology", "node_topology", "MeshTopology", "mesh_topology", "whole_group", "HIERARCHIES"]
 
 HIERARCHIES = (None, "node")
 
@@ -40,8 +40,8 @@ class NodeTopology:
 
 
 def whole_group(group):
-    """The process group spanning every rank of ``group`` (a :class:`NodeTopology` or a process group)."""
-    return group.group if isinstance(group, NodeTopology) else group
+    """The process group spanning every rank of ``group`` (a topology or a process group)."""
+    return group.group if isinstance(group, (NodeTopology, MeshTopology)) else group
 
 
 def local_world_size_from_env(local_world_size: int | None) -> int:
@@ -75,3 +75,43 @@ def node_topology(process_group=None, local_world_size: int | None = None) -> No
     inter = [dist.new_group([ranks[i * local + j] for i in range(n_nodes)]) for j in range(local)]
     node, local_rank = divmod(me, local)
     return NodeTopology(process_group, intra[node], inter[local_rank], n_nodes, local, node, local_rank)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshTopology:
+    """The workers of an FSDP2 run: the replicas of a (replicate, shard) device mesh.
+
+    A worker is one replica: the ``n_shards`` ranks of its shard group, each holding one shard of every
+    parameter. The collectives of :mod:`slamb.comm` treat it like a :class:`NodeTopology` node (one
+    worker, ``world_size`` the number of replicas), except that the ranks of a replica hold different
+    shards, so each one exchanges its own shard with the ranks holding the same shard in the other
+    replicas (its ``replicate`` group): nothing is chunked or gathered inside the replica.
+    """
+
+    mesh: object  # the parameters' DeviceMesh
+    group: dist.ProcessGroup | None  # every rank of the mesh (None: the default group)
+    replicate: dist.ProcessGroup | None  # the ranks holding this rank's shard, one per replica (None: one replica)
+    shard: dist.ProcessGroup  # this rank's replica
+    n_replicas: int
+    n_shards: int
+    replica: int  # this rank's replica, 0 .. n_replicas - 1
+    shard_rank: int  # which shard this rank holds
+
+
+def mesh_topology(mesh, shard_dim: int) -> MeshTopology:
+    """The replicas of ``mesh`` (1-D: one replica; 2-D: the other dimension indexes them), sharded over
+    dimension ``shard_dim``. The mesh must span the default process group: the step's decisions are
+    taken by every rank of it."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"sharded parameters on a {mesh.ndim}-D device mesh: SLAMB and LAMB take a 1-D shard mesh "
+                         "or a 2-D (replicate, shard) HSDP mesh")
+    if mesh.size() != dist.get_world_size():
+        raise ValueError(f"the parameters' device mesh spans {mesh.size()} of the {dist.get_world_size()} ranks: "
+                         "SLAMB and LAMB take a mesh over every rank of the default process group")
+    shard = mesh.get_group(shard_dim)
+    replicate_dim = 1 - shard_dim if mesh.ndim == 2 else None
+    n_replicas = mesh.size(replicate_dim) if replicate_dim is not None else 1
+    return MeshTopology(mesh=mesh, group=None, replicate=mesh.get_group(replicate_dim) if n_replicas > 1 else None,
+                        shard=shard, n_replicas=n_replicas, n_shards=mesh.size(shard_dim),
+                        replica=mesh.get_local_rank(replicate_dim) if replicate_dim is not None else 0,
+                        shard_rank=mesh.get_local_rank(shard_dim))

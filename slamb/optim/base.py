@@ -26,6 +26,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
+from ..sharding import local
 from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
 from .precision import state_dtype
@@ -83,7 +84,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         have = [i for i, p in enumerate(everything) if p.grad is not None]
         known = set(self._layout_ids or have)
         plain = NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT
-        grads = [everything[i].grad for i in have]
+        grads = [local(everything[i].grad) for i in have]  # a sharded parameter's: this rank's shard
 
         def decide(bad: torch.Tensor | None) -> int:
             # made on the parameters' device (the one a backend such as NCCL communicates from) without a host
@@ -114,7 +115,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             self._build()
         elif decision == NEW_PARAMETERS:
             self._grow(have, agree=agree)
-        return loss, [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._layout_params()]
+        return loss, [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+                      for p in self._layout_params()]
 
     def _grow(self, have: list[int], *, agree: bool) -> None:
         """Lay out the union over the ranks of the parameters with gradients; the layout's state is kept

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
+from ..sharding import local, shard_offsets
 from .precision import state_dtype
 
 
@@ -48,9 +49,17 @@ def check_layouts_agree(layouts, *, ledger, group, who: str) -> None:
 
 
 class FlatLayout:
+    """``keys``: the optimizer's parameters (the state's keys); ``params``: the tensors the buffers lay out
+    and the step computes on, this rank's shards of sharded (FSDP2) parameters, else the parameters
+    themselves; ``global_numels`` and ``global_offsets``: each whole tensor's size and where the shard
+    starts in it (:func:`slamb.sharding.shard_offsets`)."""
+
     def __init__(self, params: list[torch.Tensor], group_index: list[int]):
         if not params:
             raise ValueError("no parameter has a gradient: nothing to optimize")
+        self.keys = params
+        self.global_numels, self.global_offsets = (list(x) for x in zip(*map(shard_offsets, params)))
+        params = [local(p) for p in params]
         devices = {p.device for p in params}
         dtypes = {p.dtype for p in params}
         if len(devices) > 1 or len(dtypes) > 1:
@@ -94,7 +103,7 @@ class FlatLayout:
         flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
                           dtype=dtype or self.state_dtype, device=self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
-        for p, view in zip(self.params, views):
+        for p, view in zip(self.keys, views):
             if key in state[p]:  # per parameter: a grown layout keeps the state of those it had
                 view.copy_(state[p][key])
             state[p][key] = view

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
+from ..sharding import local, reduce_squares, sharded_topology
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
@@ -43,6 +44,12 @@ def lamb_reference(p, g, m, v, *, t, lr, b1, b2, eps, wd, bias_correction, trust
 
 def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correction, trust_clamp):
     """The step of a list of tensors; returns :func:`lamb_reference`'s figures, one per tensor."""
+    u, c = lamb_direction(params, grads, ms, vs, t=t, b1=b1, b2=b2, eps=eps, wd=wd, bias_correction=bias_correction)
+    return lamb_apply_(params, u, c, lamb_norms(params, u, c), lr=lr, trust_clamp=trust_clamp)
+
+
+def lamb_direction(params, grads, ms, vs, *, t, b1, b2, eps, wd, bias_correction):
+    """The moments updated, and (u / c, c): the update divided by the folded bias correction."""
     adam_moments_(ms, vs, grads, b1, b2, foreach=True)
     c, eps = bias_folding(t, b1, b2, eps) if bias_correction else (1.0, eps)
     u = torch._foreach_sqrt(vs)
@@ -51,7 +58,17 @@ def lamb_foreach(params, grads, ms, vs, *, t, lr, b1, b2, eps, wd, bias_correcti
     torch._foreach_reciprocal_(u)  # u = m / (sqrt(v) + eps) = u_hat / c: no second model-sized temporary
     if wd != 0:
         torch._foreach_add_(u, params, alpha=wd / c)
-    p_norm, u_norm = torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)) * c
+    return u, c
+
+
+def lamb_norms(params, u, c) -> torch.Tensor:
+    """(||p||, ||u_hat||) per tensor, a (2, tensors) tensor."""
+    return torch.stack([torch.stack(torch._foreach_norm(params)), torch.stack(torch._foreach_norm(u)) * c])
+
+
+def lamb_apply_(params, u, c, norms, *, lr, trust_clamp):
+    """p -= lr * trust * u_hat, the trust ratios from ``norms`` (:func:`lamb_norms`, or a whole tensor's)."""
+    p_norm, u_norm = norms
     trust = trust_ratio(p_norm, u_norm, trust_clamp)
     torch._foreach_mul_(u, list((trust * (-lr * c)).unbind()))
     torch._foreach_add_(params, u)
@@ -109,7 +126,14 @@ class LAMB(ContractDefaults, Optimizer):
     and rounded once (:mod:`slamb.optim.precision`). ``fused=True`` runs the step as two compiled passes
     (:mod:`slamb.optim.fused`, ``torch.compile``): the same numbers to rounding, no model-sized temporary;
     it warns once and runs the multi-tensor path where ``torch.compile`` fails.
+
+    FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or an HSDP mesh; the multi-tensor
+    path): the moments are sharded as the parameters, the step runs on the local shards, and the trust
+    ratios are the whole tensors', each shard's norms summed over the shard group in one all-reduce per
+    step (kind ``"norms"``, :mod:`slamb.sharding`); FSDP averages the gradients.
     """
+
+    takes_sharded = True
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-6,
                  weight_decay: float = 0.0, bias_correction: bool = True, trust_clamp=None,
@@ -129,6 +153,10 @@ class LAMB(ContractDefaults, Optimizer):
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
+        self.shards = sharded_topology([p for g in self.param_groups for p in g["params"]], process_group)
+        if self.shards is not None and (fused or foreach is False):
+            raise ValueError(f"LAMB({'fused=True' if fused else 'foreach=False'}) takes no sharded (FSDP2 DTensor) "
+                             "parameters; the multi-tensor path (fused=False, foreach=None) does")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -153,9 +181,12 @@ class LAMB(ContractDefaults, Optimizer):
                 loss = closure()
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = [(g, params) for g, params in work if params]
-        grads = [p.grad for _, params in work for p in params]
+        grads = [local(p.grad) for _, params in work for p in params]
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
-        if nonfinite_skip(grads, names, self.nonfinite, ledger=None, where="LAMB: ", agree=False):
+        # averaged gradients are the same on every rank, but each rank of a shard group holds another shard
+        sharded = self.shards is not None
+        if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
+                          where="LAMB: ", agree=sharded):
             self.ledger.end_step()
             return loss
         todo = []  # per group: its tensors and hyper-parameters
@@ -173,17 +204,25 @@ class LAMB(ContractDefaults, Optimizer):
             hyper = dict(t=int(states[0]["step"]), lr=group["lr"], b1=b1, b2=b2, eps=group["eps"],
                          wd=group["weight_decay"], bias_correction=group["bias_correction"],
                          trust_clamp=group["trust_clamp"])
-            todo.append((params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                         [s["exp_avg_sq"] for s in states], hyper))
+            todo.append(([local(p) for p in params], [local(p.grad) for p in params],
+                         [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], hyper))
         if self.fused and lamb_fused(self._passes, todo):
             todo = []
+        staged = []
         for params, gs, ms, vs, hyper in todo:
             work, gs = working_copies(params), working_copies(gs)
             if self.foreach:
-                lamb_foreach(work, gs, ms, vs, **hyper)
+                direction = {k: v for k, v in hyper.items() if k not in ("lr", "trust_clamp")}
+                u, c = lamb_direction(work, gs, ms, vs, **direction)
+                staged.append((params, work, u, c, lamb_norms(work, u, c), hyper))
             else:
                 for p, g, m, v in zip(work, gs, ms, vs):
                     lamb_reference(p, g, m, v, **hyper)
+                write_back_(params, work)
+        # every group's trust ratios at once: a sharded tensor's norms are summed over its shards in one collective
+        whole = reduce_squares([norms for *_, norms, _ in staged], self.shards, self.ledger)
+        for (params, work, u, c, _, hyper), norms in zip(staged, whole):
+            lamb_apply_(work, u, c, norms, lr=hyper["lr"], trust_clamp=hyper["trust_clamp"])
             write_back_(params, work)
         self.ledger.end_step()
         return loss

@@ -96,24 +96,31 @@ class CyclicMask(_Policy):
 
     Each chunk is kept sorted, as the gaps between its positions in int16
     (int32 when a gap does not fit): half a word per coordinate, where the
-    permutation itself would take one, and a step's positions are one cumsum."""
+    permutation itself would take one, and a step's positions are one cumsum.
+    ``keep`` (sorted ``[lo, hi, lo, hi, ...]`` spans: a shard's coordinates in the whole model's) keeps
+    only the positions inside them: a shard holds half a word per coordinate of its own, not of the model."""
 
-    def __init__(self, numel: int, seed: int, device: torch.device):
+    def __init__(self, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
         super().__init__(numel, seed, device)
+        self.keep = keep
         self._cut: tuple[int, int] | None = None
 
     def _recut(self, size: int, chunks: int) -> None:
         self.gaps = self.starts = None  # the old cut's memory goes before the new one is built
         perm = torch.randperm(self.numel, generator=torch.Generator().manual_seed(self.seed))
-        full = (chunks - 1) * size
-        ordered = torch.cat([perm[:full].view(chunks - 1, size).sort(dim=1).values.view(-1),
-                             perm[full:].sort().values])
+        gaps, starts, self.cuts = [], [], [0]
+        for j in range(chunks):
+            ordered = perm[j * size:(j + 1) * size].sort().values
+            if self.keep is not None:
+                ordered = ordered[torch.searchsorted(self.keep, ordered, right=True) % 2 == 1]
+            gaps.append(torch.diff(ordered, prepend=ordered[:1]))  # a chunk's first position is kept in ``starts``
+            starts.append(int(ordered[0]) if ordered.numel() else 0)
+            self.cuts.append(self.cuts[-1] + ordered.numel())
         del perm
-        gaps = torch.diff(ordered, prepend=ordered[:1])
-        gaps[::size] = 0  # a chunk's first position is kept whole in ``starts``
-        small = int(gaps.max()) < 2**15
+        gaps = torch.cat(gaps)
+        small = gaps.numel() == 0 or int(gaps.max()) < 2**15
         self.gaps = gaps.to(torch.int16 if small else torch.int32).to(self.device)
-        self.starts = ordered[::size].clone().to(self.device)  # a copy: a view would keep all of it alive
+        self.starts = torch.tensor(starts, dtype=torch.int64, device=self.device)
         self._cut = (size, chunks)
 
     def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
@@ -121,7 +128,7 @@ class CyclicMask(_Policy):
         if self._cut != (size, chunks):
             self._recut(size, chunks)
         j = step % chunks
-        gaps = self.gaps[j * size:(j + 1) * size]
+        gaps = self.gaps[self.cuts[j]:self.cuts[j + 1]]
         return self._scratch(gaps.numel()).copy_(gaps).cumsum_(0).add_(self.starts[j]).to(torch.int64)
 
 
@@ -202,8 +209,12 @@ class BernoulliMask:
         return out.cumsum_(0).sub_(1)
 
 
-def make_mask(policy: str, numel: int, seed: int, device: torch.device):
-    return {"cyclic": CyclicMask, "bernoulli": BernoulliMask}[policy](numel, seed, device)
+def make_mask(policy: str, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
+    """``keep``: the spans a shard holds (:class:`CyclicMask`); a Bernoulli draw is a run of gaps over every
+    coordinate, so it draws the whole model's and :class:`Selection` cuts the shard's out."""
+    if policy == "cyclic":
+        return CyclicMask(numel, seed, device, keep)
+    return BernoulliMask(numel, seed, device)
 
 
 class Selection:
@@ -216,25 +227,34 @@ class Selection:
 
     def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
         self.layout, self.dense = layout, dense
-        sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
-        starts = [0]
-        for s in sizes:
-            starts.append(starts[-1] + s)
+        spans = Selection.spans(layout, dense)
         if bounds is None:  # ``Selection.bounds(layout, dense)``, made once by a caller that draws every step
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
         cut = torch.searchsorted(drawn, bounds).tolist()
-        self.local = [None if d else drawn[cut[i]:cut[i + 1]] - starts[i] for i, d in enumerate(dense)]
-        self.counts = [n if d else cut[i + 1] - cut[i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
+        self.local = [None if d else drawn[cut[2 * i]:cut[2 * i + 1]] - lo
+                      for i, (d, (lo, _)) in enumerate(zip(dense, spans))]
+        self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
 
     @staticmethod
+    def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
+        """Each tensor's (start, end) in the concatenation of the compressible tensors, the coordinates a policy
+        draws over: the WHOLE tensors' (a sharded parameter's global numel), each tensor's span being its
+        local entries (the shard at its global offset); empty for an always-averaged tensor."""
+        spans, start = [], 0
+        for d, n, whole, offset in zip(dense, layout.numels, layout.global_numels, layout.global_offsets):
+            spans.append((start, start) if d else (start + offset, start + offset + n))
+            start += 0 if d else whole
+        return spans
+
+    @staticmethod
     def bounds(layout, dense: list[bool]) -> torch.Tensor:
-        """Where each compressible tensor starts in the concatenation of them, and its end."""
-        sizes = [0 if d else n for d, n in zip(dense, layout.numels)]
-        return torch.tensor([0] + sizes, device=layout.device).cumsum(0)
+        """:meth:`spans` flattened, on the layout's device: the values a draw is cut at."""
+        return torch.tensor([x for span in Selection.spans(layout, dense) for x in span], dtype=torch.long,
+                            device=layout.device)
 
     def dense_runs(self) -> list[tuple[int, int]]:
         """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""

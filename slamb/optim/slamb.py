@@ -33,6 +33,7 @@ import torch
 from .. import comm
 from ..averaging import average_tensors_
 from ..schedules import check_compression_warmup, compression_ratio
+from ..sharding import local, reduce_squares, sharded_topology
 from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from . import fused as fused_passes
@@ -66,6 +67,13 @@ class SLAMB(LocalStateOptimizer):
     each node, and the momentum exchange and parameter syncs run across nodes, every local rank
     carrying a share (:mod:`slamb.topology`); n is the number of nodes. ``comm_dtype=torch.int8``
     quantises the exchange per chunk (:func:`slamb.comm.int8_mean_`).
+
+    FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or a (replicate, shard) HSDP mesh,
+    :mod:`slamb.sharding`): the workers are the replicas, n = R; each rank keeps the state of its shard,
+    draws the unsharded model's mask and keeps its slice, exchanges and syncs with the ranks holding its
+    shard, and takes the trust ratios of the whole tensors (one all-reduce of the norms over the shard
+    group per step, kind ``"norms"``). :func:`slamb.wrap_model` drops FSDP's gradient all-reduce across
+    the replicas. The multi-tensor path only (not ``fused``, ``foreach=False``, ``overlap``, ``hierarchy``).
 
     ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``;
     the next step's mask uses it, and a cyclic mask re-cuts its permutation
@@ -129,6 +137,7 @@ class SLAMB(LocalStateOptimizer):
     """
 
     params_differ = True
+    takes_sharded = True
     state_key = "slamb"
     per_rank_reason = "each worker keeps its own moments"
 
@@ -181,7 +190,11 @@ class SLAMB(LocalStateOptimizer):
         self.fused = fused  # add_param_group checks beta3 against it
         super().__init__(params, defaults)
         self.hierarchy = hierarchy
-        if hierarchy == "node" and comm.world_size(process_group) > 1:
+        self.shards = sharded_topology(self._all_params(), process_group)  # FSDP2: the workers are the replicas
+        if self.shards is not None:
+            self._check_sharded(hierarchy=hierarchy, foreach=foreach, overlap=overlap)
+            process_group = self.shards
+        elif hierarchy == "node" and comm.world_size(process_group) > 1:
             process_group = node_topology(process_group, local_world_size)  # the workers are the nodes
         self._setup(process_group=process_group, nonfinite=nonfinite, ledger=ledger)
         self.variant = variant
@@ -200,6 +213,13 @@ class SLAMB(LocalStateOptimizer):
         self._drawn: tuple[int, float, Selection] | None = None
         # step 4: with ``overlap`` DDP's comm hook starts it during backward
         self.exchange = MomentumExchange(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype)
+
+    def _check_sharded(self, *, hierarchy, foreach, overlap) -> None:
+        for bad, what in ((self.fused, "fused=True"), (foreach is False, "foreach=False"), (overlap, "overlap=True"),
+                          (hierarchy is not None, f"hierarchy={hierarchy!r}")):
+            if bad:
+                raise ValueError(f"SLAMB({what}) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path "
+                                 "(fused=False, foreach=None, overlap=False, hierarchy=None) does")
 
     # -- settings -----------------------------------------------------------------
 
@@ -229,8 +249,8 @@ class SLAMB(LocalStateOptimizer):
         if self._layout is not None:
             self._sync_params()
         else:
-            average_tensors_([p for g in self.param_groups for p in g["params"]], process_group=self.process_group,
-                             ledger=self.ledger)
+            average_tensors_([local(p) for g in self.param_groups for p in g["params"]],
+                             process_group=self.process_group, ledger=self.ledger)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
@@ -304,12 +324,14 @@ class SLAMB(LocalStateOptimizer):
         # more in page faults than the arithmetic done in it
         self._work = ([layout.zeros() for _ in range(2)]
                       if self.foreach and not self.fused else [])
-        self._dense = [always_averaged(p, self.min_compress_numel) for p in layout.params]
+        self._dense = [always_averaged(p, self.min_compress_numel) for p in layout.keys]  # whole tensors' shapes
         self._plan = SlambLayout(layout, self._dense)
         self._views = {key: self._plan.views(buf) for key, buf in self._flat.items()}
-        compressible = sum(n for n, d in zip(layout.numels, self._dense) if not d)
-        self._mask_fn = make_mask(self.mask_policy, compressible, self.seed, layout.device) if compressible else None
+        compressible = sum(n for n, d in zip(layout.global_numels, self._dense) if not d)  # the unsharded model's
         self._bounds = Selection.bounds(layout, self._dense)
+        keep = self._bounds.cpu() if self.shards is not None else None  # a shard's cyclic mask keeps its own part
+        self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep)
+                         if compressible else None)
         self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of])
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
@@ -320,7 +342,7 @@ class SLAMB(LocalStateOptimizer):
         """Step 6's age of every entry, one flat buffer: int16, or fp16 for the fused path (``fused.MAX_AGE``).
         The per-parameter state holds views of it; :meth:`state_dict` saves the int16 counter for both."""
         dtype = torch.float16 if self.fused else torch.int16
-        for p in layout.params:
+        for p in layout.keys:
             saved = self.state[p].get("staleness")
             if saved is not None and saved.dtype != dtype:
                 self.state[p]["staleness"] = fused_age(saved) if self.fused else int16_age(saved)
@@ -432,12 +454,18 @@ class SLAMB(LocalStateOptimizer):
         def update():
             slamb_update_(self._plan, sel, grads, self._flat["exp_avg"], self._flat["exp_avg_sq"], self._age, groups,
                           variant=self.variant, n=comm.world_size(self.process_group), exchange=exchange,
-                          work=self._work, impl="fused" if self.fused else "foreach" if self.foreach else "reference")
+                          work=self._work, impl="fused" if self.fused else "foreach" if self.foreach else "reference",
+                          norms=self._whole_norms)
         try:
             update()
         except fused_passes.CompileFailed:  # warned; nothing changed but the marks, which step 6 makes 0
             self._leave_fused()
             update()
+
+    def _whole_norms(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Trust ratios of the whole tensors: sharded, each shard's norms summed over the shard group (one
+        all-reduce per step, kind "norms")."""
+        return reduce_squares(norms, self.shards, self.ledger)
 
     def _end_step(self, t: int) -> None:
         self._last_draw = (t, self.compress_ratio)

@@ -219,13 +219,7 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
     d = plan.views(work[0])[lo:hi]
     if wd != 0:
         torch._foreach_add_(d, params, alpha=wd / c)
-    p_s, p_l = _split_norms(plan, sel, params, lo, hi)
-    d_s, d_l = _split_norms(plan, sel, d, lo, hi)
-    phi_s, phi_l = safe_ratio(p_s, d_s * c, 1.0), safe_ratio(p_l, d_l * c, 1.0)
-    dense, one_dim = plan.dense_t[lo:hi], plan.one_dim_t[lo:hi]
-    a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
-    b = torch.where(dense, 0.0, phi_s - phi_l)
-    clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
+    norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
     r = _freshness(age[span], b3, out=work[1][span])
     e0 = lr / math.sqrt(n)
     e1 = lr - e0
@@ -233,6 +227,15 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
         work[0][span].addcmul_(work[0][span], r, value=e1 / e0)
     scale = -c * e0
     rs = plan.views(work[1])[lo:hi]
+
+    def scalars(norms):
+        p_s, p_l, d_s, d_l = norms
+        phi_s, phi_l = safe_ratio(p_s, d_s * c, 1.0), safe_ratio(p_l, d_l * c, 1.0)
+        dense, one_dim = plan.dense_t[lo:hi], plan.one_dim_t[lo:hi]
+        a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
+        b = torch.where(dense, 0.0, phi_s - phi_l)
+        clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
+        return torch.stack([a, b, clamps.to(a.dtype)]), update
 
     def update(a, b, clamps):
         keep = [i for i, x in enumerate(clamps) if not x]
@@ -245,7 +248,7 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
             trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
             params[i].addcmul_(d[i], trust, value=scale)
 
-    return torch.stack([a, b, clamps.to(a.dtype)]), update
+    return norms, scalars
 
 
 def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
@@ -253,31 +256,36 @@ def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
     c = bias_folding(t, b1, b2, eps)[0]
     adam_direction_(m[span], v[span], eps, out=work[0][span])
     d = plan.views(work[0])[lo:hi]  # a / c
-    p_s, p_l = _split_norms(plan, sel, params, lo, hi)
-    a_s, a_l = _split_norms(plan, sel, d, lo, hi)
-    phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
-    phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
+    norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
     if wd != 0:
         torch._foreach_add_(d, params, alpha=wd / c)  # u / c
-    base = phi_l * (lr / math.sqrt(n))
     _freshness(age[span], b3, out=work[1][span])
     fresh = plan.views(work[1])[lo:hi]
+
+    def scalars(norms):
+        p_s, p_l, a_s, a_l = norms
+        phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
+        phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
+        base = phi_l * (lr / math.sqrt(n))
+        return torch.stack([phi_s * lr - base, base]) * -c, update
 
     def update(slope, base):
         torch._foreach_addcmul_(params, d, fresh, slope)
         _add_scaled_(params, d, base)
 
-    return torch.stack([phi_s * lr - base, base]) * -c, update
+    return norms, scalars
 
 
-def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
+def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, norms):
     """Steps 2 and 4-7 with multi-tensor ops on flat buffers (the rewrites of the module docstring); ``work``:
-    the scratch buffers."""
+    the scratch buffers; ``norms``: the whole tensors' norms from this rank's (one collective for all groups)."""
     _moments(plan, grads, m, v, groups, foreach=True)
     exchange()
     _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
-    deferred = [flat(plan, sel, lo, hi, params, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
+    prepared = [flat(plan, sel, lo, hi, params, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
+    whole = norms([x for x, _ in prepared])
+    deferred = [scalars(x) for (_, scalars), x in zip(prepared, whole)]
     # every group's scalars in one host read: a group's update changes nothing another reads
     values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
     for scalars, update in deferred:
@@ -362,8 +370,12 @@ def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list
 _IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
 
 
+def _unsharded(norms: list[torch.Tensor]) -> list[torch.Tensor]:
+    return norms
+
+
 def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
-                  exchange, work: list[torch.Tensor], impl: str) -> None:
+                  exchange, work: list[torch.Tensor], impl: str, norms=_unsharded) -> None:
     """Steps 2 and 4-7 of every parameter group, in place on ``plan.params`` and the flat buffers.
 
     ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
@@ -372,7 +384,9 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     after step 2) and returns them as (parameter ids, packed averages); ``groups``: (first, end,
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
     scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
-    or ``"reference"``.
+    or ``"reference"``; ``norms``: on the multi-tensor path, the whole tensors' norms from this rank's per-tensor
+    (selected, other) norms of p and the direction, a list of (4, tensors) per group: the identity on whole
+    tensors, a sum of squares over the shard group on FSDP2 shards (:func:`slamb.sharding.reduce_squares`).
 
     Under bf16 or fp16 parameters the moments are fp32 and the update is computed in fp32 and rounded
     once: the reference and multi-tensor paths on fp32 copies of the parameters and gradients, the
@@ -380,7 +394,8 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     """
     copies = impl != "fused"  # the fused passes convert inside their graphs
     params = working_copies(plan.params) if copies else plan.params
+    extra = {"norms": norms} if impl == "foreach" else {}
     _IMPLS[impl](plan, sel, params, working_copies(grads) if copies else grads, m, v, age, groups,
-                 variant=variant, n=n, exchange=exchange, work=work)
+                 variant=variant, n=n, exchange=exchange, work=work, **extra)
     write_back_(plan.params, params)
 

@@ -1,0 +1,202 @@
+"""SLAMB and LAMB on FSDP2's sharded parameters (``torch.distributed.fsdp.fully_shard``).
+
+The parameters are DTensors on a 1-D shard mesh (FSDP) or a 2-D (replicate, shard) mesh (HSDP),
+sharded on dim 0 (uneven shards included: FSDP2 pads them). The optimizers keep their state per
+local shard and compute on the local tensors; what a whole tensor decides is summed over its shards:
+
+* the trust ratios: each shard's partial sums of squares (of p and of the update; SLAMB's over the
+  fresh and the stale entries apart) are summed over the shard group in ONE all-reduce per step
+  (kind ``"norms"``, level ``"shard"``), so every ratio is the whole tensor's;
+* SLAMB's masks: drawn over the whole model's coordinates, as the unsharded run draws them, each
+  shard keeping the slice at its global offsets (:func:`shard_offsets`), so every replica of a shard
+  selects the same entries and a sharded run is the unsharded one;
+* the always-averaged tensors and ``min_compress_numel``: by the whole tensor's shape.
+
+The workers are the replicas (:class:`slamb.topology.MeshTopology`): SLAMB's momentum exchange and
+parameter syncs run over the replicate dimension, each rank with the ranks holding its shard.
+
+:func:`shard_model` calls ``fully_shard`` per block and on the root; :func:`slamb.wrap_model` on such
+a module makes its gradient reduction the one the optimizer needs (:func:`prepare_fsdp`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .topology import MeshTopology, mesh_topology
+
+try:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+except ImportError:  # a torch without DTensor: nothing is sharded
+    DTensor = Replicate = Shard = None
+
+__all__ = ["local", "is_sharded", "sharded_topology", "shard_offsets", "reduce_squares", "shard_model",
+           "prepare_fsdp", "refuse_sharded"]
+
+# the optimizers that take sharded parameters, named where another refuses them
+SHARDED_OPTIMIZERS = "SLAMB or LAMB"
+
+
+def is_sharded(t) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of ``t`` (a view: writing it writes the parameter), or ``t`` itself."""
+    return t.to_local() if is_sharded(t) else t
+
+
+def refuse_sharded(name: str, params) -> None:
+    """One line naming what takes sharded parameters, where ``name`` does not."""
+    if any(is_sharded(p) for p in params):
+        raise ValueError(f"{name} takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path of "
+                         f"{SHARDED_OPTIMIZERS} does")
+
+
+def _shard_dim(p) -> int:
+    """The mesh dimension ``p`` is sharded over (dim 0 of the tensor); the others must replicate it."""
+    shards = [i for i, pl in enumerate(p.placements) if isinstance(pl, Shard)]
+    if len(shards) != 1 or p.placements[shards[0]].dim != 0 or not all(
+            isinstance(pl, (Shard, Replicate)) for pl in p.placements):
+        raise ValueError(f"a DTensor parameter with placements {tuple(p.placements)}: SLAMB and LAMB take FSDP2's "
+                         "(Shard(0),) or HSDP's (Replicate(), Shard(0)) parameters")
+    return shards[0]
+
+
+def sharded_topology(params, process_group=None) -> MeshTopology | None:
+    """The replicas of the mesh the DTensor ``params`` share, or None where none is a DTensor."""
+    params = list(params)
+    sharded = [p for p in params if is_sharded(p)]
+    if not sharded:
+        return None
+    if len(sharded) != len(params):
+        raise ValueError(f"{len(params) - len(sharded)} of the parameters are plain tensors and the others FSDP2 "
+                         "DTensors: shard every parameter (fully_shard on the root module as well)")
+    if process_group is not None:
+        raise ValueError("sharded parameters carry their process groups in their device mesh: leave process_group "
+                         "unset")
+    meshes = {p.device_mesh for p in sharded}
+    dims = {_shard_dim(p) for p in sharded}
+    if len(meshes) != 1 or len(dims) != 1:
+        raise ValueError("the parameters are sharded over different device meshes: SLAMB and LAMB take one mesh")
+    return mesh_topology(meshes.pop(), dims.pop())
+
+
+def shard_offsets(p) -> tuple[int, int]:
+    """``(global numel, offset)``: where this rank's shard of ``p`` starts in the whole tensor, flattened.
+
+    FSDP2 cuts dim 0 as ``torch.chunk`` does (chunks of ceil(rows / S) rows, the last ones shorter or
+    empty), so a shard is one contiguous run of the flattened tensor."""
+    if not is_sharded(p):
+        return p.numel(), 0
+    d = _shard_dim(p)
+    mesh, rows = p.device_mesh, p.shape[0]
+    size = math.ceil(rows / mesh.size(d)) if rows else 0
+    start = min(mesh.get_local_rank(d) * size, rows)
+    mine = local(p)
+    if mine.shape[0] != min(size, rows - start) or tuple(mine.shape[1:]) != tuple(p.shape[1:]):
+        raise ValueError(f"a DTensor parameter of shape {tuple(p.shape)} whose shard has shape {tuple(mine.shape)}: "
+                         "SLAMB and LAMB take FSDP2's dim-0 shards (torch.chunk's cut)")
+    return p.numel(), start * (p.numel() // rows if rows else 0)
+
+
+def reduce_squares(norms: list[torch.Tensor], topology: MeshTopology | None, ledger) -> list[torch.Tensor]:
+    """Whole-tensor norms from per-shard ones: ``norms`` (tensors of per-shard norms), squared, summed over the
+    shard group in ONE all-reduce (kind ``"norms"``, level ``"shard"``), rooted. Unsharded: ``norms`` as given."""
+    if topology is None or topology.n_shards == 1 or not norms:
+        return norms
+    sq = torch.cat([n.reshape(-1) for n in norms]).square()
+    comm.all_reduce_sum_(sq, kind="norms", ledger=comm.at_level(ledger, "shard"), group=topology.shard)
+    return [x.view_as(n) for x, n in zip(sq.sqrt_().split([n.numel() for n in norms]), norms)]
+
+
+# -- FSDP2 modules ------------------------------------------------------------------------------
+
+def fsdp_modules(model: torch.nn.Module) -> list:
+    """The modules of ``model`` on which ``fully_shard`` was called."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch.nn.Module:
+    """``fully_shard`` each block of ``model`` (bottom-up: each gathers and frees its parameters as one unit),
+    then the root, which takes the rest; returns ``model``.
+
+    ``blocks``: module classes (transformer layers, ResNet stages) or a predicate ``module -> bool``.
+    ``mesh``: a 1-D mesh (FSDP) or a 2-D ``("replicate", "shard")`` mesh (HSDP). Build the optimizer on
+    the sharded parameters, then :func:`slamb.wrap_model` the model with it.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    if isinstance(blocks, type) or isinstance(blocks, tuple):
+        classes = blocks if isinstance(blocks, tuple) else (blocks,)
+        chosen = lambda m: isinstance(m, classes)  # noqa: E731
+    else:
+        chosen = blocks
+    picked = [m for m in model.modules() if m is not model and chosen(m)]
+    for m in reversed(picked):  # children before their parents
+        fully_shard(m, mesh=mesh, **fsdp_kwargs)
+    fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    return model
+
+
+def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
+    """The gradient reduction of an FSDP2 ``model`` that ``optimizer`` needs.
+
+    A data-parallel optimizer (LAMB) keeps FSDP's own: reduce-scatter over the shards, all-reduce over
+    the replicas (HSDP), the mean over every rank. SLAMB (whose workers are the replicas) keeps the
+    reduce-scatter, each replica's gradient being the mean over its own shard group, and drops the
+    all-reduce over the replicas: the momentum exchange replaces it.
+    """
+    from .contract import GRADIENT_ALLREDUCE
+
+    topology = getattr(optimizer, "shards", None)
+    if not isinstance(topology, MeshTopology):
+        raise ValueError(f"slamb.wrap_model got an FSDP2 module for {type(optimizer).__name__}, which takes no "
+                         f"sharded parameters; {SHARDED_OPTIMIZERS} does")
+    _broadcast_replicas(model, topology)
+    if optimizer.communication != GRADIENT_ALLREDUCE:
+        for m in fsdp_modules(model):
+            _reduce_over_shards_only(m, topology)
+    return model
+
+
+@torch.no_grad()
+def _broadcast_replicas(model: torch.nn.Module, topology: MeshTopology) -> None:
+    """Every replica starts from replica 0's shards, as DDP starts every rank from rank 0's parameters
+    (``fully_shard`` shards each rank's own copy and sends nothing)."""
+    if topology.replicate is None:
+        return
+    for p in model.parameters():
+        if is_sharded(p) and local(p).numel():
+            shard = local(p)
+            sent = shard.contiguous()
+            dist.broadcast(sent, group=topology.replicate, group_src=0)
+            shard.copy_(sent)
+
+
+def _reduce_over_shards_only(module, topology: MeshTopology) -> None:
+    """FSDP2 (torch 2.14) has no public switch for "reduce-scatter, but no all-reduce over the replicas":
+    ``set_requires_all_reduce(False)`` holds the reduce-scatter output back for a later all-reduce (gradient
+    accumulation) and sets no gradient. So each parameter group's reduction is re-pointed at the shard
+    dimension alone, FSDP's 1-D mesh information over the same mesh: the parameters stay the HSDP mesh's
+    DTensors, and FSDP divides the reduce-scatter's sum by the shard group's size, the mean over the replica."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
+
+    state = module._get_fsdp_state()
+    for group in state._fsdp_param_groups:
+        info = group.mesh_info
+        if isinstance(info, HSDPMeshInfo):
+            if info.mesh != topology.mesh or getattr(info, "is_spmd_mesh", False):
+                raise ValueError("slamb.wrap_model: the FSDP2 module is sharded over another mesh than the "
+                                 "optimizer's parameters")
+            group.mesh_info = FSDPMeshInfo(info.mesh, shard_mesh_dim=info.shard_mesh_dim)
+        elif not isinstance(info, FSDPMeshInfo):
+            raise ValueError("slamb.wrap_model: SLAMB takes FSDP2 modules sharded by fully_shard (FSDP or HSDP), "
+                             f"not {type(info).__name__}")

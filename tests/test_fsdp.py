@@ -1,0 +1,286 @@
+"""SLAMB and LAMB on FSDP2's sharded parameters equal the unsharded runs.
+
+4 gloo processes: HSDP SLAMB on 2 replicas x 2 shards is SLAMB(hierarchy="node") on 2 nodes x 2 (DDP) and
+flat SLAMB on 2 workers whose gradient is each group's mean; FSDP LAMB on 4 shards is DDP LAMB on 4 ranks.
+The model has an unevenly sharded weight (17 rows over 2 shards), a small 2-D always-averaged weight (3 rows)
+and 1-D tensors. float64 parameters, so that the momentum's rounding to the wire (fp32, fp16) is the same in
+every run; the remaining differences are the order of the norms' sums (a shard's partial sums).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import slamb
+from slamb import comm
+from tests import distributed
+
+pytestmark = pytest.mark.multiprocess
+
+R, S = 2, 2  # replicas x shards (HSDP); nodes x local ranks (hierarchical)
+STEPS = 6
+SYNC = 2  # parameter syncs after steps 1, 3, 5; the replicas differ after step 6
+CONFIGS = {f"{v}-{name}": dict(variant=v, comm_dtype=dtype)
+           for v in ("v1", "v2") for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}
+# int8 quantises blocks of each rank's packed entries: not the unsharded run's numbers, but its masks
+MASK_ONLY = {f"{v}-int8": dict(variant=v, comm_dtype=torch.int8) for v in ("v1", "v2")}
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(6, 17), torch.nn.LayerNorm(17), torch.nn.Tanh(),  # 17 x 6: uneven over 2 shards
+        torch.nn.Linear(17, 16), torch.nn.Tanh(),
+        torch.nn.Linear(16, 3),  # 3 x 16 = 48 < min_compress_numel: a 2-D always-averaged tensor, 2 + 1 rows
+    ).double()
+
+
+def batch(rank, t):
+    g = torch.Generator().manual_seed(1000 * rank + t)
+    return torch.randn(8, 6, generator=g, dtype=torch.float64), torch.randn(8, 3, generator=g, dtype=torch.float64)
+
+
+def loss_of(model, rank, t):
+    x, y = batch(rank, t)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def slamb_settings(cfg):
+    return dict(lr=0.02, weight_decay=0.01, compress_ratio=0.3, sync_interval=SYNC, min_compress_numel=64,
+                beta3=0.9, seed=3, **cfg)
+
+
+def hsdp_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))
+
+
+class Traffic:
+    """The bytes each collective is handed, by (collective, ranks of its group): what crosses which mesh
+    dimension, FSDP's own collectives included."""
+
+    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "broadcast")
+
+    def __init__(self):
+        self.bytes: dict[tuple, int] = {}
+        self.saved = {}
+
+    def _wrap(self, name, fn, tensor_arg):
+        def counted(*args, **kwargs):
+            t = args[tensor_arg] if len(args) > tensor_arg else next(
+                kwargs[k] for k in ("input_tensor", "input", "tensor") if k in kwargs)
+            group = kwargs.get("group")
+            ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+            self.bytes[name, ranks] = self.bytes.get((name, ranks), 0) + t.numel() * t.element_size()
+            return fn(*args, **kwargs)
+        return counted
+
+    def __enter__(self):
+        for name in self.NAMES:
+            self.saved[name] = getattr(dist, name)
+            setattr(dist, name, self._wrap(name, self.saved[name], 1 if name.endswith("_single") else 0))
+        self.saved["slamb"] = comm._all_gather_single
+        comm._all_gather_single = self._wrap("all_gather_single", comm._all_gather_single, 1)
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.NAMES:
+            setattr(dist, name, self.saved[name])
+        comm._all_gather_single = self.saved["slamb"]
+
+
+def masks_of(opt):
+    """The entries averaged at the last step, per parameter (this rank's shard, flattened)."""
+    return opt.last_sync_mask().split(opt._layout.numels)
+
+
+def hsdp_slamb(rank, cfg):
+    model = slamb.shard_model(make_model(), hsdp_mesh(), blocks=(torch.nn.Linear, torch.nn.LayerNorm))
+    opt = slamb.SLAMB(model.parameters(), **slamb_settings(cfg))
+    model = slamb.wrap_model(model, opt)
+    stats, masks = [], []
+    with Traffic() as traffic:
+        for t in range(1, STEPS + 1):
+            opt.zero_grad(set_to_none=True)
+            loss_of(model, rank, t).backward()
+            opt.step()
+            stats.append(opt.comm_stats()["last_step"])
+            masks.append(masks_of(opt))
+    full = [p.full_tensor().detach().clone() for p in model.parameters()]  # this replica's whole parameters
+    slamb.average_model(model)  # the run's model: each shard averaged over its replicas
+    averaged = [p.full_tensor().detach().clone() for p in model.parameters()]
+    mask = opt._mask_fn
+    return {"params": full, "averaged": averaged, "stats": stats, "traffic": traffic.bytes, "masks": masks,
+            "cut": mask.gaps.numel() if hasattr(mask, "gaps") else None,
+            "compressed": sum(n for n, d in zip(opt._layout.numels, opt._dense) if not d),
+            "offsets": opt._layout.global_offsets,
+            "shapes": [(tuple(p.shape), tuple(p.to_local().shape)) for p in model.parameters()]}
+
+
+def node_slamb(rank, cfg):
+    model = make_model()
+    opt = slamb.SLAMB(model.parameters(), hierarchy="node", local_world_size=S, **slamb_settings(cfg))
+    ddp = slamb.wrap_model(model, opt)
+    for t in range(1, STEPS + 1):
+        opt.zero_grad(set_to_none=True)
+        loss_of(ddp, rank, t).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def flat_slamb(rank, cfg, peers):
+    """Flat SLAMB on R workers; worker r's gradient is the mean of its group's S gradients."""
+    model = make_model()
+    opt = slamb.SLAMB(model.parameters(), process_group=peers, **slamb_settings(cfg))
+    replica, masks = rank // S, []
+    for t in range(1, STEPS + 1):
+        grads = []
+        for member in range(replica * S, (replica + 1) * S):
+            model.zero_grad(set_to_none=True)
+            loss_of(model, member, t).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, *gs in zip(model.parameters(), *grads):
+            p.grad = sum(gs) / S
+        opt.step()
+        masks.append(masks_of(opt))
+    params = [p.detach().clone() for p in model.parameters()]
+    opt.average_parameters()
+    return params, masks, [p.detach().clone() for p in model.parameters()]
+
+
+def lamb_run(rank, model, steps=STEPS):
+    opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
+    wrapped = slamb.wrap_model(model, opt)
+    for t in range(1, steps + 1):
+        opt.zero_grad(set_to_none=True)
+        loss_of(wrapped, rank, t).backward()
+        opt.step()
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
+    return [p.detach().clone() for p in params], opt.comm_stats()["last_step"]
+
+
+def lamb_runs(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    blocks = (torch.nn.Linear, torch.nn.LayerNorm)
+    fsdp, stats = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)), blocks=blocks))
+    hsdp = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks))[0]
+    return {"fsdp": fsdp, "hsdp": hsdp, "ddp": lamb_run(rank, make_model())[0], "norms": stats.get("norms")}
+
+
+def refusals():
+    from torch.distributed.device_mesh import init_device_mesh
+    out = {}
+    model = slamb.shard_model(make_model(), init_device_mesh("cpu", (dist.get_world_size(),)))
+    for name in ("dgc", "onebit_lamb", "powersgd", "jointspar", "diloco"):
+        try:
+            slamb.create_optimizer(name, list(model.parameters()), lr=0.1)
+        except ValueError as e:
+            out[name] = str(e)
+    for kwargs in (dict(fused=True), dict(overlap=True), dict(foreach=False)):
+        try:
+            slamb.SLAMB(model.parameters(), **kwargs)
+        except ValueError as e:
+            out[str(kwargs)] = str(e)
+    return out
+
+
+def worker(rank, world):
+    peers = [dist.new_group([r * S + j for r in range(R)]) for j in range(S)][rank % S]
+    out = {"slamb": {}, "rank": rank}
+    for name, cfg in CONFIGS.items():
+        flat, flat_masks, flat_averaged = flat_slamb(rank, cfg, peers)
+        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "node": node_slamb(rank, cfg), "flat": flat,
+                              "flat_masks": flat_masks, "flat_averaged": flat_averaged}
+    for name, cfg in MASK_ONLY.items():
+        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat_masks": flat_slamb(rank, cfg, peers)[1]}
+    out["lamb"] = lamb_runs(rank, world)
+    out["refusals"] = refusals()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs():
+    return distributed.run(worker, R * S)
+
+
+def max_diff(a, b):
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_hsdp_slamb_equals_hierarchical_and_flat_slamb(runs, config):
+    worst = {"node": 0.0, "flat": 0.0}
+    for r in runs:
+        res = r["slamb"][config]
+        for ref in worst:
+            worst[ref] = max(worst[ref], max_diff(res["hsdp"]["params"], res[ref]))
+    averaged = max(max_diff(r["slamb"][config]["hsdp"]["averaged"], r["slamb"][config]["flat_averaged"]) for r in runs)
+    print(f"{config}: max |HSDP - node| = {worst['node']:.3g}, max |HSDP - flat| = {worst['flat']:.3g}, "
+          f"averaged models {averaged:.3g}")
+    assert worst["node"] < 1e-12 and worst["flat"] < 1e-12 and averaged < 1e-12, (worst, averaged)
+    # the replicas differ between syncs (the comparison tells 2 workers from 1), each replica's shards agree
+    assert not torch.equal(runs[0]["slamb"][config]["hsdp"]["params"][0], runs[S]["slamb"][config]["hsdp"]["params"][0])
+    assert max_diff(runs[0]["slamb"][config]["hsdp"]["params"], runs[1]["slamb"][config]["hsdp"]["params"]) == 0
+    shapes = runs[1]["slamb"][config]["hsdp"]["shapes"]
+    assert shapes[0] == ((17, 6), (8, 6)) and shapes[-2] == ((3, 16), (1, 16))
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, *MASK_ONLY])
+def test_a_shard_averages_its_slice_of_the_unsharded_models_mask(runs, config):
+    for r in runs:
+        res = r["slamb"][config]
+        hsdp = res["hsdp"]
+        for t, (mine, whole) in enumerate(zip(hsdp["masks"], res["flat_masks"]), start=1):
+            for i, (m, w, off) in enumerate(zip(mine, whole, hsdp["offsets"])):
+                assert torch.equal(m, w[off:off + m.numel()]), (config, r["rank"], t, i)
+    if config.startswith("v1"):  # v1's cut keeps a shard's own coordinates only: half a word each
+        assert all(r["slamb"][config]["hsdp"]["cut"] == r["slamb"][config]["hsdp"]["compressed"] for r in runs)
+    # the compressed tensors' masks select a fraction of the entries, so the slices are not all or nothing
+    assert 0 < int(runs[1]["slamb"][config]["hsdp"]["masks"][1][0].sum()) < 8 * 6
+
+
+def test_fsdp_and_hsdp_lamb_equal_ddp_lamb(runs):
+    fsdp = max(max_diff(r["lamb"]["fsdp"], r["lamb"]["ddp"]) for r in runs)
+    hsdp = max(max_diff(r["lamb"]["hsdp"], r["lamb"]["ddp"]) for r in runs)
+    print(f"max |FSDP (4 shards) LAMB - DDP LAMB| = {fsdp:.3g}, max |HSDP (2 x 2) LAMB - DDP LAMB| = {hsdp:.3g}")
+    assert fsdp < 1e-12 and hsdp < 1e-12
+    assert runs[0]["lamb"]["norms"]["levels"]["shard"]["calls"] == 1  # one all-reduce of the norms per step
+
+
+def test_replicate_dimension_carries_exactly_the_ledger(runs):
+    for r in runs:
+        rank = r["rank"]
+        replicas = tuple(rank % S + S * i for i in range(R))
+        shard = tuple(range(rank - rank % S, rank - rank % S + S))
+        for config, res in r["slamb"].items():  # int8 included
+            stats = res["hsdp"]["stats"]
+            ledger = {level: sum(s[k].get("levels", {}).get(level, {}).get("payload", 0) for s in stats
+                                 for k in s if k != "all")
+                      for level in ("replicate", "shard", "world")}
+            crossed = {}
+            for (op, ranks), nbytes in res["hsdp"]["traffic"].items():
+                key = "replicate" if ranks == replicas else "shard" if ranks == shard else "world"
+                crossed[key, op] = crossed.get((key, op), 0) + nbytes
+            # across the replicas: the exchange and the syncs, nothing else (FSDP's gradient all-reduce is off)
+            assert sum(b for (key, _), b in crossed.items() if key == "replicate") == ledger["replicate"], crossed
+            # inside the replica: FSDP's all-gathers and reduce-scatters, and the norms (4 per tensor, one call)
+            assert crossed["shard", "all_reduce"] == ledger["shard"] == STEPS * 4 * 8 * 8
+            assert {op for key, op in crossed if key == "shard"} == {"all_reduce", "all_gather_single",
+                                                                     "reduce_scatter_single"}
+            assert crossed["world", "all_reduce"] == ledger["world"]  # the step's decision, 4 bytes
+            for s in stats:
+                assert s["norms"]["calls"] == 1
+                assert s["momentum"]["levels"]["replicate"]["calls"] == (1 if "int8" not in config else 4)
+            if rank == 0:
+                print(f"{config}, rank 0, bytes handed per step (mean of {STEPS}): "
+                      + ", ".join(f"{key} {op} {b / STEPS:.0f}" for (key, op), b in sorted(crossed.items())))
+
+
+def test_other_optimizers_and_paths_refuse_sharded_parameters_in_one_line(runs):
+    refused = runs[0]["refusals"]
+    for name in ("dgc", "onebit_lamb", "powersgd", "jointspar", "diloco"):
+        assert "takes no sharded" in refused[name] and "SLAMB or LAMB" in refused[name], refused
+        assert "\n" not in refused[name]
+    for kwargs in ("{'fused': True}", "{'overlap': True}", "{'foreach': False}"):
+        assert "takes no sharded" in refused[kwargs] and "multi-tensor path" in refused[kwargs]
