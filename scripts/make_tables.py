@@ -14,8 +14,13 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from harness.tables import build_tables, load_runs
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as `python scripts/make_tables.py`: the repository's packages are importable
+    sys.path.insert(0, str(ROOT))
+
+from harness.tables import build_tables, load_runs  # noqa: E402
 
 
 def main(argv=None) -> int:

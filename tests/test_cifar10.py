@@ -290,6 +290,24 @@ def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_pat
 
 
 @pytest.mark.multiprocess
+def test_sweep_script_runs_the_sweep_and_writes_its_page(tiny_dir, tmp_path):
+    """scripts/sweep_sync_interval.sh as a user runs it (two of its H values, named on the command line, which
+    wins over the sweep file's list): one run per value, and make_tables' line of top-1 and bytes by H."""
+    runs, tables = tmp_path / "runs", tmp_path / "tables"
+    done = subprocess.run(["scripts/sweep_sync_interval.sh", *TINY, "epochs=1", f"data.dir={tiny_dir}",
+                           "optimizer.min_compress_numel=500", "optimizer.sync_interval=2,5",
+                           f"hydra.sweep.dir={runs}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env=env(PY=sys.executable, RUNS=str(runs), TABLES=str(tables), EXPERIMENT="cifar10/slamb"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = {r["config"]["optimizer"]["sync_interval"]: r["summary"] for r in load_runs(runs)}
+    assert sorted(found) == [2, 5]
+    page = (tables / "cifar10_resnet110_sync_interval.md").read_text()
+    for h, s in found.items():
+        assert f"| {h} | {s['final_test_top1']:.2f} | 1 | " in page
+    assert found[2]["bytes_total"]["all"] > found[5]["bytes_total"]["all"]  # more parameter syncs
+
+
+@pytest.mark.multiprocess
 def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     done = cli(["trainer.nproc_per_node=1", "trainer.device=cpu", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode != 0
