@@ -210,7 +210,14 @@ def run_from_hydra(worker, cfg):
     from .distributed import started_externally
     from .run import RunLock
 
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:  # a required setting (``???`` in the config) left unset
+        print(f"error: {e.full_key} is required and not set; fix: set {e.full_key}=... on the command line (or pick "
+              "an experiment that sets it)", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     def refuse(error: ValueError):
         print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
