@@ -305,10 +305,25 @@ class WorkerError(Exception):
     first attempt. ``str()``: one line, the worker's error and its rank."""
 
 
-def will_recur_line(error: BaseException, rank) -> str:
+def will_recur_line(error: BaseException, rank, traceback_file: str | None = None) -> str:
     message = " ".join(str(error).split())
+    where = f"; its traceback: {traceback_file}" if traceback_file else ""
     return (f"error: {type(error).__name__} on rank {rank}: {message} (not restarted: a restart from the last "
-            "checkpoint would fail the same way)")
+            f"checkpoint would fail the same way{where})")
+
+
+def keep_traceback(run_dir, rank) -> str | None:
+    """The traceback of the exception being handled, in ``run_dir``: the one line leaves it out, a bug found
+    this way still needs it. None where ``run_dir`` cannot take it."""
+    import traceback
+
+    path = os.path.join(str(run_dir), f"error.rank{rank}.txt")
+    try:
+        with open(path, "w") as f:
+            f.write(traceback.format_exc())
+    except OSError:
+        return None
+    return path
 
 
 def _worker_entry(worker, cfg, run_dir, errors_dir=None):
@@ -323,11 +338,12 @@ def _worker_entry(worker, cfg, run_dir, errors_dir=None):
     except WILL_RECUR as e:
         if "TORCHELASTIC_RUN_ID" not in os.environ:
             raise
-        line = will_recur_line(e, os.environ.get("RANK", "?"))
+        rank = os.environ.get("RANK", "0")
+        line = will_recur_line(e, rank, keep_traceback(run_dir, rank))
         if errors_dir is None:
             print(line, file=sys.stderr, flush=True)
         else:
-            with open(os.path.join(errors_dir, f"rank{os.environ.get('RANK', '0')}.error"), "w") as f:
+            with open(os.path.join(errors_dir, f"rank{rank}.error"), "w") as f:
                 f.write(line)
         raise SystemExit(WILL_RECUR_EXIT) from None
     finally:

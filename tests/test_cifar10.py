@@ -306,7 +306,8 @@ def test_data_missing_from_its_directory_ends_the_first_attempt_in_one_line_what
     # the first rank to fail names it; the launcher stops the other
     assert re.match(rf"error: FileNotFoundError on rank [01]: CIFAR-10 not found in {re.escape(str(tmp_path))}: "
                     "missing data_batch_1", done.stderr), done.stderr
-    assert done.stderr.endswith("(not restarted: a restart from the last checkpoint would fail the same way)\n")
+    assert re.search(r"\(not restarted: a restart from the last checkpoint would fail the same way; its traceback: "
+                     rf"{re.escape(str(tmp_path / 'run'))}/error\.rank[01]\.txt\)\n$", done.stderr), done.stderr
 
 
 # ------------------------------------------------------------------------------- host synchronisations

@@ -342,7 +342,10 @@ def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_pat
     name = {"missing": "FileNotFoundError", "setting": "ValueError"}[error]
     # the first rank to fail names it; the launcher stops the other
     assert str(raised.value) in [f"error: {name} on rank {r}: {error} on this rank second line (not restarted: a "
-                                 "restart from the last checkpoint would fail the same way)" for r in (0, 1)]
+                                 "restart from the last checkpoint would fail the same way; its traceback: "
+                                 f"{tmp_path / f'error.rank{r}.txt'})" for r in (0, 1)]
+    rank = str(raised.value).split(" on rank ")[1][0]
+    assert "in _count_the_start_and_fail" in (tmp_path / f"error.rank{rank}.txt").read_text()
 
 
 @pytest.mark.multiprocess  # starts workers
