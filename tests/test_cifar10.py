@@ -310,6 +310,18 @@ def test_data_missing_from_its_directory_ends_the_first_attempt_in_one_line_what
                      rf"{re.escape(str(tmp_path / 'run'))}/error\.rank[01]\.txt\)\n$", done.stderr), done.stderr
 
 
+@pytest.mark.multiprocess
+def test_under_torchrun_such_a_worker_says_it_in_one_line_and_exits_65(tmp_path):
+    # torchrun restarts every failure: the status is what a scheduler's retry policy can treat as final
+    done = cli([*TINY, f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"],
+               torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"])
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: FileNotFoundError on rank")]
+    assert len(lines) in (1, 2) and all("CIFAR-10 not found" in line for line in lines), done.stderr[-3000:]
+    assert "exitcode  : 65" in done.stderr, done.stderr[-3000:]  # torchrun's report of the failed worker
+    assert "cifar10/data.py" not in done.stderr  # the worker's traceback went to its run directory
+
+
 # ------------------------------------------------------------------------------- host synchronisations
 
 
