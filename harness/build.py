@@ -15,7 +15,8 @@ from slamb.optim.checks import check_choice
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
-from .distributed import check_device, cpu_fallback_notice, launch, local_workers, planned_world_size
+from .distributed import (WILL_RECUR_EXIT, WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
+                          planned_world_size)
 from .settings import check_count
 
 RESUME = ("auto", "never")
@@ -198,7 +199,9 @@ def run_from_hydra(worker, cfg):
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
     finished with this configuration returns its summary without training. A setting the checks
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
-    (a usage error, as argparse).
+    (a usage error, as argparse). A worker error that a restart would meet again (a missing data file,
+    a damaged input: :data:`harness.distributed.WILL_RECUR`) ends it at the first attempt, whatever
+    ``trainer.max_restarts``: one line and exit status 65.
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -207,7 +210,14 @@ def run_from_hydra(worker, cfg):
     from .distributed import started_externally
     from .run import RunLock
 
-    container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+    except MissingMandatoryValue as e:  # a required setting (``???`` in the config) left unset
+        print(f"error: {e.full_key} is required and not set; fix: set {e.full_key}=... on the command line (or pick "
+              "an experiment that sets it)", file=sys.stderr, flush=True)
+        sys.exit(2)
 
     def refuse(error: ValueError):
         print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
@@ -227,5 +237,9 @@ def run_from_hydra(worker, cfg):
             refuse(e)
         if finished is not None:
             return finished
-        return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
-                      max_restarts=container["trainer"]["max_restarts"])
+        try:
+            return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
+                          max_restarts=container["trainer"]["max_restarts"])
+        except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
+            print(e, file=sys.stderr, flush=True)
+            sys.exit(WILL_RECUR_EXIT)

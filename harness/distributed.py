@@ -13,7 +13,9 @@ workers when ``__main__`` is another program, as under submitit):
   from SLURM's environment, and it simply calls it;
 * otherwise, with ``trainer.nproc_per_node > 1``, it starts that many local
   workers itself through torch's elastic launcher (the engine behind
-  torchrun), on a fresh rendezvous port, with ``trainer.max_restarts``;
+  torchrun), on a fresh rendezvous port, with ``trainer.max_restarts`` (spent on
+  faults that may pass only: an error that would recur, :data:`WILL_RECUR`, ends the
+  job at the first attempt in one line, :class:`WorkerError`);
 * with one worker it calls it in-process, without a process group.
 
 Test hook: ``SLAMB_FAULT_AT_STEP=N`` kills (``os._exit``) the worker of rank
@@ -27,6 +29,7 @@ import dataclasses
 import datetime
 import gc
 import importlib
+import logging
 import os
 import re
 import socket
@@ -286,12 +289,100 @@ def resolve_worker(worker):
     return fn
 
 
-def _worker_entry(worker, cfg, run_dir):
-    """Elastic-launcher entry point (module level, so spawn can pickle it)."""
+# Worker errors a restart from the last checkpoint meets again: a missing input (the data's files, a model
+# directory) and a value a check rejects (a setting, a damaged input). A restart helps only where the cause lies
+# outside the run's inputs and settings: a killed worker, a lost peer, a device or network fault (RuntimeError,
+# the process group's errors), a signal.
+WILL_RECUR = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError)
+# the exit status of a worker that ended on one of them, and of the command; sysexits' EX_DATAERR. The elastic
+# launcher of :func:`launch` does not restart it; under torchrun, a scheduler's retry policy can key on it
+# (torchrun itself restarts any failure)
+WILL_RECUR_EXIT = 65
+
+
+class WorkerError(Exception):
+    """A worker ended on an error a restart would meet again (:data:`WILL_RECUR`): the launch stopped at the
+    first attempt. ``str()``: one line, the worker's error and its rank."""
+
+
+def will_recur_line(error: BaseException, rank, traceback_file: str | None = None) -> str:
+    message = " ".join(str(error).split())
+    where = f"; its traceback: {traceback_file}" if traceback_file else ""
+    return (f"error: {type(error).__name__} on rank {rank}: {message} (not restarted: a restart from the last "
+            f"checkpoint would fail the same way{where})")
+
+
+def keep_traceback(run_dir, rank) -> str | None:
+    """The traceback of the exception being handled, in ``run_dir``: the one line leaves it out, a bug found
+    this way still needs it. None where ``run_dir`` cannot take it."""
+    import traceback
+
+    path = os.path.join(str(run_dir), f"error.rank{rank}.txt")
+    try:
+        with open(path, "w") as f:
+            f.write(traceback.format_exc())
+    except OSError:
+        return None
+    return path
+
+
+def _worker_entry(worker, cfg, run_dir, errors_dir=None):
+    """Elastic-launcher entry point (module level, so spawn can pickle it).
+
+    Under an elastic agent (this launcher's, ``errors_dir`` its folder, or torchrun's), an error that
+    would recur ends the worker with :data:`WILL_RECUR_EXIT` and one line: this launcher prints it once
+    for the job, under torchrun the worker prints it.
+    """
     try:
         return resolve_worker(worker)(cfg, run_dir)
+    except WILL_RECUR as e:
+        if "TORCHELASTIC_RUN_ID" not in os.environ:
+            raise
+        rank = os.environ.get("RANK", "0")
+        line = will_recur_line(e, rank, keep_traceback(run_dir, rank))
+        if errors_dir is None:
+            print(line, file=sys.stderr, flush=True)
+        else:
+            with open(os.path.join(errors_dir, f"rank{rank}.error"), "w") as f:
+                f.write(line)
+        raise SystemExit(WILL_RECUR_EXIT) from None
     finally:
         shutdown()
+
+
+# the loggers of elastic's reports on failed workers and on the stopping of the others
+REPORTERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
+
+
+class _WillRecurAgent:
+    """What makes torch's elastic agent final about a worker group in which a worker ended on an error that
+    would recur (its line written in ``errors_dir``): no restart, as torch's own agent does for a worker stuck
+    in the kernel, and none of elastic's reports of the failures and the stopping of the other workers (the
+    worker's line says it all; another rank may fail after it, on its lost peer, and be seen first)."""
+
+    def __init__(self, errors_dir: str):
+        self.errors_dir = errors_dir
+
+    def reported(self) -> list[str]:
+        names = sorted(os.listdir(self.errors_dir), key=lambda n: int(re.sub(r"\D", "", n) or 0))
+        return [open(os.path.join(self.errors_dir, n)).read() for n in names]
+
+    def filter(self, record) -> bool:  # a logging filter of REPORTERS
+        return not os.listdir(self.errors_dir)
+
+    def agent_class(self):
+        from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+        final = self
+
+        class WillRecurAgent(LocalElasticAgent):
+            def _monitor_workers(self, worker_group):
+                result = super()._monitor_workers(worker_group)
+                if result.is_failed() and os.listdir(final.errors_dir):
+                    self._remaining_restarts = 0
+                return result
+
+        return WillRecurAgent
 
 
 def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: int = 0):
@@ -299,20 +390,40 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
 
     ``cfg`` must be picklable (a plain dict) when workers are started here.
     In a multi-task SLURM step ``nproc_per_node`` is ignored: each task is a worker.
+    Workers started here are restarted up to ``max_restarts`` times, except after an error that would recur
+    (:data:`WILL_RECUR`): :class:`WorkerError` then, at the first attempt.
     """
     if slurm_tasks() > 1 and not under_torchrun():
         os.environ.update(slurm_env())
     if under_torchrun() or nproc_per_node <= 1:
         return _worker_entry(worker, cfg, run_dir)
+    from unittest import mock
+
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher import api
 
     # the launcher's folder (its workers' error files): by default a temporary folder it never removes
     with tempfile.TemporaryDirectory(prefix="torchelastic_") as logs:
-        config = LaunchConfig(
+        config = api.LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
             start_method="spawn", monitor_interval=0.2, logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
-        results = elastic_launch(config, _worker_entry)(worker, cfg, run_dir)
+        final = _WillRecurAgent(os.path.join(logs, "will_recur"))
+        os.mkdir(final.errors_dir)
+        for name in REPORTERS:
+            logging.getLogger(name).addFilter(final)
+        try:
+            # launch_agent builds its agent from this module's name: the one way in short of copying it
+            with mock.patch.object(api, "LocalElasticAgent", final.agent_class()):
+                results = api.elastic_launch(config, _worker_entry)(worker, cfg, run_dir, final.errors_dir)
+        except ChildFailedError:
+            lines = final.reported()
+            if not lines:
+                raise
+            raise WorkerError(lines[0]) from None
+        finally:
+            for name in REPORTERS:
+                logging.getLogger(name).removeFilter(final)
     return results[0]

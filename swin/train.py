@@ -35,8 +35,6 @@ import harness
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 
-from .data import build_loaders, mixup_and_loss
-from .model import build_model, image_size
 
 
 def forward_backward(model, micro_batches, criterion, amp: MixedPrecision, mixup=None) -> torch.Tensor:
@@ -90,6 +88,11 @@ class PhaseTimer:
 
 
 def train(cfg: dict, run_dir: str) -> dict:
+    # timm (and the wandb it imports) here, in the workers: 1-3 s that a command refused by its settings
+    # check, before any worker starts, would otherwise spend
+    from .data import build_loaders, mixup_and_loss
+    from .model import build_model, image_size
+
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "epochs", "accumulation_steps")

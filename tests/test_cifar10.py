@@ -6,6 +6,7 @@ import collections
 import json
 import os
 import pickle
+import re
 import shutil
 import subprocess
 import sys
@@ -312,6 +313,32 @@ def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
     done = cli(["trainer.nproc_per_node=1", "trainer.device=cpu", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode != 0
     assert "missing data_batch_1" in done.stderr and "cifar-10-python.tar.gz" in done.stderr
+
+
+@pytest.mark.multiprocess
+def test_data_missing_from_its_directory_ends_the_first_attempt_in_one_line_whatever_max_restarts(tmp_path):
+    # the directory exists (the check before the workers passes), its files do not: every attempt would fail
+    # on them. Before: 3 attempts of 2 workers, 146 lines of elastic's reports, exit status 1
+    done = cli([*TINY, "trainer.max_restarts=2", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert done.returncode == 65, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    # the first rank to fail names it; the launcher stops the other
+    assert re.match(rf"error: FileNotFoundError on rank [01]: CIFAR-10 not found in {re.escape(str(tmp_path))}: "
+                    "missing data_batch_1", done.stderr), done.stderr
+    assert re.search(r"\(not restarted: a restart from the last checkpoint would fail the same way; its traceback: "
+                     rf"{re.escape(str(tmp_path / 'run'))}/error\.rank[01]\.txt\)\n$", done.stderr), done.stderr
+
+
+@pytest.mark.multiprocess
+def test_under_torchrun_such_a_worker_says_it_in_one_line_and_exits_65(tmp_path):
+    # torchrun restarts every failure: the status is what a scheduler's retry policy can treat as final
+    done = cli([*TINY, f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"],
+               torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"])
+    assert done.returncode != 0
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: FileNotFoundError on rank")]
+    assert len(lines) in (1, 2) and all("CIFAR-10 not found" in line for line in lines), done.stderr[-3000:]
+    assert "exitcode  : 65" in done.stderr, done.stderr[-3000:]  # torchrun's report of the failed worker
+    assert "cifar10/data.py" not in done.stderr  # the worker's traceback went to its run directory
 
 
 # ------------------------------------------------------------------------------- host synchronisations

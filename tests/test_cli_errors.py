@@ -170,3 +170,25 @@ def test_driver_version_comes_from_nvidia_smi(monkeypatch):
 
     monkeypatch.setattr(distributed.subprocess, "run", absent)
     assert distributed.driver_version() == "unknown"
+
+
+# what only the workers use, each 1-3 s of imports: a command its settings check refuses does without them
+WORKER_ONLY = ("torch._dynamo", "timm", "transformers", "matplotlib", "wandb")
+
+
+@pytest.mark.multiprocess  # each pipeline's command line as a subprocess
+@pytest.mark.parametrize("module, args", [("cifar10.train", []), ("swin.train", []), ("bert.train", []),
+                                          ("squad_finetune.train", ["experiment=squad/tiny"])])
+def test_a_settings_error_imports_nothing_only_the_workers_use(tmp_path, module, args):
+    # before: torch._dynamo in every pipeline (torch.compiler.disable on the optimizers' steps), timm and wandb
+    # in Swin's (its data and model modules at the top of swin.train)
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *args, "trainer.checkpoint.keep=0",
+                           "trainer.device=cpu", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    lines = done.stderr.splitlines()
+    imported = {line.rsplit("|", 1)[1].strip() for line in lines if line.startswith("import time:")}
+    said = [line for line in lines if not line.startswith("import time:")]
+    assert done.returncode == 2 and len(said) == 1, said[-20:]
+    assert said[0].startswith("error: invalid trainer.checkpoint.keep=0"), said
+    assert sorted(m for m in imported if m.split(".")[0] in WORKER_ONLY or m.startswith(WORKER_ONLY)) == []

@@ -318,3 +318,41 @@ def test_a_launch_takes_the_configured_timeout_and_leaves_no_launcher_folder_beh
                           text=True, timeout=300, check=False, env={**os.environ, "TMPDIR": str(tmp)})
     assert done.returncode == 0 and done.stdout.splitlines()[-1] == "(2, 77.0)", done.stderr[-3000:]
     assert list(tmp.glob("torchelastic_*")) == []  # the launcher's folder went with the launch
+
+
+def _count_the_start_and_fail(cfg, run_dir):
+    with open(Path(run_dir) / f"starts.rank{os.environ['RANK']}", "a") as f:
+        f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+    raise {"missing": FileNotFoundError, "setting": ValueError, "fault": RuntimeError}[cfg["error"]](
+        f"{cfg['error']} on this rank\nsecond line")
+
+
+def _starts(run_dir: Path) -> list[str]:
+    return sorted(line for p in run_dir.glob("starts.rank*") for line in p.read_text().split())
+
+
+@pytest.mark.multiprocess  # starts workers
+@pytest.mark.parametrize("error", ["missing", "setting"])
+def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_path, error):
+    # before: the launcher started both workers 3 times over (2 restarts) and ended on elastic's ChildFailedError
+    with pytest.raises(harness.distributed.WorkerError) as raised:
+        harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": error}, str(tmp_path),
+                       nproc_per_node=2, max_restarts=2)
+    assert _starts(tmp_path) == ["0", "0"]  # each worker started once
+    name = {"missing": "FileNotFoundError", "setting": "ValueError"}[error]
+    # the first rank to fail names it; the launcher stops the other
+    assert str(raised.value) in [f"error: {name} on rank {r}: {error} on this rank second line (not restarted: a "
+                                 "restart from the last checkpoint would fail the same way; its traceback: "
+                                 f"{tmp_path / f'error.rank{r}.txt'})" for r in (0, 1)]
+    rank = str(raised.value).split(" on rank ")[1][0]
+    assert "in _count_the_start_and_fail" in (tmp_path / f"error.rank{rank}.txt").read_text()
+
+
+@pytest.mark.multiprocess  # starts workers
+def test_a_fault_that_may_pass_is_still_restarted(tmp_path):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    with pytest.raises(ChildFailedError):
+        harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": "fault"}, str(tmp_path),
+                       nproc_per_node=2, max_restarts=1)
+    assert _starts(tmp_path) == ["0", "0", "1", "1"]

@@ -1,6 +1,7 @@
 """slamb.integrations.lightning.SLAMBStrategy: 2 workers on a recording process group, different data per rank."""
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 
@@ -205,3 +206,42 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     res = _run(overflow_at=2)
     assert [r["skipped"] for r in res] == [1, 1]
     assert [r["steps"] for r in res] == [STEPS - 1] * 2
+
+
+def refused_worker(rank, n, devices):
+    """torch.distributed set up outside Lightning (as ``mp.spawn`` or a launcher it does not detect would),
+    with a Trainer whose ``devices`` does not count the ranks."""
+    import lightning as L
+
+    import slamb
+    from slamb.integrations.lightning import SLAMBStrategy
+
+    class Tiny(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 4)
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return slamb.create_optimizer("slamb", self, **SETTINGS)
+
+        def train_dataloader(self):
+            return torch.utils.data.DataLoader(_val_data(), batch_size=4)
+
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=SLAMBStrategy(), max_epochs=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    return support.refusal(lambda: trainer.fit(Tiny()))
+
+
+def test_a_trainer_that_sees_one_of_the_ranks_launched_is_refused():
+    # before: rank 1 died of an IndexError (its LOCAL_RANK past Lightning's one device), rank 0 of gloo's
+    # "Connection closed by peer"; with LOCAL_RANK unset, each rank trained alone on all the data, silently
+    support.assert_refused_in_one_line(functools.partial(refused_worker, devices=1), 'accelerator="cpu", devices=2')
+
+
+def test_a_trainer_that_counts_more_ranks_than_torch_distributed_has_is_refused():
+    for message in support.run(refused_worker, 2, 4):
+        assert "Lightning runs 4 processes, torch.distributed has 2" in message and "devices=2" in message, message
+        assert "\n" not in message

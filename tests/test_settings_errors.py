@@ -121,3 +121,10 @@ def test_missing_data_is_refused_before_any_worker_and_never_retried(tmp_path):
                      tmp_path / "run")
     assert stderr == (f"error: invalid data.dir='{tmp_path / 'absent'}': {tmp_path / 'absent'} does not exist; fix: "
                       "set data.dir to an allowed value (command line or the pipeline's configs/data/*.yaml)\n")
+
+
+def test_a_required_setting_left_unset_is_one_line(tmp_path):
+    # before: omegaconf's MissingMandatoryValue, a traceback and exit status 1
+    stderr = refused("squad_finetune.train", [], tmp_path / "run")
+    assert stderr == ("error: model.dir is required and not set; fix: set model.dir=... on the command line (or pick "
+                      "an experiment that sets it)\n")

@@ -31,8 +31,8 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import comm, load_optimizer, save_optimizer
 from ..averaging import average_tensors_
 from ..contract import NO_DDP
-from .support import (load_local_model, rank_agreed_scaler, ranks_average, register_comm_hook, save_local_model,
-                      unwrap_optimizer)
+from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_undistributed, register_comm_hook,
+                      save_local_model, unwrap_optimizer)
 
 __all__ = ["SLAMBStrategy"]
 
@@ -59,6 +59,14 @@ class SLAMBStrategy(DDPStrategy):
             raise ValueError(f"SLAMBStrategy drives one optimizer; configure_optimizers returned "
                              f"{len(self.optimizers)}: return one")
         return unwrap_optimizer(self.optimizers[0])
+
+    def setup_environment(self) -> None:
+        # before DDPStrategy's: it indexes its devices by LOCAL_RANK (an IndexError past them) and keeps a
+        # torch.distributed initialised outside Lightning whatever its size
+        refuse_undistributed(self.num_nodes * self.num_processes, "Lightning",
+                             "pass lightning.Trainer(devices=..., num_nodes=...) whose product is {ranks} "
+                             '(one CPU machine: accelerator="cpu", devices={ranks})')
+        super().setup_environment()
 
     def setup(self, trainer) -> None:
         fitting = trainer.state.fn == TrainerFn.FITTING

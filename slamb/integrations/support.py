@@ -8,6 +8,7 @@ import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
@@ -26,16 +27,23 @@ def unwrap_optimizer(optimizer):
 
 
 def refuse_undistributed(framework_ranks: int, framework: str, fix: str) -> None:
-    """Refuse a framework that sees fewer ranks than were launched (``fix``: how to make it see them).
+    """Refuse a framework that counts other ranks than were launched (``fix``: how to make it count them; its
+    ``{ranks}`` becomes the count it should see).
 
     On the CPU, without its CPU flag, each framework runs every process as a
     world of one: each rank would train alone on all the data, with no DDP and
-    no exchange, and nothing would fail.
+    no exchange, and nothing would fail. A framework counting more ranks than
+    an already initialised torch.distributed has splits the data among ranks
+    that do not exist.
     """
     launched = max(comm.world_size(), int(os.environ.get("WORLD_SIZE", "1")))
     if framework_ranks < launched:
         raise RuntimeError(f"{framework} runs {framework_ranks} process(es) of the {launched} launched: each would "
-                           f"train alone on all the data; {fix}")
+                           f"train alone on all the data; {fix.format(ranks=launched)}")
+    if dist.is_available() and dist.is_initialized() and framework_ranks > comm.world_size():
+        raise RuntimeError(f"{framework} runs {framework_ranks} processes, torch.distributed has "
+                           f"{comm.world_size()}: the data would be split among ranks that do not exist; "
+                           f"{fix.format(ranks=comm.world_size())}")
 
 
 def register_comm_hook(ddp: torch.nn.Module, optimizer) -> None:

@@ -31,6 +31,20 @@ from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonf
 from .flat import param_labels
 from .precision import state_dtype
 
+
+def eager_under_compile(step):
+    """``torch.compiler.disable(step)`` that imports ``torch._dynamo`` at its first call, not at decoration.
+
+    The step decides on the host and communicates between its kernels: under
+    ``torch.compile`` it runs as written (eager), where a traced graph would
+    break at every decision. ``torch.compiler.disable`` imports ``torch._dynamo``
+    where it decorates: 1-3 s, most of ``import slamb``, paid by every command
+    that only checks its settings. torch's own optimizers use this lazy form.
+    """
+    lazy = getattr(torch, "_disable_dynamo", None)  # torch's, private: the public form where it is gone
+    return lazy(step) if lazy is not None else torch.compiler.disable(step)
+
+
 # what a rank reports before a step; the maximum over the ranks is what every rank does
 NO_GRADIENT, GRADIENTS, NEW_PARAMETERS, NONFINITE = range(4)
 

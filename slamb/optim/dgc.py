@@ -67,7 +67,7 @@ from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
 from .checks import check_lr, check_range
-from .base import LocalStateOptimizer
+from .base import LocalStateOptimizer, eager_under_compile
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 
 DEFAULT_WARMUP = (0.25, 0.063, 0.015, 0.004)
@@ -278,9 +278,7 @@ class DGC(LocalStateOptimizer):
 
     # -- the step -------------------------------------------------------------------
 
-    # the step decides on the host and communicates between its kernels: under torch.compile it
-    # runs as written (eager), where a traced graph would break at every decision
-    @torch.compiler.disable
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         loss, flat_grads = self._open_step(closure)

@@ -77,7 +77,7 @@ from .. import comm
 from ..compression.onebit import ErrorFeedback, compressed_allreduce
 from ..ddp import RecordingState, no_comm_hook, recording_allreduce_hook
 from .checks import check_adam_group, check_range
-from .base import LocalStateOptimizer
+from .base import LocalStateOptimizer, eager_under_compile
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .lamb import lamb_foreach
 from .lamb_math import safe_ratio
@@ -252,9 +252,7 @@ class OnebitLamb(LocalStateOptimizer):
 
     # -- the step -------------------------------------------------------------------------
 
-    # the step decides on the host and communicates between its kernels: under torch.compile it
-    # runs as written (eager), where a traced graph would break at every decision
-    @torch.compiler.disable
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         compressing = self.compressing

@@ -37,7 +37,7 @@ from ..sharding import local, reduce_squares, sharded_topology
 from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from . import fused as fused_passes
-from .base import LocalStateOptimizer
+from .base import LocalStateOptimizer, eager_under_compile
 from .checks import check_adam_group, check_choice, check_range
 from .exchange import MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
@@ -413,9 +413,7 @@ class SLAMB(LocalStateOptimizer):
 
     # -- the step -------------------------------------------------------------------
 
-    # the step decides on the host and communicates between its kernels: under torch.compile it
-    # runs as written (eager), where a traced graph would break at every decision
-    @torch.compiler.disable
+    @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
         loss, grads = self._local_gradients(closure)  # step 1: the local gradients (base.py)
