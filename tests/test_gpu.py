@@ -323,3 +323,32 @@ def test_overlap_hook_on_cuda_equals_the_plain_exchange():
         assert r[True]["momentum"] == r[False]["momentum"] > 0
         for a, b in zip(r[False]["params"], r[True]["params"]):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["hf_example.py", "accelerate_example.py", "lightning_example.py"])
+def test_integration_example_runs_as_written_on_the_gpu(tmp_path, name):
+    """docs/integrations.md's example with its GPU flags (chosen by torch.cuda.is_available()): one process on
+    the GPU, as `torchrun --nproc-per-node 1` (HF, accelerate) or `python` (Lightning: one process per GPU)."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tests.test_docs_integrations import examples
+
+    pytest.importorskip({"hf_example.py": "transformers", "accelerate_example.py": "accelerate",
+                         "lightning_example.py": "lightning"}[name])
+    code, _ = examples()[name]
+    (tmp_path / name).write_text(code)
+    launcher = [sys.executable] if name == "lightning_example.py" else \
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"]
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": "0", "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([*launcher, name], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+                          check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (loss,) = re.findall(r"rank 0: \w+_loss (\d+\.\d{4})", done.stdout)
+    assert 0 < float(loss) < 1.386 and any((tmp_path / "final").iterdir())
