@@ -235,7 +235,10 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
            "hydra.sweep.subdir=${name}_seed${seed}", "trainer.resume=never", *overrides]
     print("+", " ".join(cmd), flush=True)
     tic = time.perf_counter()
-    subprocess.run(cmd, cwd=ROOT, check=True)
+    done = subprocess.run(cmd, cwd=ROOT, check=False)
+    if done.returncode:  # the study goes on; the page counts the runs that finished, the next invocation retries
+        print(f"study: a run of {', '.join(experiments)} failed (exit {done.returncode}); the page leaves it out and "
+              "the next `make study` runs it again", flush=True)
     return time.perf_counter() - tic
 
 
