@@ -284,8 +284,9 @@ def experiment(row: dict) -> str:
 
 
 def top_up_plan(rows_: list[dict], task: str, cap: int) -> dict[str, int]:
-    """Row file -> the runs it needs (at most ``cap``) for every SLAMB row's interval against LAMB to be at
-    most ±DELTA wide, estimated from the spread of the runs so far; the rows that need none are left out."""
+    """Row file -> the runs it needs (at most ``cap``) for every SLAMB row's verdict against LAMB to be decided
+    (its interval inside ±DELTA, or clear of 0; never wider than ±DELTA), estimated from the difference and the
+    spread of the runs so far; the rows that need none are left out."""
     lamb = next((r for r in rows_ if r["optimizer"] == "LAMB"), None)
     want: dict[str, int] = {}
     for r in rows_:
@@ -294,10 +295,12 @@ def top_up_plan(rows_: list[dict], task: str, cap: int) -> dict[str, int]:
         values, ref = (_metric_values(x, task) for x in (r, lamb))
         if min(len(values), len(ref)) < 2:
             continue
-        _, lo, hi = welch_interval(values, ref)
-        if (hi - lo) / 2 <= DELTA[task]:
-            continue
-        n = seeds_for(values, ref, DELTA[task], cap)
+        d, lo, hi = welch_interval(values, ref)
+        delta = DELTA[task]
+        if (-delta <= lo and hi <= delta) or lo > 0 or hi < 0:
+            continue  # decided: equivalent within the margin, or better or worse
+        # the half-width that decides, with the difference seen so far: inside ±delta, or clear of 0
+        n = seeds_for(values, ref, min(delta, max(delta - abs(d), abs(d))), cap)
         for x in (r, lamb):
             want[experiment(x)] = max(want.get(experiment(x), 0), n)
     have = {experiment(r): r["runs"] for r in rows_}

@@ -96,9 +96,20 @@ def test_top_up_plan_asks_for_more_runs_of_lamb_and_the_wide_rows_only():
     wide = row("SLAMB v1", "digits_slamb_v1", [95.0, 97.5, 96.0, 98.0, 94.5])
     narrow = row("SLAMB v2", "digits_slamb_v2", [97.0, 97.1, 96.9, 97.0, 97.05])
     sgd = row("SGD-M", "digits_sgd", [80.0, 90.0, 85.0, 70.0, 95.0], slamb=False)  # wide, but no verdict
-    plan = study.top_up_plan([lamb, wide, narrow, sgd], "digits", cap=20)
-    n = study.seeds_for(study._metric_values(wide, "digits"), study._metric_values(lamb, "digits"), 1.0, 20)
-    assert plan == {"study/digits_lamb": n, "study/digits_slamb_v1": n} and n > 5
+    # within ±1 wide but not decided: its interval straddles -1 (a difference of -0.45, as the study saw)
+    shifted = row("SLAMB int8", "digits_slamb_int8", [96.2, 97.4, 96.6, 97.3, 96.8])
+    plan = study.top_up_plan([lamb, wide, narrow, sgd, shifted], "digits", cap=20)
+    lamb_values = study._metric_values(lamb, "digits")
+
+    def runs_needed(r):  # the half-width that decides: inside ±1, or clear of 0, with the difference seen so far
+        d, _, _ = study.welch_interval(study._metric_values(r, "digits"), lamb_values)
+        return study.seeds_for(study._metric_values(r, "digits"), lamb_values, min(1.0, max(1 - abs(d), abs(d))), 20)
+
+    d, lo, hi = study.welch_interval(study._metric_values(shifted, "digits"), lamb_values)
+    assert (hi - lo) / 2 <= 1.0 and lo < -1.0 < d  # narrow enough, yet undecided
+    n_wide, n_shifted = runs_needed(wide), runs_needed(shifted)
+    assert plan == {"study/digits_lamb": max(n_wide, n_shifted), "study/digits_slamb_v1": n_wide,
+                    "study/digits_slamb_int8": n_shifted} and min(n_wide, n_shifted) > 5
 
 
 def test_unigram_line_is_the_cross_entropy_of_the_masked_tokens_under_training_frequencies(tmp_path):
