@@ -18,6 +18,7 @@ own), and takes no step of its own on these optimizers.
 """
 from __future__ import annotations
 
+import io
 import logging
 import os
 import re
@@ -138,6 +139,17 @@ _META = "slamb"  # the checkpoint's description, one object for every rank
 _log = logging.getLogger(__name__)
 
 
+def _blob(obj) -> bytes:
+    """``obj`` as one DCP entry: DCP would flatten a dict into an entry per leaf."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data):
+    return torch.load(io.BytesIO(data), weights_only=True) if isinstance(data, bytes) else None
+
+
 def _sharded_topology(optimizer, verb: str) -> MeshTopology:
     topology = getattr(optimizer, "shards", None)
     if not isinstance(topology, MeshTopology):
@@ -196,8 +208,9 @@ def _dcp_entries(model, optimizer, topology, names) -> tuple[dict, dict]:
     state = {}
     for i, (name, p) in enumerate(zip(names, params)):
         mine = local(p).shape
-        state[name] = {k: _shard_of(v, p.shape, mesh) if torch.is_tensor(v) and v.dim() and v.shape == mine else v
-                       for k, v in sd["state"].get(i, {}).items()}
+        # LAMB's moments are DTensors over the parameters' mesh, SLAMB's views of its flat buffers: both the shard
+        state[name] = {k: _shard_of(local(v), p.shape, mesh) if torch.is_tensor(v) and v.dim() and local(v).shape == mine
+                       else v for k, v in sd["state"].get(i, {}).items()}
     return entries, {n: s for n, s in state.items() if s}
 
 
@@ -225,9 +238,9 @@ def save_sharded(model, optimizer, directory) -> None:
             "n_shards": topology.n_shards, "copies": copies, "extra": extra, "param_groups": groups}
     r, n = comm.rank(), comm.world_size()
     ledger = getattr(optimizer, "ledger", None)
-    payload = {_META: meta, f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
+    payload = {_META: _blob(meta), f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
     if ledger is not None:  # the bytes each rank sent: its own (uneven shards send different numbers)
-        payload[f"ledger.rank{r}-of-{n}"] = ledger.state_dict()
+        payload[f"ledger.rank{r}-of-{n}"] = _blob(ledger.state_dict())
     dcp.save(payload, checkpoint_id=str(directory))
 
 
@@ -291,7 +304,7 @@ def load_sharded(model, optimizer, directory) -> None:
     saved_md = _read_metadata(directory)
     head = {_META: None}
     dcp.load(head, checkpoint_id=str(directory))
-    meta = head[_META]
+    meta = _unblob(head[_META])
     if not (isinstance(meta, dict) and meta.get("format") == DCP_FORMAT):
         raise ValueError(f"{directory}: not a checkpoint written by slamb.save_sharded")
     name = type(optimizer).__name__
@@ -345,7 +358,7 @@ def load_sharded(model, optimizer, directory) -> None:
     key = getattr(optimizer, "state_key", "")
     ledger = getattr(optimizer, "ledger", None)
     if ledger is not None and ledger_key in saved_md:
-        ledger.load_state_dict(wanted[ledger_key])
+        ledger.load_state_dict(_unblob(wanted[ledger_key]))
     if key:  # the optimizer's own stamp: the state was mapped onto this rank's shards above
         sd[key] = {**meta["extra"], **rank_stamp(optimizer.process_group),
                    "ledger": ledger.state_dict() if ledger is not None else {}}
