@@ -212,6 +212,7 @@ def test_two_replicas_resume_as_one_from_their_mean(runs):
             assert got["step"] == SAVED_AT
         assert len(runs["two"][0][f"{v} (1, 2)"]["log"]) == 1 and not runs["two"][1][f"{v} (1, 2)"]["log"]
         line = runs["two"][0][f"{v} (1, 2)"]["log"][0]
+        print(line)
         assert "2 saved replicas -> 1" in line and "mean" in line and "\n" not in line
 
 
@@ -247,4 +248,5 @@ def test_ddp_and_sharded_checkpoints_refuse_each_other_in_one_line(runs):
               "load_sharded(ddp dir)": "slamb.load_optimizer", "load_sharded(ddp optimizer)": "slamb.load_optimizer",
               "load_optimizer(dcp dir)": "slamb.load_sharded", "load_state_dict": "slamb.load_sharded"}
     for name, hint in expect.items():
+        print(f"{name}: {refused[name]}")
         assert refused[name] is not None and hint in refused[name] and "\n" not in refused[name], (name, refused)
