@@ -197,20 +197,21 @@ def _param_names(model, optimizer) -> list[str]:
     return [names[id(p)] for p in params]
 
 
-def _dcp_entries(model, optimizer, topology, names) -> tuple[dict, dict]:
+def _dcp_entries(model, optimizer, sd: dict, topology, names) -> tuple[dict, dict]:
     """``(model, optimizer state)`` of this rank as DCP entries: what is sharded as a parameter is a DTensor of
-    the whole tensor's shape over the replica's shard mesh, everything else as is."""
+    the whole tensor's shape over the replica's shard mesh, everything else as is. ``sd``: the optimizer's
+    state dict."""
     mesh = _shard_mesh(topology)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     entries = {k: _shard_of(local(v).detach(), v.shape, mesh) if is_sharded(v) else v
                for k, v in model.state_dict().items()}
-    sd = optimizer.state_dict()
     state = {}
     for i, (name, p) in enumerate(zip(names, params)):
         mine = local(p).shape
         # LAMB's moments are DTensors over the parameters' mesh, SLAMB's views of its flat buffers: both the shard
-        state[name] = {k: _shard_of(local(v), p.shape, mesh) if torch.is_tensor(v) and v.dim() and local(v).shape == mine
-                       else v for k, v in sd["state"].get(i, {}).items()}
+        state[name] = {k: _shard_of(local(v), p.shape, mesh)
+                       if torch.is_tensor(v) and v.dim() and local(v).shape == mine else v
+                       for k, v in sd["state"].get(i, {}).items()}
     return entries, {n: s for n, s in state.items() if s}
 
 
@@ -228,8 +229,8 @@ def save_sharded(model, optimizer, directory) -> None:
     topology = _sharded_topology(optimizer, "save")
     names = _param_names(model, optimizer)
     copies = _copies(optimizer, topology)
-    entries, state = _dcp_entries(model, optimizer, topology, names)
     sd = optimizer.state_dict()
+    entries, state = _dcp_entries(model, optimizer, sd, topology, names)
     key = getattr(optimizer, "state_key", "")
     extra = {k: v for k, v in sd.get(key, {}).items() if k not in ("ledger", "rank", "world_size")}
     groups = [{**{k: v for k, v in g.items() if k != key}, "params": [names[i] for i in g["params"]]}
@@ -238,7 +239,8 @@ def save_sharded(model, optimizer, directory) -> None:
             "n_shards": topology.n_shards, "copies": copies, "extra": extra, "param_groups": groups}
     r, n = comm.rank(), comm.world_size()
     ledger = getattr(optimizer, "ledger", None)
-    payload = {_META: _blob(meta), f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
+    payload = {_META: _blob(meta),
+               f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
     if ledger is not None:  # the bytes each rank sent: its own (uneven shards send different numbers)
         payload[f"ledger.rank{r}-of-{n}"] = _blob(ledger.state_dict())
     dcp.save(payload, checkpoint_id=str(directory))
@@ -288,7 +290,8 @@ def load_sharded(model, optimizer, directory) -> None:
     """Load what :func:`save_sharded` wrote into an FSDP2/HSDP ``model`` and its ``optimizer``.
 
     Collective: every rank calls it, after building the model and the optimizer as the run was saved
-    (the same parameters, the same optimizer and settings), sharded on any mesh:
+    (the same parameters, the same optimizer and settings), sharded on any mesh, and after
+    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards):
 
     * the same replica count: each replica resumes its own parameters and state, bit for bit;
     * another shard count: DCP reshards each saved tensor onto the new shards;
@@ -296,6 +299,9 @@ def load_sharded(model, optimizer, directory) -> None:
       replicas of the parameters and of the first and second moments, with the saved mask ages (the
       same in every replica: the masks are) and step; logged in one line. For a data-parallel optimizer,
       whose replicas are the same, that is the saved state itself.
+
+    The communication ledger resumes where each rank left it when the world is the same, else it is kept.
+    Buffers (not sharded by FSDP2) are saved as one rank of each replica holds them.
     """
     import torch.distributed.checkpoint as dcp
 
@@ -312,7 +318,7 @@ def load_sharded(model, optimizer, directory) -> None:
         raise ValueError(f"{directory}: holds the state of {meta['optimizer']}, this optimizer is {name}: construct "
                          f"a {meta['optimizer']} to resume from it")
     copies = meta["copies"]
-    same = copies == 1 or (copies == topology.n_replicas and _copies(optimizer, topology) == copies)
+    same = copies == 1 or copies == topology.n_replicas
     sources = [topology.replica if copies > 1 else 0] if same else list(range(copies))
     if meta["n_replicas"] != topology.n_replicas and comm.rank() == 0:
         _log.warning("slamb.load_sharded: %d saved replicas -> %d: every replica starts from the mean of the saved "
@@ -322,13 +328,8 @@ def load_sharded(model, optimizer, directory) -> None:
     mesh = _shard_mesh(topology)
     params = [p for g in optimizer.param_groups for p in g["params"]]
     model_sd = model.state_dict()
-    by_param = {}  # saved optimizer entry -> (parameter index, state key)
-    for fqn in saved_md:
-        for c in sources:
-            prefix = f"replica{c}.optim."
-            if fqn.startswith(prefix):
-                pname, _, k = fqn[len(prefix):].rpartition(".")
-                by_param.setdefault((pname, k), None)
+    prefix = f"replica{sources[0]}.optim."  # every replica holds the same entries
+    by_param = [fqn[len(prefix):].rpartition(".")[::2] for fqn in saved_md if fqn.startswith(prefix)]  # (name, key)
     index = {n: i for i, n in enumerate(names)}
     wanted = {}
     for c in sources:

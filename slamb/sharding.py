@@ -212,7 +212,7 @@ def check_state_shapes(name: str, params, states) -> None:
             if torch.is_tensor(v) and v.dim() and tuple(local(v).shape) != mine:
                 sharded = "sharded (FSDP2)" if is_sharded(p) else "unsharded (DDP)"
                 raise ValueError(f"{name} state {key!r} of shape {tuple(local(v).shape)} for a parameter of shape "
-                                 f"{tuple(p.shape)} whose {sharded} tensor here is {mine}: the state was saved by a run "
-                                 "sharded differently; checkpoint FSDP2/HSDP runs with slamb.save_sharded and "
+                                 f"{tuple(p.shape)} whose {sharded} tensor here is {mine}: the state was saved by a "
+                                 "run sharded differently; checkpoint FSDP2/HSDP runs with slamb.save_sharded and "
                                  "slamb.load_sharded (they reshard), DDP runs with slamb.save_optimizer and "
                                  "slamb.load_optimizer")

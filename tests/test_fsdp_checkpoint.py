@@ -138,6 +138,7 @@ def two_by_two(rank, world, root):
     dist.barrier()
     out["one->two"] = loaded("slamb", hsdp_mesh(), root / "one")
     out["lamb 2->4 shards"] = loaded("lamb", mesh_of(1, world), root / "lamb-hsdp")
+    out["v2 (1, 4)"] = loaded("slamb", mesh_of(1, world), root / "v2")  # 2 x 2 -> 1 x 4: the mean, resharded
     out["errors"] = errors(rank, world, root)
     out["rank"] = rank
     return out
@@ -195,25 +196,27 @@ def test_the_files_hold_each_replica_whole(runs, config):
         assert all(torch.equal(saved[k], replicas[replica][k]) for k in saved), config
 
 
-def test_two_replicas_resume_as_one_from_their_mean(runs):
-    for v in VARIANTS:
-        replicas, meta = saved_files(runs["root"] / v)
-        assert meta["n_replicas"] == 2
-        for r in runs["two"]:
-            got = r[f"{v} (1, 2)"]
-            assert got["state"].keys() == replicas[0].keys()
-            for k, x in got["state"].items():
-                a, b = replicas[0][k], replicas[1][k]
-                if k.endswith(".staleness"):  # the mask ages: the same in both replicas, kept
-                    assert torch.equal(a, b) and torch.equal(x, a), k
-                else:
-                    assert torch.equal(x, (a + b) / 2), k
-                    assert k.startswith("model.") or "exp_avg" in k
-            assert got["step"] == SAVED_AT
-        assert len(runs["two"][0][f"{v} (1, 2)"]["log"]) == 1 and not runs["two"][1][f"{v} (1, 2)"]["log"]
-        line = runs["two"][0][f"{v} (1, 2)"]["log"][0]
-        print(line)
-        assert "2 saved replicas -> 1" in line and "mean" in line and "\n" not in line
+@pytest.mark.parametrize("target", ["v1 (1, 2)", "v2 (1, 2)", "v2 (1, 4)"])
+def test_two_replicas_resume_as_one_from_their_mean(runs, target):
+    v, shape = target.split(" ", 1)
+    replicas, meta = saved_files(runs["root"] / v)
+    assert meta["n_replicas"] == 2
+    ranks = runs["two"] if shape == "(1, 2)" else runs["four"]
+    for r in ranks:
+        got = r[target]
+        assert got["state"].keys() == replicas[0].keys()
+        for k, x in got["state"].items():
+            a, b = replicas[0][k], replicas[1][k]
+            if k.endswith(".staleness"):  # the mask ages: the same in both replicas, kept
+                assert torch.equal(a, b) and torch.equal(x, a), k
+            else:
+                assert k.startswith("model.") or "exp_avg" in k
+                assert torch.equal(x, (a + b) / 2), k
+        assert got["step"] == SAVED_AT
+    assert len(ranks[0][target]["log"]) == 1 and not any(r[target]["log"] for r in ranks[1:])
+    line = ranks[0][target]["log"][0]
+    print(line)
+    assert "2 saved replicas -> 1" in line and "mean" in line and "\n" not in line
 
 
 def test_one_replica_resumes_as_two_each_from_it(runs):
