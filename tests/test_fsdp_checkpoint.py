@@ -1,9 +1,10 @@
 """Sharded checkpoints (slamb.save_sharded / load_sharded, torch.distributed.checkpoint) of FSDP2/HSDP runs.
 
-Three launches of gloo processes share one directory of checkpoints: 2 processes save a 1-replica SLAMB run;
+Four launches of gloo processes share one directory of checkpoints: 2 processes save a 1-replica SLAMB run;
 4 processes (HSDP 2 x 2, FSDP 4) save and resume SLAMB v1 and v2 and LAMB, load the 1-replica checkpoint into
-2 replicas, reshard LAMB and meet the DDP checkpoints; 2 processes load the 2 x 2 checkpoints into 1 replica of
-2 shards (the replicas' mean) and into 2 replicas of 1 shard (a reshard). What a run loaded is compared with
+2 replicas, reshard LAMB, load SLAMB's 2 x 2 into 1 x 4 and meet the DDP checkpoints; 2 processes load the
+2 x 2 checkpoints into 1 replica of 2 shards (the replicas' mean) and into 2 replicas of 1 shard (a reshard);
+4 new processes resume the 2 x 2 SLAMB runs. What a run loaded is compared with
 what the files hold, read back whole in the test process (``dcp_to_torch_save``).
 """
 from __future__ import annotations
@@ -144,6 +145,16 @@ def two_by_two(rank, world, root):
     return out
 
 
+def resumed_in_new_processes(rank, world, root):
+    out = {}
+    for v in VARIANTS:
+        model, opt = build("slamb", hsdp_mesh(), v)
+        slamb.load_sharded(model, opt, root / v)
+        train(model, opt, rank, range(SAVED_AT + 1, STEPS + 1))
+        out[v] = shards(model)
+    return out
+
+
 def two_processes(rank, world, root):
     return {f"{v} {shape}": loaded("slamb", mesh_of(*shape), root / v, v)
             for v in VARIANTS for shape in ((1, 2), (2, 1))}
@@ -155,7 +166,8 @@ def runs(tmp_path_factory):
     one = distributed.run(one_replica, 2, root)
     four = distributed.run(two_by_two, 4, root)
     two = distributed.run(two_processes, 2, root)
-    return {"root": root, "one": one, "four": four, "two": two}
+    again = distributed.run(resumed_in_new_processes, 4, root)
+    return {"root": root, "one": one, "four": four, "two": two, "again": again}
 
 
 def saved_files(path):
@@ -179,6 +191,9 @@ def test_a_resumed_run_ends_bit_exactly_where_the_uninterrupted_one_ends(runs, c
         assert all(torch.equal(a, b) for a, b in zip(res["resumed"], res["uninterrupted"])), (config, r["rank"])
         if config in VARIANTS:
             assert res["step"] == STEPS
+    if config in VARIANTS:  # and in new processes, where nothing of the saving run's objects is left
+        for r, again in zip(runs["four"], runs["again"]):
+            assert all(torch.equal(a, b) for a, b in zip(again[config], r[config]["uninterrupted"])), config
     if config in VARIANTS:  # the checkpoint held two different replicas: one copy of them would not resume both
         assert not torch.equal(runs["four"][0][config]["saved"]["optim.0.weight.exp_avg"],
                                runs["four"][2][config]["saved"]["optim.0.weight.exp_avg"])
