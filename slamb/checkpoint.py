@@ -331,6 +331,10 @@ def load_sharded(model, optimizer, directory) -> None:
     prefix = f"replica{sources[0]}.optim."  # every replica holds the same entries
     by_param = [fqn[len(prefix):].rpartition(".")[::2] for fqn in saved_md if fqn.startswith(prefix)]  # (name, key)
     index = {n: i for i, n in enumerate(names)}
+    absent = [k for k in model_sd if f"replica{sources[0]}.model.{k}" not in saved_md]
+    if absent:
+        raise ValueError(f"{directory}: holds no entry for the model's {', '.join(absent[:4])}"
+                         f"{' ...' if len(absent) > 4 else ''}: build the model the run was saved with")
     wanted = {}
     for c in sources:
         wanted[f"replica{c}"] = {
