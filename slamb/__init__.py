@@ -2,7 +2,7 @@
 from . import comm
 from .amp import RankAgreedGradScaler
 from .averaging import average_model, averaged_model
-from .checkpoint import load_optimizer, save_optimizer
+from .checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
 from .comm import CommLedger
 from .contract import DistributedOptimizer, adopt
 from .ddp import wrap_model
@@ -13,6 +13,7 @@ from .sharding import shard_model
 __version__ = "0.1.0"
 __all__ = [
     "SLAMB", "LAMB", "OnebitLamb", "DGC", "JointSpar", "PowerSGD", "DiLoCo", "CommLedger", "comm", "wrap_model", "adopt", "DistributedOptimizer",
-    "average_model", "averaged_model", "save_optimizer", "load_optimizer", "RankAgreedGradScaler",
+    "average_model", "averaged_model", "save_optimizer", "load_optimizer", "save_sharded", "load_sharded",
+    "RankAgreedGradScaler",
     "create_optimizer", "OPTIMIZERS", "param_groups_weight_decay", "shard_model",
 ]

@@ -10,12 +10,16 @@ anything loads, and every refusal is one line naming the file and the fix.
 ``torch.distributed.checkpoint`` (DCP) files cannot hold such state: they
 keep one copy of every entry for all ranks, so every rank would resume from
 some other rank's moments; the optimizers refuse such a state on load, on
-every rank, pointing here. DCP's in-memory ``get_optimizer_state_dict`` /
+every rank, pointing here. The exception is FSDP2/HSDP (sharded) runs:
+:func:`save_sharded` / :func:`load_sharded` give each replica and each shard
+its own DCP entries (below), and these two refuse their optimizers. DCP's in-memory ``get_optimizer_state_dict`` /
 ``set_optimizer_state_dict`` round trip works (each rank gets and sets its
 own), and takes no step of its own on these optimizers.
 """
 from __future__ import annotations
 
+import io
+import logging
 import os
 import re
 from pathlib import Path
@@ -23,9 +27,11 @@ from pathlib import Path
 import torch
 
 from . import comm
-from .topology import whole_group
+from .contract import rank_stamp
+from .sharding import is_sharded, local
+from .topology import MeshTopology, whole_group
 
-__all__ = ["save_optimizer", "load_optimizer", "optimizer_file"]
+__all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]
 
 FORMAT = 1
 SHARED_FILE = "optimizer.pt"
@@ -52,6 +58,7 @@ def save_optimizer(optimizer, directory) -> Path:
     files. The file is written under a temporary name and renamed, so a crash
     never leaves a truncated state behind.
     """
+    _refuse_sharded(optimizer, "save")
     per_rank, r, n = _place(optimizer)
     path = optimizer_file(optimizer, directory)
     if per_rank or r == 0:
@@ -70,6 +77,10 @@ def _missing(path: Path, per_rank: bool, r: int, n: int) -> str:
     worlds = sorted({int(m.group(2)) for f in directory.glob("optimizer.rank*-of-*.pt")
                      if (m := _RANK_FILE.fullmatch(f.name))})
     save = f"save it with slamb.save_optimizer(optimizer, {str(directory)!r}) on every rank"
+    if (directory / ".metadata").is_file():
+        return (f"{path} is missing: {directory} holds a sharded checkpoint (slamb.save_sharded, "
+                "torch.distributed.checkpoint): load it with slamb.load_sharded(model, optimizer, directory) into "
+                "an FSDP2/HSDP run (slamb.shard_model), or start the optimizer afresh and load only the model")
     if per_rank:
         if worlds:
             return (f"{path} is missing: {directory} holds the per-rank optimizer states of a world of size "
@@ -93,6 +104,7 @@ def load_optimizer(optimizer, directory) -> Path:
     The file is read to the CPU, then ``optimizer.load_state_dict`` places the
     state on the parameters' devices.
     """
+    _refuse_sharded(optimizer, "load")
     per_rank, r, n = _place(optimizer)
     path = optimizer_file(optimizer, directory)
     if not path.is_file():
@@ -118,3 +130,241 @@ def load_optimizer(optimizer, directory) -> Path:
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     return path
+
+
+# -- FSDP2 / HSDP: torch.distributed.checkpoint ------------------------------------------------------------
+
+DCP_FORMAT = 1
+_META = "slamb"  # the checkpoint's description, one object for every rank
+_log = logging.getLogger(__name__)
+
+
+def _blob(obj) -> bytes:
+    """``obj`` as one DCP entry: DCP would flatten a dict into an entry per leaf."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _unblob(data):
+    return torch.load(io.BytesIO(data), weights_only=True) if isinstance(data, bytes) else None
+
+
+def _sharded_topology(optimizer, verb: str) -> MeshTopology:
+    topology = getattr(optimizer, "shards", None)
+    if not isinstance(topology, MeshTopology):
+        fn = "save_optimizer" if verb == "save" else "load_optimizer"
+        raise ValueError(f"slamb.{verb}_sharded: {type(optimizer).__name__}'s parameters are not sharded (FSDP2): "
+                         f"{verb} its state with slamb.{fn}(optimizer, directory)")
+    return topology
+
+
+def _refuse_sharded(optimizer, verb: str) -> None:
+    if isinstance(getattr(optimizer, "shards", None), MeshTopology):
+        raise ValueError(f"slamb.{verb}_optimizer: {type(optimizer).__name__}'s state is sharded (FSDP2/HSDP): "
+                         f"{verb} it with slamb.{verb}_sharded(model, optimizer, directory)")
+
+
+def _copies(optimizer, topology: MeshTopology) -> int:
+    """How many different states the replicas hold: SLAMB's differ between syncs (one per replica), a
+    data-parallel optimizer's are the same (one, written once)."""
+    return topology.n_replicas if getattr(optimizer, "params_differ", False) else 1
+
+
+def _shard_mesh(topology: MeshTopology):
+    """The 1-D mesh of this rank's replica: a replica's state is a DTensor sharded over it."""
+    if topology.mesh.ndim == 1:
+        return topology.mesh
+    from torch.distributed.device_mesh import DeviceMesh
+    return DeviceMesh.from_group(topology.shard, topology.mesh.device_type)
+
+
+def _shard_of(t: torch.Tensor, whole: torch.Size, mesh):
+    """``t`` (this rank's dim-0 shard, torch.chunk's cut) as a DTensor of shape ``whole`` over ``mesh``."""
+    from torch.distributed.tensor import DTensor, Shard
+    stride = [1] * len(whole)
+    for i in range(len(whole) - 2, -1, -1):
+        stride[i] = stride[i + 1] * whole[i + 1]
+    return DTensor.from_local(t, mesh, [Shard(0)], run_check=False, shape=whole, stride=tuple(stride))
+
+
+def _param_names(model, optimizer) -> list[str]:
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if any(id(p) not in names for p in params):
+        raise ValueError("slamb.save_sharded / load_sharded: the optimizer holds parameters that are not the model's: "
+                         "pass the model whose parameters the optimizer was built on")
+    return [names[id(p)] for p in params]
+
+
+def _dcp_entries(model, optimizer, sd: dict, topology, names) -> tuple[dict, dict]:
+    """``(model, optimizer state)`` of this rank as DCP entries: what is sharded as a parameter is a DTensor of
+    the whole tensor's shape over the replica's shard mesh, everything else as is. ``sd``: the optimizer's
+    state dict."""
+    mesh = _shard_mesh(topology)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    entries = {k: _shard_of(local(v).detach(), v.shape, mesh) if is_sharded(v) else v
+               for k, v in model.state_dict().items()}
+    state = {}
+    for i, (name, p) in enumerate(zip(names, params)):
+        mine = local(p).shape
+        # LAMB's moments are DTensors over the parameters' mesh, SLAMB's views of its flat buffers: both the shard
+        state[name] = {k: _shard_of(local(v), p.shape, mesh)
+                       if torch.is_tensor(v) and v.dim() and local(v).shape == mine else v
+                       for k, v in sd["state"].get(i, {}).items()}
+    return entries, {n: s for n, s in state.items() if s}
+
+
+def save_sharded(model, optimizer, directory) -> None:
+    """Save an FSDP2/HSDP ``model`` and its SLAMB or LAMB ``optimizer`` with ``torch.distributed.checkpoint``.
+
+    Collective: every rank calls it. Each rank writes its own shard of the parameters and of the state
+    (moments, SLAMB's mask ages), as DTensors of the whole tensors' shapes, so nothing is gathered to one
+    rank and a different shard count can load them. SLAMB's replicas differ between syncs: each replica's
+    parameters and state are saved apart (``replica{r}.*``); a data-parallel optimizer's once. The step,
+    the mask (seed, compression ratio, variant) and the parameter groups are saved once (entry ``slamb``).
+    """
+    import torch.distributed.checkpoint as dcp
+
+    topology = _sharded_topology(optimizer, "save")
+    names = _param_names(model, optimizer)
+    copies = _copies(optimizer, topology)
+    sd = optimizer.state_dict()
+    entries, state = _dcp_entries(model, optimizer, sd, topology, names)
+    key = getattr(optimizer, "state_key", "")
+    extra = {k: v for k, v in sd.get(key, {}).items() if k not in ("ledger", "rank", "world_size")}
+    groups = [{**{k: v for k, v in g.items() if k != key}, "params": [names[i] for i in g["params"]]}
+              for g in sd["param_groups"]]
+    meta = {"format": DCP_FORMAT, "optimizer": type(optimizer).__name__, "n_replicas": topology.n_replicas,
+            "n_shards": topology.n_shards, "copies": copies, "extra": extra, "param_groups": groups}
+    r, n = comm.rank(), comm.world_size()
+    ledger = getattr(optimizer, "ledger", None)
+    payload = {_META: _blob(meta),
+               f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
+    if ledger is not None:  # the bytes each rank sent: its own (uneven shards send different numbers)
+        payload[f"ledger.rank{r}-of-{n}"] = _blob(ledger.state_dict())
+    dcp.save(payload, checkpoint_id=str(directory))
+
+
+def _read_metadata(directory):
+    from torch.distributed.checkpoint import FileSystemReader
+    directory = Path(directory)
+    if not (directory / ".metadata").is_file():
+        if any(directory.glob("optimizer*.pt")):
+            raise FileNotFoundError(f"{directory} holds a DDP optimizer state (slamb.save_optimizer), not a sharded "
+                                    "checkpoint: load it with slamb.load_optimizer into an unsharded (DDP) run, or "
+                                    "start the optimizer afresh and load only the model")
+        raise FileNotFoundError(f"no sharded checkpoint in {directory} (no .metadata): save it with "
+                                "slamb.save_sharded(model, optimizer, directory) on every rank")
+    return FileSystemReader(str(directory)).read_metadata().state_dict_metadata
+
+
+def _template(saved, like: torch.Tensor | None, mesh):
+    """Where DCP loads the entry ``saved`` (its metadata): this rank's shard of it where ``like`` (the
+    parameter) is sharded and of its shape, else the whole tensor; an object as itself."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    if not isinstance(saved, TensorStorageMetadata):
+        return None
+    dtype = saved.properties.dtype
+    if like is not None and is_sharded(like) and len(saved.size) and tuple(saved.size) == tuple(like.shape):
+        return _shard_of(torch.empty(local(like).shape, dtype=dtype, device=local(like).device), like.shape, mesh)
+    return torch.empty(saved.size, dtype=dtype, device=local(like).device if like is not None else "cpu")
+
+
+def _mean(values: list, what: str):
+    """The replicas' mean of a float state; a counter (the mask ages) must be the same in every replica."""
+    values = [local(v) if torch.is_tensor(v) else v for v in values]
+    first = values[0]
+    if len(values) == 1:
+        return first
+    if torch.is_tensor(first) and first.is_floating_point():
+        return sum(values[1:], first.clone()) / len(values)
+    if not all(torch.equal(v, first) if torch.is_tensor(v) else v == first for v in values):
+        raise ValueError(f"slamb.load_sharded: {what} differs between the saved replicas, so it has no mean: the "
+                         "checkpoint was not written by one run's slamb.save_sharded")
+    return first
+
+
+@torch.no_grad()
+def load_sharded(model, optimizer, directory) -> None:
+    """Load what :func:`save_sharded` wrote into an FSDP2/HSDP ``model`` and its ``optimizer``.
+
+    Collective: every rank calls it, after building the model and the optimizer as the run was saved
+    (the same parameters, the same optimizer and settings), sharded on any mesh, and after
+    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards):
+
+    * the same replica count: each replica resumes its own parameters and state, bit for bit;
+    * another shard count: DCP reshards each saved tensor onto the new shards;
+    * another replica count (elastic, R -> R'): every new replica starts from the MEAN over the R saved
+      replicas of the parameters and of the first and second moments, with the saved mask ages (the
+      same in every replica: the masks are) and step; logged in one line. For a data-parallel optimizer,
+      whose replicas are the same, that is the saved state itself.
+
+    The communication ledger resumes where each rank left it when the world is the same, else it is kept.
+    Buffers (not sharded by FSDP2) are saved as one rank of each replica holds them.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    topology = _sharded_topology(optimizer, "load")
+    names = _param_names(model, optimizer)
+    saved_md = _read_metadata(directory)
+    head = {_META: None}
+    dcp.load(head, checkpoint_id=str(directory))
+    meta = _unblob(head[_META])
+    if not (isinstance(meta, dict) and meta.get("format") == DCP_FORMAT):
+        raise ValueError(f"{directory}: not a checkpoint written by slamb.save_sharded")
+    name = type(optimizer).__name__
+    if meta["optimizer"] != name:
+        raise ValueError(f"{directory}: holds the state of {meta['optimizer']}, this optimizer is {name}: construct "
+                         f"a {meta['optimizer']} to resume from it")
+    copies = meta["copies"]
+    same = copies == 1 or copies == topology.n_replicas
+    sources = [topology.replica if copies > 1 else 0] if same else list(range(copies))
+    if meta["n_replicas"] != topology.n_replicas and comm.rank() == 0:
+        _log.warning("slamb.load_sharded: %d saved replicas -> %d: every replica starts from the mean of the saved "
+                     "replicas' parameters and moments, with their mask ages and step %s", meta["n_replicas"],
+                     topology.n_replicas, meta["extra"].get("step", ""))
+
+    mesh = _shard_mesh(topology)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    model_sd = model.state_dict()
+    prefix = f"replica{sources[0]}.optim."  # every replica holds the same entries
+    by_param = [fqn[len(prefix):].rpartition(".")[::2] for fqn in saved_md if fqn.startswith(prefix)]  # (name, key)
+    index = {n: i for i, n in enumerate(names)}
+    absent = [k for k in model_sd if f"replica{sources[0]}.model.{k}" not in saved_md]
+    if absent:
+        raise ValueError(f"{directory}: holds no entry for the model's {', '.join(absent[:4])}"
+                         f"{' ...' if len(absent) > 4 else ''}: build the model the run was saved with")
+    wanted = {}
+    for c in sources:
+        wanted[f"replica{c}"] = {
+            "model": {k: _template(saved_md.get(f"replica{c}.model.{k}"), v, mesh) for k, v in model_sd.items()},
+            "optim": {},
+        }
+        for pname, k in by_param:
+            if pname not in index:
+                raise ValueError(f"{directory}: holds optimizer state for {pname!r}, which this model does not have: "
+                                 "build the model the run was saved with")
+            entry = saved_md[f"replica{c}.optim.{pname}.{k}"]
+            wanted[f"replica{c}"]["optim"].setdefault(pname, {})[k] = _template(entry, params[index[pname]], mesh)
+    ledger_key = f"ledger.rank{comm.rank()}-of-{comm.world_size()}"
+    if ledger_key in saved_md:
+        wanted[ledger_key] = None
+    dcp.load(wanted, checkpoint_id=str(directory))
+
+    for k, v in model_sd.items():
+        local(v).copy_(_mean([wanted[f"replica{c}"]["model"][k] for c in sources], k))
+    state = {}
+    for pname, k in by_param:
+        state.setdefault(index[pname], {})[k] = _mean([wanted[f"replica{c}"]["optim"][pname][k] for c in sources],
+                                                     f"{pname}.{k}")
+    groups = [{**g, "params": [index[p] for p in g["params"]]} for g in meta["param_groups"]]
+    sd = {"state": state, "param_groups": groups}
+    key = getattr(optimizer, "state_key", "")
+    ledger = getattr(optimizer, "ledger", None)
+    if ledger is not None and ledger_key in saved_md:
+        ledger.load_state_dict(_unblob(wanted[ledger_key]))
+    if key:  # the optimizer's own stamp: the state was mapped onto this rank's shards above
+        sd[key] = {**meta["extra"], **rank_stamp(optimizer.process_group),
+                   "ledger": ledger.state_dict() if ledger is not None else {}}
+    optimizer.load_state_dict(sd)

@@ -34,7 +34,7 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
 __all__ = ["local", "is_sharded", "sharded_topology", "shard_offsets", "reduce_squares", "shard_model",
-           "prepare_fsdp", "refuse_sharded"]
+           "prepare_fsdp", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
 SHARDED_OPTIMIZERS = "SLAMB or LAMB"
@@ -200,3 +200,19 @@ def _reduce_over_shards_only(module, topology: MeshTopology) -> None:
         elif not isinstance(info, FSDPMeshInfo):
             raise ValueError("slamb.wrap_model: SLAMB takes FSDP2 modules sharded by fully_shard (FSDP or HSDP), "
                              f"not {type(info).__name__}")
+
+
+def check_state_shapes(name: str, params, states) -> None:
+    """Refuse, in one line, a state saved for other shards of the same parameters (a DDP run's whole tensors
+    loaded into an FSDP2 run, or the reverse): torch would copy or broadcast it into the wrong entries.
+    ``states``: per parameter, its state dict (or None)."""
+    for p, state in zip(params, states):
+        mine = tuple(local(p).shape)
+        for key, v in (state or {}).items():
+            if torch.is_tensor(v) and v.dim() and tuple(local(v).shape) != mine:
+                sharded = "sharded (FSDP2)" if is_sharded(p) else "unsharded (DDP)"
+                raise ValueError(f"{name} state {key!r} of shape {tuple(local(v).shape)} for a parameter of shape "
+                                 f"{tuple(p.shape)} whose {sharded} tensor here is {mine}: the state was saved by a "
+                                 "run sharded differently; checkpoint FSDP2/HSDP runs with slamb.save_sharded and "
+                                 "slamb.load_sharded (they reshard), DDP runs with slamb.save_optimizer and "
+                                 "slamb.load_optimizer")

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from ..sharding import local
+from ..sharding import check_state_shapes, local
 from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
 from .precision import state_dtype
@@ -208,6 +208,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
                     "(torch.distributed.checkpoint keeps one copy of each entry for all ranks, and loads only "
                     "the entries of the state dict it is given): save and load it with slamb.save_optimizer and "
                     "slamb.load_optimizer")
+            check_state_shapes(name, [everything[i] for i in ids], [state_dict["state"][saved[i]] for i in ids])
         self._check_extra_state(extra)
         # torch's loader would move every state tensor to its parameter's device: a second model-sized copy
         # there beside the flat buffers _build makes. It loads the groups only; the state keeps the device it

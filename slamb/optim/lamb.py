@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
-from ..sharding import local, reduce_squares, sharded_topology
+from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
@@ -170,6 +170,9 @@ class LAMB(ContractDefaults, Optimizer):
             g["trust_clamp"] = clamp
 
     def load_state_dict(self, state_dict: dict) -> None:
+        saved = [k for g in state_dict["param_groups"] for k in g["params"]]
+        check_state_shapes("LAMB", [p for g in self.param_groups for p in g["params"]],
+                           [state_dict["state"].get(k) for k in saved])
         super().load_state_dict(state_dict)
         promote_state_(self)  # torch's loader casts the moments to the parameters' dtype
 
