@@ -316,8 +316,7 @@ def top_up(module: str, sweep: Path, task: str, overrides: list[str], cap: int, 
         plan = top_up_plan(rows_, task, cap)
         if not plan:
             break
-        seeds = {experiment(r): r["seeds"] if "seeds" in r else sorted(m["config"]["seed"] for m in r["members"])
-                 for r in rows_}
+        seeds = {experiment(r): sorted(m["config"]["seed"] for m in r["members"]) for r in rows_}
         for exp, n in plan.items():
             first = max(seeds[exp]) + 1
             print(f"study: {exp} needs {n} runs for a ±{DELTA[task]:g} interval; adding seeds {first}..{first + n - len(seeds[exp]) - 1}", flush=True)

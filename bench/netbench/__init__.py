@@ -54,7 +54,7 @@ from __future__ import annotations
 
 # the package by job: config (rows, overrides, data, plan), worker (the probes inside each worker), runs
 # (the namespaces' torchruns), analysis (a run's numbers), report (page and plots), cli (settings, main)
-from .analysis import RECORD_KEYS, analyse_run, complete, fill_compute_times, reanalyse, target_checks
+from .analysis import RECORD_KEYS, analyse_run, complete, fill_compute_times, reanalyse, target_checks, time_to
 from .cli import FULL_OUT, SCRATCH_OUT, main, parse_args
 from .config import (BERT_MICRO, CIFAR_BATCH, DEFAULT_ROWS, HIER, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, TRAIN_IMAGES,
                      UNLIMITED, WORKER_FLAG, Settings, cifar_steps_per_epoch, model_name, plan, prepare_data,
@@ -67,4 +67,4 @@ __all__ = ["BERT_MICRO", "CIFAR_BATCH", "DEFAULT_ROWS", "FULL_OUT", "HIER", "MUL
            "ROOT", "ROWS", "SCRATCH_OUT", "TRAIN_IMAGES", "UNLIMITED", "WORKER_FLAG", "Settings", "analyse_run",
            "cifar_steps_per_epoch", "complete", "fill_compute_times", "interface_counters", "launch_run", "main",
            "model_name", "multi_proc_section", "parse_args", "plan", "prepare_data", "reanalyse", "render",
-           "run_matrix", "run_overrides", "run_tag", "target_checks", "tcp_snmp", "worker_main"]
+           "run_matrix", "run_overrides", "run_tag", "target_checks", "tcp_snmp", "time_to", "worker_main"]

@@ -24,6 +24,16 @@ def _training_intervals(lines: list[dict]) -> list[tuple[dict, dict]]:
     return intervals
 
 
+def time_to(history: list[dict], target: float) -> float | None:
+    """Training seconds (``epoch_time_s`` summed) until the test top-1 first reaches ``target``; None if never."""
+    elapsed = 0.0
+    for h in history:
+        elapsed += h["epoch_time_s"]
+        if h["test_top1"] >= target:
+            return elapsed
+    return None
+
+
 def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | None, procs: int = 1) -> dict:
     """Per-step numbers of a finished run from rank 0's metrics and every rank's probe lines.
 
@@ -76,14 +86,7 @@ def analyse_run(run_dir: Path, pipeline: str, hosts: int, target_top1: float | N
         return statistics.fmean(r[key] for r in per_rank) / steps
 
     acc_key = "test_top1" if pipeline == "cifar10" else "mlm_acc"
-    time_to_target = None
-    if target_top1 is not None and pipeline == "cifar10":
-        elapsed = 0.0
-        for h in history:
-            elapsed += h["epoch_time_s"]
-            if h["test_top1"] >= target_top1:
-                time_to_target = elapsed
-                break
+    time_to_target = time_to(history, target_top1) if target_top1 is not None and pipeline == "cifar10" else None
     tx_payload = statistics.fmean(r["tx_bytes"] - 66 * r["tx_packets"] for r in per_rank) / steps
     host_levels = {}
     for level in sorted({lv for r in per_rank for lv in r["levels"]}):
