@@ -2,6 +2,7 @@
 
     python -m bench.time_to_accuracy                    # results/time_to_accuracy.md and .json (about 30 min)
     python -m bench.time_to_accuracy --render-only      # the page again from the .json
+    python -m bench.time_to_accuracy --extend --seeds 3 4  # more seeds beside the .json's runs
     python -m bench.time_to_accuracy --quick --out DIR  # 2 epochs, one seed (the test's mode)
 
 Emulated hosts (:class:`bench.netns.Cluster`: network namespaces, veth pairs, ``tc tbf``), one worker each,
@@ -121,16 +122,19 @@ def render(record: dict) -> str:
              "1-bit LAMB at LAMB's settings with its full-precision stage the first 20% of the steps).",
              f"- Seeds {', '.join(map(str, record['seeds']))} for every row.", "",
              "## Runs", "",
-             "| optimizer | seed | time to target (s) | final top-1 | training time (s) | step (ms) | bytes / worker |",
-             "|---|---|---|---|---|---|---|"]
+             "Load: the machine's 1-minute load average when the run ended (other work shares these cores; a "
+             "loaded machine lengthens the compute of every row).", "",
+             "| optimizer | seed | time to target (s) | final top-1 | training time (s) | step (ms) | bytes / worker "
+             "| load |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in record["runs"]:
         if r["status"] != "ok":
-            lines.append(f"| {r['optimizer']} | {r['seed']} | failed: {r['error']} | | | | |")
+            lines.append(f"| {r['optimizer']} | {r['seed']} | failed: {r['error']} | | | | | |")
             continue
         t = "not reached" if r["time_to_target_s"] is None else f"{r['time_to_target_s']:.1f}"
         lines.append(f"| {r['optimizer']} | {r['seed']} | {t} | {r['final_top1']:.2f} | "
                      f"{sum(h['epoch_time_s'] for h in r['history']):.1f} | {r['step_time_s'] * 1e3:.0f} | "
-                     f"{r['bytes'] / 1e6:.2f} MB |")
+                     f"{r['bytes'] / 1e6:.2f} MB | {r.get('load_avg_1m') if r.get('load_avg_1m') is not None else ''} |")
     lines += ["", "| optimizer | time to target (s), mean ± sd | final top-1, mean ± sd | bytes / worker |",
               "|---|---|---|---|"]
     for row in ROWS:
@@ -153,7 +157,8 @@ def public(record: dict) -> dict:
             "runs": [{"optimizer": r["optimizer"], "seed": r["seed"], "hosts": record["hosts"],
                       "rate_mbit": record["rate_mbit"], "time_to_target_s": r["time_to_target_s"],
                       "final_top1": r.get("final_top1"), "bytes": r.get("bytes"), "status": r["status"],
-                      "error": r.get("error"), "step_time_s": r.get("step_time_s"), "history": r.get("history", [])}
+                      "error": r.get("error"), "step_time_s": r.get("step_time_s"),
+                      "load_avg_1m": r.get("load_avg_1m"), "history": r.get("history", [])}
                      for r in record["runs"]],
             **{k: record[k] for k in ("command", "started", "wall_s", "cpus", "load_avg", "hosts", "rate_mbit",
                                       "epochs", "seeds", "compute_reference")}}
@@ -177,6 +182,49 @@ def one_run(cluster, row: str, seed: int, a, data: dict, workdir: Path, port: in
                         for i, h in enumerate(got["history"])]}
 
 
+def extended(json_path: Path, a) -> dict:
+    """The record of ``--extend``: the existing .json, whose set-up must be this invocation's."""
+    if not json_path.exists():
+        raise SystemExit(f"--extend: {json_path} does not exist; run without --extend first")
+    before = json.loads(json_path.read_text())
+    for key, mine in (("hosts", a.hosts), ("rate_mbit", a.rate), ("epochs", a.epochs)):
+        if before[key] != mine:
+            raise SystemExit(f"--extend: {json_path} has {key}={before[key]}, this invocation {mine}; extend with "
+                             "the same --hosts, --rate and --epochs, or write another page with --out")
+    return before
+
+
+def run_all(record: dict, todo: list[tuple[int, str]], a) -> None:
+    """The runs of ``todo`` ((seed, row) pairs) into ``record``, after the compute reference where it has none."""
+    from bench.netns import Cluster, netns_unsupported
+
+    why = netns_unsupported()
+    if why:
+        raise SystemExit(f"bench.time_to_accuracy cannot run here: {why}")
+    tmp = None
+    workdir = Path(a.workdir) if a.workdir else Path(tmp := tempfile.mkdtemp(prefix="tta-"))
+    try:
+        data = prepare_data(["cifar10"], workdir)
+        port = 29600
+        with Cluster(a.hosts) as cluster:
+            if record["compute_reference"] is None:
+                cluster.shape(UNLIMITED)
+                ref = one_run(cluster, "LAMB", a.seeds[0], a, data, workdir, port, steady=True)
+                record["compute_reference"] = {k: ref.get(k) for k in ("status", "error", "step_time_s")}
+                print(f"compute reference: {ref.get('step_time_s')}", flush=True)
+            cluster.shape(a.rate)
+            for seed, row in todo:
+                port += 1
+                r = one_run(cluster, row, seed, a, data, workdir, port)
+                record["runs"].append(r)
+                print(f"{row} seed {seed}: {r['status']} top-1 {r.get('final_top1')} ({r['wall_s']:.0f} s)", flush=True)
+    finally:
+        if tmp:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m bench.time_to_accuracy", description=__doc__.split("\n\n")[0])
@@ -191,6 +239,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=str(OUT), help="the page; its .json beside it")
     p.add_argument("--workdir", default=None, help="run directories (default: a temporary one, removed)")
     p.add_argument("--render-only", action="store_true")
+    p.add_argument("--extend", action="store_true", help="keep the runs of the existing .json (same hosts, rate "
+                   "and epochs) and its compute reference, and run only the (row, seed) pairs it lacks: seeds "
+                   "added to an interval that does not decide yet")
     a = p.parse_args(argv)
     if a.quick:
         a.epochs, a.seeds, a.rate, a.timing_epochs = 2, [0], 10.0, 2
@@ -208,39 +259,24 @@ def main(argv=None) -> int:
         print(out)
         return 0
 
-    from bench.netns import Cluster, netns_unsupported
-
-    why = netns_unsupported()
-    if why:
-        raise SystemExit(f"bench.time_to_accuracy cannot run here: {why}")
-    tmp = None
-    workdir = Path(a.workdir) if a.workdir else Path(tmp := tempfile.mkdtemp(prefix="tta-"))
+    before = extended(json_path, a) if a.extend else None
     record = {"command": "python -m bench.time_to_accuracy " + " ".join(argv), "started": time.strftime("%Y-%m-%d %H:%M"),
               "cpus": os.cpu_count(), "hosts": a.hosts, "rate_mbit": a.rate, "epochs": a.epochs, "seeds": a.seeds,
               "runs": [], "compute_reference": None}
+    if before:
+        record.update(command=before["command"] + f" + {record['command']}", started=before["started"],
+                      seeds=sorted(set(before["seeds"]) | set(a.seeds)), runs=before["runs"],
+                      compute_reference=before["compute_reference"])
+    done = {(r["optimizer"], r["seed"]) for r in record["runs"]}
+    # seeds outermost: a drift of the machine's speed hits every row alike
+    todo = [(seed, row) for seed in a.seeds for row in ROWS if (row, seed) not in done]
     load0, tic = round(os.getloadavg()[0], 2), time.perf_counter()
-    try:
-        data = prepare_data(["cifar10"], workdir)
-        port = 29600
-        with Cluster(a.hosts) as cluster:
-            cluster.shape(UNLIMITED)
-            ref = one_run(cluster, "LAMB", a.seeds[0], a, data, workdir, port, steady=True)
-            record["compute_reference"] = {k: ref.get(k) for k in ("status", "error", "step_time_s")}
-            print(f"compute reference: {ref.get('step_time_s')}", flush=True)
-            cluster.shape(a.rate)
-            for seed in a.seeds:  # seeds outermost: a drift of the machine's speed hits every row alike
-                for row in ROWS:
-                    port += 1
-                    r = one_run(cluster, row, seed, a, data, workdir, port)
-                    record["runs"].append(r)
-                    print(f"{row} seed {seed}: {r['status']} top-1 {r.get('final_top1')} ({r['wall_s']:.0f} s)",
-                          flush=True)
-    finally:
-        if tmp:
-            import shutil
-
-            shutil.rmtree(tmp, ignore_errors=True)
-    record.update(wall_s=time.perf_counter() - tic, load_avg=[load0, round(os.getloadavg()[0], 2)])
+    if todo:
+        run_all(record, todo, a)
+    wall, load = time.perf_counter() - tic, [load0, round(os.getloadavg()[0], 2)]
+    if before:  # the page's time is every invocation's; its load, the first start's and the last end's
+        wall, load = wall + before["wall_s"], [before["load_avg"][0], load[1]]
+    record.update(wall_s=wall, load_avg=load)
     summarise(record)
     out.parent.mkdir(parents=True, exist_ok=True)
     json_path.write_text(json.dumps(public(record), indent=1))

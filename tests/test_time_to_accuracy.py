@@ -80,3 +80,26 @@ def test_quick_time_to_accuracy_page_is_computed_from_its_runs(tmp_path):
     subprocess.run([sys.executable, "-m", "bench.time_to_accuracy", "--render-only", "--out", str(out)], cwd=ROOT,
                    env=env, check=True, capture_output=True, timeout=120)
     assert out.read_text() == page
+
+
+@pytest.mark.e2e  # it runs the command's main, which tests/tiers.py counts as end to end
+def test_extend_keeps_the_pages_runs_and_refuses_another_set_up(tmp_path, capsys):
+    out = tmp_path / "tta.md"
+    record = {"command": "python -m bench.time_to_accuracy", "started": "2026-01-01 00:00", "wall_s": 600.0, "cpus": 2,
+              "load_avg": [0.5, 1.0], "hosts": 2, "rate_mbit": 5.0, "epochs": 3, "seeds": [0, 1],
+              "compute_reference": {"status": "ok", "error": None, "step_time_s": 0.05},
+              "runs": [run(row, s, [80, 95, 96 + s], epoch_s=2.0 + s + i) for s in (0, 1)
+                       for i, row in enumerate(tta.ROWS)]}
+    out.with_suffix(".json").write_text(json.dumps(record))
+    with pytest.raises(SystemExit, match="rate_mbit=5.0, this invocation 10.0"):
+        tta.main(["--extend", "--rate", "10", "--epochs", "3", "--seeds", "0", "--out", str(out)])
+    # every (row, seed) asked for is on the page already: nothing runs, the page is rebuilt from the kept runs
+    assert tta.main(["--extend", "--epochs", "3", "--seeds", "1", "--out", str(out)]) == 0
+    again = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["optimizer"], r["seed"]) for r in again["runs"]] == [(r["optimizer"], r["seed"]) for r in record["runs"]]
+    assert again["seeds"] == [0, 1] and again["compute_reference"] == record["compute_reference"]
+    assert again["wall_s"] >= 600.0 and again["load_avg"][0] == 0.5 and again["command"].endswith("--seeds 1 --out "
+                                                                                                    f"{out}")
+    assert again["target_top1"] == pytest.approx(statistics.fmean([96, 97]) - 1.0)
+    with pytest.raises(SystemExit, match="does not exist"):
+        tta.main(["--extend", "--out", str(tmp_path / "none.md")])
