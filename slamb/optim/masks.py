@@ -95,8 +95,8 @@ def _draw_graph(tensors, key: torch.Tensor, dtype: torch.dtype, inv_log_q: float
     estimate's), the form that :class:`slamb.optim.fused.Passes` compiles: inside one kernel those buffers
     are registers, not memory, so the hash, the estimate and both comparisons read a counter and write a
     gap, once. The kernel runs the int64 operations (no overflow) that decide every gap eagerly, so its
-    positions are the same bits. ``key``: a 0-d CPU tensor, so that a new step reuses the graph (a Python
-    int would be traced into it as a constant)."""
+    positions are the same bits. ``key``: a 0-d CPU tensor, which the kernel takes as a scalar argument, so
+    that a new step reuses the graph (a Python int would be traced into it as a constant)."""
     x, counters, below, above = tensors
     scratch = [torch.empty_like(x), torch.empty_like(x), torch.empty(x.shape, dtype=dtype, device=x.device)]
     return _draw_(x, counters, key, scratch, below, above, inv_log_q, shift)
@@ -193,6 +193,8 @@ class BernoulliMask:
         self._k: float | None = None
         self._counters = torch.empty(0, dtype=torch.int64, device=device)  # the hash of i, for i < 2^32
         self._scratch: list[torch.Tensor] = []
+        # the compiled draw's key: refilled on the host, so that a step neither recompiles nor copies to the device
+        self._key = torch.zeros((), dtype=torch.int64)
 
     def _prepare(self, compress_ratio: float) -> int:
         """The thresholds and hashed counters for k; returns the number of gaps a draw takes."""
@@ -238,7 +240,7 @@ class BernoulliMask:
             c, x = lo & _M32, out[lo:hi]
             counters = self._counters[c:c + hi - lo]
             if self.passes is not None:
-                self.passes(_draw_graph, [x, counters, *self._table[:2]], torch.tensor(key), self._dtype,
+                self.passes(_draw_graph, [x, counters, *self._table[:2]], self._key.fill_(key), self._dtype,
                             *self._table[2:])
             else:
                 _draw_(x, counters, key, [s[:hi - lo] for s in self._scratch], *self._table)
