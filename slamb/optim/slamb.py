@@ -103,7 +103,8 @@ class SLAMB(LocalStateOptimizer):
 
     ``fused=True`` runs steps 2 and 4-7 as two passes compiled by ``torch.compile``
     (:mod:`slamb.optim.fused`; once per run of tensor shapes): no scratch buffer, no
-    host read of the trust ratios, the reference path's numbers to fp32 rounding. Its
+    host read of the trust ratios, the reference path's numbers to fp32 rounding; v2's
+    Bernoulli mask is drawn by a compiled kernel too (the same positions). Its
     age is fp16, held at 2048, so it takes ``beta3 <= 0.9919`` (where b3^2048 is below
     fp32's rounding; a larger one is refused). ``torch.compile(opt.step)`` runs the step
     eagerly (it decides on the host and communicates between its kernels): use
