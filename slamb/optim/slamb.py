@@ -277,13 +277,13 @@ class SLAMB(LocalStateOptimizer):
     def _draw(self, step: int, k: float) -> Selection:
         """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
         layout = self._layout
-        if self._mask_fn is None:
-            return Selection(layout, self._dense, torch.empty(0, dtype=torch.long, device=layout.device), self._bounds)
-        try:
-            drawn = self._mask_fn(step, k)
-        except fused_passes.CompileFailed:  # the fused path's first graph, v2's draw: warned, nothing changed
-            self._leave_fused()
-            drawn = self._mask_fn(step, k)
+        drawn = torch.empty(0, dtype=torch.long, device=layout.device)
+        if self._mask_fn is not None:
+            try:
+                drawn = self._mask_fn(step, k)
+            except fused_passes.CompileFailed:  # the fused path's first graph, v2's draw: warned, nothing changed
+                self._leave_fused()
+                drawn = self._mask_fn(step, k)
         return Selection(layout, self._dense, drawn, self._bounds)
 
     def _selection(self, step: int) -> Selection:
