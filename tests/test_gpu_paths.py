@@ -110,7 +110,7 @@ def test_compiled_bernoulli_draw_is_the_eager_draw(k, monkeypatch):
     from slamb.optim import fused
 
     breaks = sum(counters["graph_break"].values())
-    monkeypatch.setattr(masks, "_CHUNK", 3000)  # 3 to 5 chunks a draw, each chunk length compiled once
+    monkeypatch.setattr(masks, "_CHUNK", 3000)  # 4 or 5 chunks a draw, each chunk length compiled once
     passes = fused.Passes("SLAMB")
     for numel, seed in ((int(10_007 / k), 7), (int(13_001 / k), 11)):
         cpu = torch.device("cpu")
