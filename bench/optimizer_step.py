@@ -1,6 +1,6 @@
 """Step time and memory of one optimizer step, world size 1.
 
-    python -m bench.optimizer_step [--models bert_base resnet110] [--steps N] [--device cpu]
+    python -m bench.optimizer_step [--models bert_base bert_large resnet110] [--steps N] [--device cpu]
     python -m bench.optimizer_step --quick        # ResNet-110, 10 steps, written to runs/bench/
 
 Parameters and gradients of each model's real shapes. Step time: all
@@ -9,10 +9,11 @@ parameters, and take their timed steps in turn (in rotated order), after a few
 warm-up steps. A shared machine's speed drifts by tens of percent within
 minutes, which made separate runs disagree on the ratios; an optimizer's step
 and the LAMB step beside it see the same machine, so the table gives the
-median of those paired ratios. Beside them, in the same rotation, an in-place
-``add_`` over a flat buffer of the model's size gives the memory bandwidth,
-and from it the floor: 7 fp32 words per parameter moved (read p, g, m, v;
-write p, m, v). The ``*_fused`` rows take ``fused=True``.
+median of those paired ratios; likewise each step over torch's fused AdamW
+step (``adamw_fused``), which steps beside every row. Beside them, in the same
+rotation, an in-place ``add_`` over a flat buffer of the model's size gives the
+memory bandwidth, and from it the floor: 7 fp32 words per parameter moved (read
+p, g, m, v; write p, m, v). The ``*_fused`` rows take ``fused=True``.
 Memory, from one fresh process per optimizer:
 
 * state: bytes of the tensors of the optimizer's ``state_dict()`` (and the
@@ -83,6 +84,8 @@ def optimizers() -> dict:
 # The memory-bandwidth floor of an Adam-type step: read p, g, m, v and write p, m, v, in fp32
 FLOOR_WORDS = 7
 FLOOR = "floor"
+# torch's fused AdamW: the step every row is also compared with
+ADAMW = "adamw_fused"
 
 
 def floor_bytes(numel: int) -> int:
@@ -197,6 +200,7 @@ def summarize(times: dict[str, list[float]], numel: int) -> list[dict]:
         rows.append({"optimizer": name, "numel": numel, "ms": 1e3 * statistics.median(ts),
                      "vs_lamb": _quartiles([t / b for t, b in zip(ts, times["lamb"])]),
                      "vs_floor": _quartiles([t / f for t, f in zip(ts, floor)]),
+                     "vs_adamw": _quartiles([t / b for t, b in zip(ts, times[ADAMW])]) if ADAMW in times else None,
                      "paired": {other: _quartiles([t / b for t, b in zip(ts, times[other])])
                                 for other in ("lamb_fused",) if other in times and other != name}})
     rows[0].update(bytes=floor_bytes(numel), gb_per_s=8 * numel / statistics.median(times[FLOOR]) / 1e9)
@@ -234,38 +238,53 @@ def _spawn(target, args, env: dict):
 # each optimizer in the paired run holds its own parameters, gradients, state and scratch: at most this
 # many fp32 words per parameter
 WORDS_PER_ROW = 8
-# rows that every group of a paired run holds, so that each row is timed beside the one it is compared with
-ANCHORS = ("lamb", "lamb_fused")
+# rows that every group of a paired run holds, so that each row is timed beside the ones it is compared with
+ANCHORS = ("lamb", "lamb_fused", ADAMW)
 
 
 def paired_groups(names: list[str], numel: int, available_bytes: int) -> list[list[str]]:
     """``names`` cut into groups that fit ``available_bytes`` together, each group with the anchors it is
-    compared against (LAMB; fused LAMB for fused rows), so that every ratio stays a paired one."""
+    compared against (LAMB and torch's fused AdamW; fused LAMB for fused rows), so that every ratio stays a
+    paired one."""
     per_group = max(2, available_bytes // (WORDS_PER_ROW * 4 * numel))
     groups = []
     for fused in (False, True):
-        anchors = [a for a in ANCHORS if a in names and (fused or a == "lamb")]
+        anchors = [a for a in ANCHORS if a in names and (fused or a != "lamb_fused")]
         rest = [n for n in names if n not in ANCHORS and n.endswith("_fused") == fused]
         if fused and "lamb_fused" in names and not rest:
             rest = ["lamb_fused"]  # fused LAMB alone still gets its own row
-            anchors = ["lamb"]
+            anchors.remove("lamb_fused")
         size = max(1, per_group - len(anchors))
         groups += [anchors + rest[i:i + size] for i in range(0, len(rest), size)]
     return groups or [[n for n in names]]
 
 
-def _available_bytes() -> int:
-    """What the machine can give the paired run: 70% of MemAvailable (the rest for the OS and the parent)."""
+def _available_bytes(device: str) -> int:
+    """What the machine can give the paired run: on the CPU 70% of MemAvailable (the rest for the OS and the
+    parent); an accelerator's groups are not cut."""
+    if device != "cpu":
+        return 1 << 62
     with open("/proc/meminfo") as f:
         info = dict(line.split(":", 1) for line in f)
     return int(0.7 * int(info["MemAvailable"].split()[0]) * 1024)
+
+
+def unfit(model: str, names: list[str], available_bytes: int) -> str | None:
+    """Why ``model``'s paired run cannot fit ``available_bytes`` (its largest group, the anchors and one row at
+    ``WORDS_PER_ROW`` words per parameter each, included), or None where it fits."""
+    numel = sum(math.prod(s) for s in MODELS[model]())
+    need = max(len(g) for g in paired_groups(names, numel, available_bytes)) * WORDS_PER_ROW * 4 * numel
+    if need <= available_bytes:
+        return None
+    return (f"{model}'s paired run needs {need / 1e9:.1f} GB ({WORDS_PER_ROW} fp32 words per parameter for each "
+            f"optimizer stepping together) and this machine has {available_bytes / 1e9:.1f} GB to give")
 
 
 def run_model(model: str, names: list[str], steps: int, device: str) -> list[dict]:
     """Rows of one model: step times from the interleaved run, memory from one process per optimizer."""
     numel = sum(math.prod(s) for s in MODELS[model]())
     summary = {}  # each row from the first group that timed it
-    for group in paired_groups(names, numel, _available_bytes() if device == "cpu" else 1 << 62):
+    for group in paired_groups(names, numel, _available_bytes(device)):
         times = _spawn(_times_in_child, (model, group, steps, device), {})
         for row in summarize(times, numel):
             summary.setdefault(row["optimizer"], row)
@@ -285,6 +304,7 @@ TARGETS = (
     ("fused LAMB step / floor", "lamb_fused", lambda r: r["vs_floor"][1], 1.5),
     ("fused SLAMB v2 step / fused LAMB step", "slamb_v2_fused", lambda r: r["paired"]["lamb_fused"][1], 1.3),
     ("fused SLAMB v1 step / fused LAMB step", "slamb_v1_fused", lambda r: r["paired"]["lamb_fused"][1], 1.3),
+    ("fused SLAMB v2 step / torch fused AdamW step", "slamb_v2_fused", lambda r: r["vs_adamw"][1], 2.0),
     ("fused SLAMB v2 state (words/param)", "slamb_v2_fused", lambda r: r["state_words"], 2.5),
     ("fused SLAMB v1 state (words/param)", "slamb_v1_fused", lambda r: r["state_words"], 2.5),
 )
@@ -332,15 +352,16 @@ def render(rows, device: str) -> str:
         "fp32 buffer of the model's size (8 bytes per word), timed in the same rotation: "
         + "; ".join(f"{m} {r['bytes'] / 1e9:.2f} GB at {r['gb_per_s']:.1f} GB/s" for m, r in floor.items()) + ".",
         "",
-        "| model | parameters | optimizer | step (ms) | vs LAMB | vs floor | state (words/param) "
+        "| model | parameters | optimizer | step (ms) | vs LAMB | vs floor | vs fused AdamW | state (words/param) "
         "| scratch (words/param) | peak extra (words/param) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         mem = (["-"] * 3 if r["optimizer"] == FLOOR
                else [f"{r[k]:.2f}" for k in ("state_words", "scratch_words", "peak_words")])
         out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
-                   f"{_q(r['vs_lamb'])} | {_q(r['vs_floor'])} | {' | '.join(mem)} |")
+                   f"{_q(r['vs_lamb'])} | {_q(r['vs_floor'])} | {_q(r['vs_adamw']) if r['vs_adamw'] else '-'} | "
+                   f"{' | '.join(mem)} |")
     out += ["", "## Targets", "", "Computed from the rows above (medians of the paired ratios).", "",
             "| model | target | limit | measured | |", "|---|---|---:|---:|---|"]
     for t in targets(rows):
@@ -348,7 +369,8 @@ def render(rows, device: str) -> str:
         out.append(f"| {t['model']} | {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
     out += ["",
             "Rows: `lamb`, `slamb_*` are this package's (`*_fused`: `fused=True`); `adamw_foreach` / `adamw_fused` are torch's AdamW; `timm_lamb` is timm's "
-            "`Lamb` (with its default global gradient-norm clipping).",
+            "`Lamb` (with its default global gradient-norm clipping). `adamw_fused` steps beside every row: vs fused "
+            "AdamW is the median of those paired ratios.",
             "State: the tensors of `state_dict()` (and the live state they are views of); slamb_v1's includes "
             "its int16 staleness counter. Scratch: the other tensors an optimizer keeps between steps (counted "
             "as `bench.memory` counts them): SLAMB's update buffers, its mask's buffers and next draw, v1's cut "
@@ -367,7 +389,7 @@ def main(argv=None) -> None:
     parser.add_argument("--models", nargs="+", default=None, choices=sorted(MODELS))
     parser.add_argument("--optimizers", nargs="+", default=list(rows_here), choices=list(rows_here))
     parser.add_argument("--steps", type=int, default=None,
-                        help="timed steps per optimizer (default: 40 for BERT-Base, 200 for smaller models)")
+                        help="timed steps per optimizer (default: 40 for the BERT models, 200 for smaller ones)")
     parser.add_argument("--device", default=torch.accelerator.current_accelerator().type
                         if torch.accelerator.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true",
@@ -378,15 +400,23 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.steps is not None and args.steps < 1:
         parser.error(f"invalid --steps={args.steps}: must be >= 1")
-    models = args.models or (["resnet110"] if args.quick else ["bert_base", "resnet110"])
-    names = list(dict.fromkeys(["lamb", *args.optimizers]))  # every ratio needs a LAMB step beside it
+    names = list(dict.fromkeys(["lamb", ADAMW, *args.optimizers]))  # every ratio needs its LAMB and AdamW steps
+    models = args.models or (["resnet110"] if args.quick else ["bert_base", "bert_large", "resnet110"])
+    available = _available_bytes(args.device)
+    for model in list(models):
+        why = unfit(model, names, available)
+        if why and args.models:
+            parser.error(f"invalid --models {model}: {why}; leave it out, or run on a device with the memory")
+        if why:
+            print(f"skipping {model}: {why}", flush=True)
+            models.remove(model)
     rows = []
     for model in models:
-        steps = args.steps or (10 if args.quick else 40 if model == "bert_base" else 200)
+        steps = args.steps or (10 if args.quick else 40 if model.startswith("bert") else 200)
         for r in run_model(model, names, steps, args.device):
             rows.append(r)
             print(f"{model:10s} {r['optimizer']:16s} {r['ms']:9.1f} ms  {r['vs_lamb'][1]:.2f}x LAMB  "
-                  f"{r['vs_floor'][1]:.2f}x floor", flush=True)
+                  f"{r['vs_floor'][1]:.2f}x floor  {r['vs_adamw'][1]:.2f}x AdamW", flush=True)
     suffix = "" if args.device == "cpu" else "_" + args.device
     out = Path(args.out) if args.out else (SCRATCH_OUT if args.quick else FULL_OUT).with_stem(f"optimizer_step{suffix}")
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -104,6 +104,18 @@ def test_mask_positions_on_cuda_equal_the_cpus(policy):
         assert torch.equal(b.cpu(), a), (policy, step, k)
 
 
+def test_compiled_bernoulli_draw_on_cuda_equals_the_cpus():
+    """A fused optimizer's draw, one Triton kernel per chunk (the int64 hash, the float estimate, the integer
+    comparisons), gives the eager CPU draw's positions, over one chunk and several (k = 0.5: 3 chunks)."""
+    from slamb.optim import fused
+
+    numel = 24_000_000
+    cpu, cuda = masks.BernoulliMask(numel, 3, CPU), masks.BernoulliMask(numel, 3, CUDA, fused.Passes("SLAMB"))
+    for step, k in ((1, 0.1), (2, 0.1), (3, 0.5), (57, 0.01), (1000, 0.003)):
+        assert torch.equal(cuda(step, k).cpu(), cpu(step, k)), (step, k)
+    assert cuda.passes.failed is None and len(cuda.passes.compiled) == 5
+
+
 FUSED = {"lamb": {}, "slamb_v1": {"variant": "v1"}, "slamb_v2": {"variant": "v2"}}
 
 

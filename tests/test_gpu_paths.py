@@ -100,6 +100,30 @@ def test_mask_does_not_depend_on_generator_state_or_chunking(monkeypatch):
     assert not torch.equal(masks.BernoulliMask(numel, 12, torch.device("cpu"))(4, k)[:100], first[:100])
 
 
+@pytest.mark.parametrize("k", [0.5, 0.1, 0.01, 0.001])
+def test_compiled_bernoulli_draw_is_the_eager_draw(k, monkeypatch):
+    """A fused optimizer's draw (one compiled kernel per chunk: inductor's int64 hash, float estimate and
+    comparisons) gives the eager draw's positions bit for bit, and the numpy reference's, over several
+    chunks (the last one partial: no length a multiple of the chunk) and seeds, steps and layouts."""
+    from torch._dynamo.utils import counters
+
+    from slamb.optim import fused
+
+    breaks = sum(counters["graph_break"].values())
+    monkeypatch.setattr(masks, "_CHUNK", 3000)  # 4 or 5 chunks a draw, each chunk length compiled once
+    passes = fused.Passes("SLAMB")
+    for numel, seed in ((int(10_007 / k), 7), (int(13_001 / k), 11)):
+        cpu = torch.device("cpu")
+        eager, compiled = masks.BernoulliMask(numel, seed, cpu), masks.BernoulliMask(numel, seed, cpu, passes)
+        for step in (1, 2, 1000):
+            got = compiled(step, k)
+            assert torch.equal(got, eager(step, k)), (numel, seed, step)
+        np.testing.assert_array_equal(got[got < numel].numpy(), reference_bernoulli(numel, seed, 1000, k))
+    assert passes.failed is None and {key[0] for key in passes.compiled} == {masks._draw_graph}
+    assert len(passes.compiled) == 3  # the full chunk's graph and each layout's last chunk's
+    assert sum(counters["graph_break"].values()) == breaks  # each a whole graph: one kernel, then the cumsum
+
+
 def test_mask_is_the_same_on_the_meta_device_shapes():
     """The meta device imitates a non-CPU device: the draw runs without touching a generator and
     takes the same number of gaps, so every device type packs the same count."""

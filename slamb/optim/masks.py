@@ -72,6 +72,36 @@ def geometric_thresholds(compress_ratio: float) -> list[int]:
     return table
 
 
+def _gaps_(x: torch.Tensor, scratch, below, above, inv_log_q: float, shift: float) -> torch.Tensor:
+    """x, hashes uniform on [0, 2^32), replaced by their gaps #{j : T_j > x} (:class:`BernoulliMask`'s
+    ``_table`` for k: the thresholds as lookups by the estimate g, and the estimate's two constants).
+    ``scratch``: two int64 buffers and one of the estimate's float dtype, each of x's length."""
+    g, t, f = scratch
+    torch.log1p(f.copy_(x), out=f).mul_(inv_log_q).add_(shift)
+    g.copy_(f)  # truncation toward zero: the floor, as f > -1
+    g.add_(torch.index_select(below, 0, g, out=t) > x)  # one too small: T[g] > x
+    g.add_(torch.index_select(above, 0, g, out=t) <= x, alpha=-1)  # one too large: T[g - 1] <= x
+    return x.copy_(g)
+
+
+def _draw_(x: torch.Tensor, counters: torch.Tensor, key, scratch, *table) -> torch.Tensor:
+    """x = the gaps of the hashes of ``counters`` (the hashed positions) under ``key`` (:func:`_gaps_`)."""
+    mix32_(torch.bitwise_xor(counters, key, out=x), scratch[0])
+    return _gaps_(x, scratch, *table)
+
+
+def _draw_graph(tensors, key: torch.Tensor, dtype: torch.dtype, inv_log_q: float, shift: float) -> torch.Tensor:
+    """:func:`_draw_` of ``tensors`` = (x, counters, below, above) in buffers of its own (``dtype``: the
+    estimate's), the form that :class:`slamb.optim.fused.Passes` compiles: inside one kernel those buffers
+    are registers, not memory, so the hash, the estimate and both comparisons read a counter and write a
+    gap, once. The kernel runs the int64 operations (no overflow) that decide every gap eagerly, so its
+    positions are the same bits. ``key``: a 0-d CPU tensor, which the kernel takes as a scalar argument, so
+    that a new step reuses the graph (a Python int would be traced into it as a constant)."""
+    x, counters, below, above = tensors
+    scratch = [torch.empty_like(x), torch.empty_like(x), torch.empty(x.shape, dtype=dtype, device=x.device)]
+    return _draw_(x, counters, key, scratch, below, above, inv_log_q, shift)
+
+
 class _Policy:
     """A float64 buffer kept between draws: positions are computed in it in place, since on the CPU a
     fresh buffer of k N doubles costs more in page faults than the arithmetic done in it (float64:
@@ -151,13 +181,20 @@ class BernoulliMask:
     layout's end but with probability below 1e-30 (were they not to, the last
     coordinates would not be selected at that step). The positions come back
     sorted, the last ones possibly past the end: :class:`Selection` cuts them.
+
+    ``passes`` (a fused optimizer's :class:`slamb.optim.fused.Passes`): the gaps are drawn by one compiled
+    kernel per chunk (:func:`_draw_graph`), the same bits as the eager draw; a compile that fails warns
+    once, as the optimizer's passes do, and raises ``fused.CompileFailed`` where nothing of the step ran
+    yet (the optimizer then sets ``passes`` to None: the eager draw from then on).
     """
 
-    def __init__(self, numel: int, seed: int, device: torch.device):
-        self.numel, self.seed, self.device = numel, seed, device
+    def __init__(self, numel: int, seed: int, device: torch.device, passes=None):
+        self.numel, self.seed, self.device, self.passes = numel, seed, device, passes
         self._k: float | None = None
         self._counters = torch.empty(0, dtype=torch.int64, device=device)  # the hash of i, for i < 2^32
         self._scratch: list[torch.Tensor] = []
+        # the compiled draw's key: refilled on the host, so that a step neither recompiles nor copies to the device
+        self._key = torch.zeros((), dtype=torch.int64)
 
     def _prepare(self, compress_ratio: float) -> int:
         """The thresholds and hashed counters for k; returns the number of gaps a draw takes."""
@@ -169,7 +206,9 @@ class BernoulliMask:
             # before its start and 0 past its end
             self._below = torch.tensor(t + [0, 0], dtype=torch.int64, device=self.device)
             self._above = torch.tensor([2**33] + t + [0], dtype=torch.int64, device=self.device)
-            self._inv_log_q = 1.0 / math.log1p(-compress_ratio)
+            inv_log_q = 1.0 / math.log1p(-compress_ratio)
+            # g = floor(log((x + 1) / 2^32) / log(1 - k)) + 1 = log1p(x) inv_log_q + shift, give or take one
+            self._table = (self._below, self._above, inv_log_q, 1.0 - 32 * math.log(2) * inv_log_q)
             # the estimate's error is about 1e-6 / k gaps in float32: float64 below k = 1e-3
             self._dtype = torch.float32 if compress_ratio >= 1e-3 else torch.float64
             self._k = compress_ratio
@@ -178,20 +217,15 @@ class BernoulliMask:
             new = torch.arange(have, need, dtype=torch.int64, device=self.device)
             self._counters = torch.cat([self._counters, mix32_(new, torch.empty_like(new))])
         n = min(batch, _CHUNK)
-        if not self._scratch or self._scratch[0].numel() < n or self._scratch[2].dtype != self._dtype:
+        if self.passes is not None:  # the compiled kernel keeps its scratch in registers
+            self._scratch = []
+        elif not self._scratch or self._scratch[0].numel() < n or self._scratch[2].dtype != self._dtype:
             self._scratch = [torch.empty(n, dtype=d, device=self.device) for d in (torch.int64, torch.int64, self._dtype)]
         return batch
 
     def _gaps_(self, x: torch.Tensor) -> torch.Tensor:
         """x, hashes uniform on [0, 2^32), replaced by their gaps #{j : T_j > x}."""
-        g, t, f = (s[:x.numel()] for s in self._scratch)
-        # g = floor(log((x + 1) / 2^32) / log(1 - k)) + 1 >= 1, give or take one
-        shift = 1.0 - 32 * math.log(2) * self._inv_log_q
-        torch.log1p(f.copy_(x), out=f).mul_(self._inv_log_q).add_(shift)
-        g.copy_(f)  # truncation toward zero: the floor, as f > -1
-        g.add_(torch.index_select(self._below, 0, g, out=t) > x)  # one too small: T[g] > x
-        g.add_(torch.index_select(self._above, 0, g, out=t) <= x, alpha=-1)  # one too large: T[g - 1] <= x
-        return x.copy_(g)
+        return _gaps_(x, [s[:x.numel()] for s in self._scratch], *self._table)
 
     def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
         if compress_ratio >= 1.0:
@@ -204,17 +238,23 @@ class BernoulliMask:
             # counters past 2^32 reuse the hashes of i mod 2^32 under a key of their own
             key = _splitmix64(seed ^ (lo >> 32)) >> 32
             c, x = lo & _M32, out[lo:hi]
-            mix32_(torch.bitwise_xor(self._counters[c:c + hi - lo], key, out=x), self._scratch[0][:hi - lo])
-            self._gaps_(x)
+            counters = self._counters[c:c + hi - lo]
+            if self.passes is not None:
+                self.passes(_draw_graph, [x, counters, *self._table[:2]], self._key.fill_(key), self._dtype,
+                            *self._table[2:])
+            else:
+                _draw_(x, counters, key, [s[:hi - lo] for s in self._scratch], *self._table)
         return out.cumsum_(0).sub_(1)
 
 
-def make_mask(policy: str, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
+def make_mask(policy: str, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None,
+              passes=None):
     """``keep``: the spans a shard holds (:class:`CyclicMask`); a Bernoulli draw is a run of gaps over every
-    coordinate, so it draws the whole model's and :class:`Selection` cuts the shard's out."""
+    coordinate, so it draws the whole model's and :class:`Selection` cuts the shard's out. ``passes``: a fused
+    optimizer's compiled passes, which draw the Bernoulli gaps (:class:`BernoulliMask`)."""
     if policy == "cyclic":
         return CyclicMask(numel, seed, device, keep)
-    return BernoulliMask(numel, seed, device)
+    return BernoulliMask(numel, seed, device, passes)
 
 
 class Selection:

@@ -41,7 +41,7 @@ from .base import LocalStateOptimizer, eager_under_compile
 from .checks import check_adam_group, check_choice, check_range
 from .exchange import MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
-from .masks import MASK_POLICIES, Selection, make_mask
+from .masks import MASK_POLICIES, BernoulliMask, Selection, make_mask
 from .slamb_update import MAX_INT16_AGE, SlambLayout, check_fused_beta3, fused_age, int16_age, slamb_update_
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
@@ -103,7 +103,8 @@ class SLAMB(LocalStateOptimizer):
 
     ``fused=True`` runs steps 2 and 4-7 as two passes compiled by ``torch.compile``
     (:mod:`slamb.optim.fused`; once per run of tensor shapes): no scratch buffer, no
-    host read of the trust ratios, the reference path's numbers to fp32 rounding. Its
+    host read of the trust ratios, the reference path's numbers to fp32 rounding; v2's
+    Bernoulli mask is drawn by a compiled kernel too (the same positions). Its
     age is fp16, held at 2048, so it takes ``beta3 <= 0.9919`` (where b3^2048 is below
     fp32's rounding; a larger one is refused). ``torch.compile(opt.step)`` runs the step
     eagerly (it decides on the host and communicates between its kernels): use
@@ -276,8 +277,13 @@ class SLAMB(LocalStateOptimizer):
     def _draw(self, step: int, k: float) -> Selection:
         """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
         layout = self._layout
-        drawn = (self._mask_fn(step, k) if self._mask_fn is not None
-                 else torch.empty(0, dtype=torch.long, device=layout.device))
+        drawn = torch.empty(0, dtype=torch.long, device=layout.device)
+        if self._mask_fn is not None:
+            try:
+                drawn = self._mask_fn(step, k)
+            except fused_passes.CompileFailed:  # the fused path's first graph, v2's draw: warned, nothing changed
+                self._leave_fused()
+                drawn = self._mask_fn(step, k)
         return Selection(layout, self._dense, drawn, self._bounds)
 
     def _selection(self, step: int) -> Selection:
@@ -330,7 +336,8 @@ class SLAMB(LocalStateOptimizer):
         compressible = sum(n for n, d in zip(layout.global_numels, self._dense) if not d)  # the unsharded model's
         self._bounds = Selection.bounds(layout, self._dense)
         keep = self._bounds.cpu() if self.shards is not None else None  # a shard's cyclic mask keeps its own part
-        self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep)
+        self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep,
+                                   self._plan.passes if self.fused else None)
                          if compressible else None)
         self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of])
         self._drawn = None
@@ -353,6 +360,8 @@ class SLAMB(LocalStateOptimizer):
         self.fused = False
         self._age = self._adopt_age(self._layout)
         self._work = [self._layout.zeros() for _ in range(2)]
+        if isinstance(self._mask_fn, BernoulliMask):
+            self._mask_fn.passes = None  # the eager draw
 
     def state_dict(self) -> dict:
         sd = super().state_dict()
