@@ -45,7 +45,8 @@ SHARD_SIZES = (1, 8, 64)
 # the rows of bench.memory that take FSDP2's sharded parameters, and torch's AdamW beside them
 ROWS = {"slamb_v2": ("slamb", "v2"), "slamb_v1": ("slamb", "v1"), "lamb": ("lamb", None), "adamw": ("adamw", None)}
 GATHERED = 2  # bytes per entry of an all-gathered unit: MixedPrecisionPolicy(param_dtype=float16)
-UNSHARDED_GRAD = 2 + 4  # a unit's fp16 gradient and its fp32 (reduce_dtype) copy for the reduce-scatter
+REDUCED = 4  # bytes per entry of a reduce-scatter's input: reduce_dtype=float32
+UNSHARDED_GRAD = GATHERED + REDUCED  # a unit's fp16 gradient and its fp32 copy for the reduce-scatter
 GOAL = {"model": "BERT-XL", "rows": ("slamb_v2", "slamb_v1"), "shard": 8, "bytes": 20e9}
 # a 7B-parameter BERT: BERT-XL's config (64-dim heads, 4x FFN, its vocabulary) at hidden 4096, 34 layers
 BERT_7B = {"hidden_size": 4096, "num_attention_heads": 64, "intermediate_size": 16384, "num_hidden_layers": 34,
