@@ -37,6 +37,7 @@ import re
 
 import torch
 
+from bench.memory import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
 from slamb.optim.masks import BernoulliMask, num_chunks
 from slamb.optim.slamb import SLAMB, always_averaged
 from slamb.sharding import chunk_rows
@@ -146,8 +147,6 @@ def fsdp_transient(named_shapes) -> int:
 def per_gpu(row: str, named_shapes, shards: int, acts: float = 0.0) -> dict:
     """Bytes on rank 0 of a shard group of ``shards``: resident (parameters, gradients, state and scratch),
     FSDP2's transient, ``acts`` of activations, the peak and whether it fits the GPU."""
-    from bench.memory import GPU_BYTES, WORD
-
     shapes = [s for _, s in named_shapes]
     padded = sum(padded_numels(shapes, shards))
     b = {"params": WORD * padded, "grads": WORD * padded, **optimizer_bytes(row, shapes, shards)}
@@ -160,8 +159,6 @@ def per_gpu(row: str, named_shapes, shards: int, acts: float = 0.0) -> dict:
 
 
 def largest_micro_batch(row: str, named_shapes, shards: int, per_sequence: float) -> int:
-    from bench.memory import GPU_BYTES
-
     b = per_gpu(row, named_shapes, shards)
     return max(0, math.floor((GPU_BYTES - b["peak"]) / per_sequence))
 
@@ -177,8 +174,6 @@ def render(models: dict[str, dict], fit: dict, micro_batch: int, cut_per_param: 
     """The page's sharded section. ``models``: name -> {"params", "hidden", "layers", "named_shapes"};
     ``fit``: ``bench.memory``'s activation fit; ``cut_per_param``: v1's host cut per parameter of the whole
     model (measured by ``bench.memory``; it does not shard)."""
-    from bench.memory import AUTOCAST_COPY, GPUS_PER_NODE, activations, per_token_bytes
-
     gb = lambda x: f"{x / 1e9:.1f}"  # noqa: E731
     k = slamb_defaults()
     g = goal(models)
