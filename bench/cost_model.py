@@ -36,6 +36,12 @@ ring (the g rings share the node's NIC, which carries ``2 (N-1)/N P`` in all)
 and an intra all-gather spreads the averaged shares; no intra reduce-scatter,
 since nothing is left to reduce inside the node.
 
+HSDP with a replica group per node (``scope="replicas"``): FSDP's all-gathers and
+reduce-scatter run inside the node (``scope="intra"``), and what crosses the nodes
+is an all-reduce of shards: each GPU carries its own 1/g over its inter-node ring
+(the NIC carries ``2 (N-1)/N P`` of the node's total ``P``) and keeps the result,
+with no intra all-gather after it.
+
 A step is ``forward + max(backward window, overlappable comm) + exposed comm``
 (the rest of the backward pass cannot hide anything), or the plain sum when
 nothing overlaps. Scaling efficiency is per-GPU throughput relative to a
@@ -53,7 +59,7 @@ from slamb.comm import wire_factor
 
 __all__ = [
     "Link", "Cluster", "Collective", "CommProfile", "BenchParams",
-    "ring_time", "hierarchical_time", "node_exchange_time", "collective_time", "step_time", "scaling_efficiency",
+    "ring_time", "hierarchical_time", "replica_exchange_time", "node_exchange_time", "collective_time", "step_time", "scaling_efficiency",
     "tcp_wire_overhead", "solve_op_split", "bench_profile", "predict_bench_record",
     "fit_bench", "validate_bench", "last_bucket_share", "BENCH_KEYS",
 ]
@@ -147,19 +153,28 @@ def hierarchical_time(op: str, payload: float, nodes: int, gpus_per_node: int, i
     return calls * (N - 1) * inter.alpha + payload * inter.beta + ring_time("broadcast", payload, g, intra, calls)
 
 
+def replica_exchange_time(payload: float, nodes: int, inter: Link, calls: int = 1) -> float:
+    """Seconds for ``calls`` all-reduces over the nodes of a node's ``payload`` split over its GPUs, each
+    GPU's share over its own inter-node ring, all of a node's rings through its NIC at once (which carries
+    ``2 (N-1)/N payload``): HSDP's exchange across replica groups of one node each, every GPU keeping the
+    shard it holds."""
+    if nodes <= 1:
+        return 0.0
+    return calls * 2 * (nodes - 1) * inter.alpha + 2 * (nodes - 1) / nodes * payload * inter.beta
+
+
 def node_exchange_time(payload: float, nodes: int, gpus_per_node: int, intra: Link, inter: Link,
                        calls: int = 1) -> float:
     """Seconds for ``calls`` all-reduces over the nodes of a ``payload`` every GPU of a node holds alike
-    (hierarchical SLAMB): each GPU's 1/g share over its inter-node ring, all g rings through the node's
-    NIC at once, then an intra all-gather of the shares."""
-    N, g = nodes, gpus_per_node
-    if N <= 1:
+    (hierarchical SLAMB): each GPU's 1/g share over its inter-node ring (:func:`replica_exchange_time`),
+    then an intra all-gather of the shares."""
+    if nodes <= 1:
         return 0.0
-    return (calls * 2 * (N - 1) * inter.alpha + 2 * (N - 1) / N * payload * inter.beta
-            + ring_time("all_gather", payload / g, g, intra, calls))
+    return (replica_exchange_time(payload, nodes, inter, calls)
+            + ring_time("all_gather", payload / gpus_per_node, gpus_per_node, intra, calls))
 
 
-SCOPES = ("all", "intra", "inter")
+SCOPES = ("all", "intra", "inter", "replicas")
 
 
 def collective_time(op: str, payload: float, gpus: int, cluster: Cluster, *, algorithm: str = "hierarchical",
@@ -168,13 +183,17 @@ def collective_time(op: str, payload: float, gpus: int, cluster: Cluster, *, alg
 
     ``scope``: ``"all"`` the GPUs of the job; ``"intra"`` each node's GPUs only (a ring on the intra
     link); ``"inter"`` an all-reduce over the nodes of what a node's GPUs hold alike
-    (:func:`node_exchange_time`)."""
+    (:func:`node_exchange_time`); ``"replicas"`` an all-reduce over the nodes of what a node's GPUs hold
+    as shards, ``payload`` being the node's total (:func:`replica_exchange_time`: HSDP, a replica group
+    per node)."""
     nodes, g = cluster.layout(gpus)
     if scope == "intra":
         return ring_time(op, payload, g, cluster.intra, calls)
-    if scope == "inter":
+    if scope in ("inter", "replicas"):
         if op != "all_reduce":
-            raise ValueError(f"scope='inter' models the all-reduce over nodes, got {op!r}")
+            raise ValueError(f"scope={scope!r} models the all-reduce over nodes, got {op!r}")
+        if scope == "replicas":
+            return replica_exchange_time(payload, nodes, cluster.inter, calls)
         return node_exchange_time(payload, nodes, g, cluster.intra, cluster.inter, calls)
     if scope != "all":
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
@@ -234,7 +253,7 @@ class Collective:
     # bytes per parameter of the buffer DDP cuts into buckets (None: this payload itself): SLAMB's overlapped
     # momentum rides on the gradient buckets, so its last bucket is a share of the gradient's
     bucket_basis_per_param: float | None = None
-    scope: str = "all"  # "all" GPUs, "intra" each node, "inter" the nodes (see collective_time)
+    scope: str = "all"  # "all" GPUs, "intra" each node, "inter" / "replicas" the nodes (see collective_time)
 
     def payload(self, params: float, n: int) -> float:
         scale = self.ref_world / n if self.sharded else 1.0

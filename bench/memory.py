@@ -113,8 +113,11 @@ def _tensors(obj, depth: int = 0, limit: int = 8):
 
 def _storages(tensors, exclude=()) -> dict[int, int]:
     """data pointer -> bytes of each distinct storage among ``tensors`` (not in ``exclude``)."""
+    from slamb.sharding import local
+
     out = {}
     for t in tensors:
+        t = local(t)  # a sharded (FSDP2) tensor: this rank's shard
         if t.device.type == "meta":
             continue
         s = t.untyped_storage()
@@ -454,9 +457,11 @@ def largest_micro_batch(per: dict, params: int, per_sequence: float) -> int:
 
 
 def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, calibration: dict | None = None,
-           held_out: dict | None = None) -> str:
+           held_out: dict | None = None, sharded: dict[str, dict] | None = None) -> str:
     """The page. ``models``: name -> {"params", "hidden", "layers"}; ``calibration``: the GPU's measured
-    activations of BERT-Large (GB by micro-batch); ``held_out``: a size measured apart from the fit."""
+    activations of BERT-Large (GB by micro-batch); ``held_out``: a size measured apart from the fit;
+    ``sharded``: the models of the FSDP2 section (:func:`bench.memory_sharded.render`), with their
+    ``named_shapes``."""
     gb = lambda x: f"{x / 1e9:.1f}"  # noqa: E731
     sizes = " and ".join(f"{n / 1e6:.0f}M" for n in next(iter(per_row.values()))["numel"])
     act_sizes = ", ".join(f"h {q['hidden']} x {q['layers']}" for q in fit["points"])
@@ -584,7 +589,11 @@ def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, 
             "copies and the activations); peak is the largest, fits compares it with the GPU, and the largest "
             f"micro-batch is the largest whose peak fits (sequence {fit['seq']}). Host: the larger of v1's cut "
             "and the loaded optimizer state, per rank (they never overlap: `slamb.load_optimizer` drops the file "
-            "before the step that cuts). Sharding the state (ZeRO) is not modelled.", ""]
+            "before the step that cuts). Sharded parameters, gradients and state: the next section.", ""]
+    if sharded:
+        from bench import memory_sharded
+
+        out += memory_sharded.render(sharded, fit, micro_batch, per_row["slamb_v1"]["first_host"])
     return "\n".join(out)
 
 
@@ -610,6 +619,21 @@ def held_out_point(hidden: int, layers: int, batches=ACT_BATCHES, seq: int = SEQ
             "fixed": got[0]["peak"] - per_token * batches[0] * seq - AUTOCAST_COPY * got[0]["numel"]}
 
 
+def sharded_models() -> dict[str, dict]:
+    """The models of the sharded section: BERT-Large, BERT-XL and a 7B-parameter BERT
+    (:data:`bench.memory_sharded.BERT_7B`), each with its named parameter shapes."""
+    from bench.memory_sharded import BERT_7B
+    from bench.shapes import bert_model_config, bert_named_shapes
+
+    out = {}
+    for label, cfg in (("BERT-Large", bert_model_config("bert_large")), ("BERT-XL", bert_model_config("bert_xl")),
+                       ("BERT-7B", bert_model_config("bert_xl", **BERT_7B))):
+        named = bert_named_shapes(cfg)
+        out[label] = {"params": sum(math.prod(s) for _, s in named), "hidden": cfg["hidden_size"],
+                      "layers": cfg["num_hidden_layers"], "named_shapes": named}
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(OUT))
@@ -623,7 +647,8 @@ def main(argv=None) -> None:
         models[label] = {"params": sum(math.prod(s) for s in MODELS[name]()), "hidden": hidden, "layers": layers}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(per_row, models, fit, configured_micro_batch(), calibration_gb(), held_out))
+    out.write_text(render(per_row, models, fit, configured_micro_batch(), calibration_gb(), held_out,
+                          sharded_models()))
     print(f"wrote {out}")
 
 

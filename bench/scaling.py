@@ -164,6 +164,36 @@ def ledger_profiles(raw: dict) -> dict[str, sc.CommProfile]:
     return out
 
 
+def hsdp_profiles(profiles: dict[str, sc.CommProfile], named_shapes, group: int) -> dict[str, sc.CommProfile]:
+    """HSDP on replica groups of ``group`` GPUs, one node each, for the model of ``named_shapes``
+    (per-parameter bytes, as the ledger's profiles). Inside the node, FSDP2's collectives per unit
+    (``bench.memory_sharded``'s mixed-precision policy): the forward's all-gather (fp16; exposed, the
+    model's overlap window being backward's), backward's re-gather and the gradients' reduce-scatter
+    (fp32), under backward one unit at a time, and the trust ratios' norms (one all-reduce per step,
+    LAMB's two per tensor, SLAMB's four: fresh and stale apart). Across the nodes (``scope="replicas"``):
+    LAMB all-reduces the gradient shards per unit under backward; SLAMB sends its ledger's momentum
+    exchange and parameter syncs instead, each GPU its shard's share."""
+    from bench.memory_sharded import GATHERED, REDUCED, units
+
+    params = sum(math.prod(s) for _, s in named_shapes)
+    unit = max(units(named_shapes).values())  # a collective per unit: its calls, and the last one exposed
+
+    def norms(per_tensor: int) -> sc.Collective:
+        return sc.Collective("all_reduce", 4 * per_tensor * len(named_shapes) / params, scope="intra")
+
+    fsdp = (sc.Collective("all_gather", GATHERED / group, scope="intra"),
+            sc.Collective("all_gather", GATHERED / group, scope="intra", overlappable=True,
+                          bucket_bytes=GATHERED * unit / group),
+            sc.Collective("reduce_scatter", REDUCED, scope="intra", overlappable=True, bucket_bytes=REDUCED * unit))
+    (grads,) = profiles["LAMB"].collectives
+    out = {"HSDP LAMB": sc.CommProfile("HSDP LAMB", fsdp + (norms(2), dataclasses.replace(
+        grads, scope="replicas", bucket_bytes=grads.bytes_per_param * unit, bucket_basis_per_param=None)))}
+    slamb = profiles["SLAMB fp16 (k=0.1, H=100)"]
+    out["HSDP SLAMB"] = sc.CommProfile("HSDP SLAMB", fsdp + (norms(4),) + tuple(
+        dataclasses.replace(c, scope="replicas") for c in slamb.collectives))
+    return out
+
+
 # -- predictions ----------------------------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -371,6 +401,49 @@ def plot_efficiency(curves: dict, path: str):
     plt.close(fig)
 
 
+def hsdp_section(w: Workload, profiles: dict, mixes: dict, cl: dict[str, sc.Cluster], inp: Inputs,
+                 gpus: int = 1024) -> list[str]:
+    """BERT-XL on ``gpus`` GPUs with HSDP (a replica group per node) beside today's DDP rows."""
+    from bench.shapes import bert_model_config, bert_named_shapes
+
+    named = bert_named_shapes(bert_model_config("bert_xl"))
+    a100 = cl["A100 8/node 100G IB"]
+    hsdp = hsdp_profiles(profiles, named, a100.gpus_per_node)
+    rows = {**{k: mixes[k] for k in ("LAMB", "SLAMB", "SLAMB hierarchical")},
+            **{k: [(1.0, v)] for k, v in hsdp.items()}}
+    nodes = gpus // a100.gpus_per_node
+    lines = [f"## HSDP (replica groups of {a100.gpus_per_node}) beside DDP: BERT-XL on {gpus:,} GPUs", "",
+             f"HSDP: FSDP2 shards each replica group's model over the {a100.gpus_per_node} GPUs of a node (NVLink: "
+             "its all-gathers and reduce-scatter), and the replica groups meet over the network: HSDP LAMB "
+             "all-reduces the gradient shards, HSDP SLAMB replaces that with its momentum exchange (fp16, k = 0.1) "
+             "and a parameter sync every H = 100 steps, each GPU carrying its shard's share (`bench.cost_model`'s "
+             "`scope=\"replicas\"`; `hsdp_profiles` has the collectives). n is then the number of replica "
+             f"groups, {nodes}, as for hierarchical SLAMB. The DDP rows are the tables' above. Compute as above; "
+             "FSDP2's re-gather and reduce-scatter hide under backward but their last unit's, the forward's "
+             "all-gather is counted exposed (an upper bound). Bytes per step, syncs amortised, in ledger terms (the "
+             "payload handed to the collectives; an all-reduce's ring puts 2 (N-1)/N of it on the wire): inside "
+             "the node, per GPU; across nodes, what each node's NIC carries (DDP's hierarchical all-reduce: the "
+             "node's reduced gradient).", "",
+             "| cluster | optimizer | step s | efficiency vs 1 GPU (vs one node) | inside the node, per GPU (MB) "
+             "| through each node's NIC (MB) |", "|---|---|---:|---|---:|---:|"]
+    for name, c in cl.items():
+        if c.gpus_per_node != a100.gpus_per_node:
+            continue  # a replica group per node of 8
+        curves = efficiency_curves(w, rows, c, inp)
+        for opt, mix in rows.items():
+            step, eff1, eff_node = curves[opt][gpus]
+            inside = across = 0.0
+            for weight, prof in mix:
+                for col in prof.collectives:
+                    payload = weight * col.payload(w.params, gpus) / col.every
+                    # a job-wide (DDP) all-reduce runs inside the node and, reduced, through its NIC
+                    inside += payload if col.scope in ("intra", "all") else 0.0
+                    across += payload if col.scope != "intra" else 0.0
+            lines.append(f"| {name} | {opt} | {step:.3f} | {pct(eff1)} ({pct(eff_node)}) | {inside / 1e6:,.0f} | "
+                         f"{across / 1e6:,.0f} |")
+    return lines + [""]
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--netbench", default=os.path.join(ROOT, "results", "netbench_raw.json"))
@@ -430,7 +503,8 @@ def main(argv=None):
               "BERT-XL: a <1% overestimate there).", "",
               "| profile | collective | bytes/param (ledger payload) | every | overlaps backward | over |",
               "|---|---|---:|---:|---|---|"]
-    scopes = {"all": "all GPUs", "intra": "each node's GPUs", "inter": "the nodes, 1/g per GPU"}
+    scopes = {"all": "all GPUs", "intra": "each node's GPUs", "inter": "the nodes, 1/g per GPU",
+              "replicas": "the nodes, each GPU its shard's"}
     for name, prof in profiles.items():
         for c in prof.collectives:
             lines.append(f"| {name} | {c.op}{' (1/n shard)' if c.sharded else ''} | "
@@ -523,6 +597,7 @@ def main(argv=None):
         lines.append(f"| Swin-B, 128 GPUs, {s_name}: hours | {swin_hours[(s_name, list(swin_mixes)[1])]:.2f} | "
                      f"{swin_hours[(s_name, list(swin_mixes)[2])]:.2f} |")
     lines.append("")
+    lines += hsdp_section(workloads["BERT-XL"], profiles, mixes, cl, inp)
     # Which inputs move the BERT-XL claim: one input changed at a time
     def xl_1024(**changes):
         alt = dataclasses.replace(inp, **changes)

@@ -22,17 +22,27 @@ def bert_shapes(size: str = "base", layers: int | None = None) -> list[tuple[int
     return [tuple(p.shape) for p in model.parameters()]
 
 
+def bert_model_config(config: str, **overrides) -> dict:
+    """``configs/model/<config>.yaml`` as a dict, with ``overrides`` (another size of the same model)."""
+    from omegaconf import OmegaConf
+
+    return {**OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{config}.yaml"), resolve=True), **overrides}
+
+
+def bert_named_shapes(cfg: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of each parameter of the pre-training model of ``cfg`` as ``bert.train`` builds it (the
+    tied decoder once, as ``named_parameters`` gives it)."""
+    from bert.model import build_model
+
+    with torch.device("meta"):
+        model = build_model(cfg)
+    return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+
+
 def bert_config_shapes(name: str) -> list[tuple[int, ...]]:
     """The pre-training model of ``configs/model/<name>.yaml`` (``bert_large``, ``bert_xl``), as
     ``bert.train`` builds it."""
-    from omegaconf import OmegaConf
-
-    from bert.model import build_model
-
-    cfg = OmegaConf.to_container(OmegaConf.load(CONFIGS / "model" / f"{name}.yaml"), resolve=True)
-    with torch.device("meta"):
-        model = build_model(cfg)
-    return [tuple(p.shape) for p in model.parameters()]
+    return [shape for _, shape in bert_named_shapes(bert_model_config(name))]
 
 
 def resnet110_shapes() -> list[tuple[int, ...]]:

@@ -33,7 +33,7 @@ try:
 except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
-__all__ = ["local", "is_sharded", "sharded_topology", "shard_offsets", "reduce_squares", "shard_model",
+__all__ = ["local", "is_sharded", "sharded_topology", "chunk_rows", "shard_offsets", "reduce_squares", "shard_model",
            "prepare_fsdp", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
@@ -85,6 +85,15 @@ def sharded_topology(params, process_group=None) -> MeshTopology | None:
     return mesh_topology(meshes.pop(), dims.pop())
 
 
+def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
+    """``(first row, rows)`` of shard ``index`` of ``rows`` rows cut into ``shards`` as ``torch.chunk`` cuts
+    (and FSDP2 with it): chunks of ceil(rows / shards) rows, the last ones shorter or empty. Every rank's
+    storage is padded to the first chunk's rows."""
+    size = math.ceil(rows / shards) if rows else 0
+    start = min(index * size, rows)
+    return start, min(size, rows - start)
+
+
 def shard_offsets(p) -> tuple[int, int]:
     """``(global numel, offset)``: where this rank's shard of ``p`` starts in the whole tensor, flattened.
 
@@ -94,10 +103,9 @@ def shard_offsets(p) -> tuple[int, int]:
         return p.numel(), 0
     d = _shard_dim(p)
     mesh, rows = p.device_mesh, p.shape[0]
-    size = math.ceil(rows / mesh.size(d)) if rows else 0
-    start = min(mesh.get_local_rank(d) * size, rows)
+    start, n = chunk_rows(rows, mesh.size(d), mesh.get_local_rank(d))
     mine = local(p)
-    if mine.shape[0] != min(size, rows - start) or tuple(mine.shape[1:]) != tuple(p.shape[1:]):
+    if mine.shape[0] != n or tuple(mine.shape[1:]) != tuple(p.shape[1:]):
         raise ValueError(f"a DTensor parameter of shape {tuple(p.shape)} whose shard has shape {tuple(mine.shape)}: "
                          "SLAMB and LAMB take FSDP2's dim-0 shards (torch.chunk's cut)")
     return p.numel(), start * (p.numel() // rows if rows else 0)

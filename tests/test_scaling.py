@@ -75,6 +75,51 @@ def test_hierarchical_slamb_exchange_by_hand():
         sc.collective_time("all_reduce", 1.0, 8, cluster, scope="rack")
 
 
+def test_hsdp_replica_exchange_by_hand():
+    # HSDP over 2 nodes x 4 GPUs, a node's 100 MB held as 4 shards of 25 MB: each GPU sends its shard over its
+    # own ring, the 4 rings share the NIC: 2*1*10us + 2*1/2*1e8*8e-10 = 0.08002, and each keeps its result
+    # (no intra all-gather: hierarchical SLAMB's exchange less its 7.65e-4)
+    assert sc.replica_exchange_time(1e8, 2, NET) == pytest.approx(0.08002, rel=1e-12)
+    assert sc.node_exchange_time(1e8, 2, 4, NVL, NET) - sc.replica_exchange_time(1e8, 2, NET) == pytest.approx(
+        sc.ring_time("all_gather", 2.5e7, 4, NVL), rel=1e-9)
+    cluster = sc.Cluster("test", 4, NVL, NET)
+    assert sc.collective_time("all_reduce", 1e8, 8, cluster, scope="replicas") == pytest.approx(0.08002, rel=1e-12)
+    assert sc.collective_time("all_reduce", 1e8, 4, cluster, scope="replicas") == 0.0  # one replica group
+    with pytest.raises(ValueError, match="scope"):
+        sc.collective_time("reduce_scatter", 1.0, 8, cluster, scope="replicas")
+
+
+@pytest.mark.e2e
+def test_hsdp_profiles_from_the_ledger_and_fsdp_bytes():
+    from bench.memory_sharded import units
+    from bench.scaling import hsdp_profiles, ledger_profiles
+    from bench.shapes import bert_model_config, bert_named_shapes
+
+    with open(os.path.join(ROOT, "results", "comm_volume_raw.json")) as f:
+        profiles = ledger_profiles(json.load(f))
+    named = bert_named_shapes(bert_model_config("bert_xl"))
+    params, unit = sum(math.prod(s) for _, s in named), max(units(named).values())
+    hsdp = hsdp_profiles(profiles, named, 8)
+    (grads,) = profiles["LAMB"].collectives
+    momentum, sync = profiles["SLAMB fp16 (k=0.1, H=100)"].collectives
+    for name, across in (("HSDP LAMB", [dataclasses.replace(grads, scope="replicas", bucket_bytes=4.0 * unit)]),
+                         ("HSDP SLAMB", [dataclasses.replace(c, scope="replicas") for c in (momentum, sync)])):
+        cols = hsdp[name].collectives
+        inside = [c for c in cols if c.scope == "intra"]
+        # FSDP2 inside the node: two fp16 all-gathers of a GPU's 1/8 block and the fp32 reduce-scatter (4.5 bytes
+        # per parameter), and one all-reduce of the norms (LAMB 2, SLAMB 4 fp32 per tensor)
+        assert sum(c.bytes_per_param for c in inside[:3]) == pytest.approx(2 * 2 / 8 + 4)
+        assert inside[3].bytes_per_param * params == pytest.approx((8 if name == "HSDP LAMB" else 16) * len(named))
+        assert [c for c in cols if c.scope != "intra"] == [dataclasses.replace(c, bucket_basis_per_param=None)
+                                                           for c in across]
+    # 1,024 GPUs, 128 nodes x 8: SLAMB's replica exchanges are the hand-summed parts
+    cluster = sc.Cluster("c", 8, NVL, NET)
+    got = sum(sc.collective_time(c.op, c.payload(params, 1024), 1024, cluster, scope=c.scope) / c.every
+              for c in hsdp["HSDP SLAMB"].collectives if c.scope == "replicas")
+    assert got == pytest.approx(sc.replica_exchange_time(momentum.bytes_per_param * params, 128, NET)
+                                + sc.replica_exchange_time(sync.bytes_per_param * params, 128, NET) / 100, rel=1e-12)
+
+
 def test_cluster_layout_and_links():
     cluster = sc.Cluster("c", 8, NVL, NET)
     assert cluster.layout(4) == (1, 4) and cluster.layout(64) == (8, 8)
@@ -269,6 +314,11 @@ def test_command_with_and_without_bench_file(tmp_path, capsys):
     assert main(["--netbench", str(tmp_path / "absent.json"), "--out", str(out)]) is None
     assert "does not exist yet" in out.read_text() and "does not exist yet" in capsys.readouterr().out
     assert (tmp_path / "scaling_efficiency.png").stat().st_size > 0
+    # the committed page's HSDP section is this command's (it does not depend on the bench file)
+    def hsdp(text):
+        return text.split("## HSDP", 1)[1].split("\n## ", 1)[0]
+    with open(os.path.join(ROOT, "results", "scaling.md")) as f:
+        assert hsdp(f.read()) == hsdp(out.read_text())
 
     bench = tmp_path / "netbench_raw.json"
     reference = dict(synthetic_records()[0], rate_mbit=None, status="ok")  # unshaped run: a compute figure only
