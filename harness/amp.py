@@ -173,7 +173,8 @@ class MixedPrecision:
 
 def accumulation_context(model: torch.nn.Module, last_micro_batch: bool):
     """DDP's ``no_sync()`` on the non-final micro-batches (gradients accumulate locally, one
-    all-reduce per optimizer step); a no-op for models DDP does not wrap (one worker)."""
+    all-reduce per optimizer step); a no-op for models DDP does not wrap (one worker), and for FSDP2 modules,
+    which reduce-scatter every micro-batch: holding the whole gradients back would undo the memory sharding saves."""
     if last_micro_batch or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

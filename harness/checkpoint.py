@@ -61,7 +61,8 @@ from .distributed import DistEnv, barrier
 from .parallel import is_fsdp
 from .run import RunLogger
 from .seeding import rng_state, set_rng_state
-from .settings import INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration
+from .settings import (INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration,
+                       with_added_settings)
 
 LATEST, COMPLETE = "latest.json", "complete.json"
 SHARDED = "dcp"  # the folder of a checkpoint that holds a sharded run's model and optimizer
@@ -142,6 +143,7 @@ def check_settings(saved: dict | None, current: dict, where) -> None:
     """
     if saved is None:  # written before settings were recorded
         return
+    saved = with_added_settings(saved)
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, ()) != current.get(k, ())]
     if changed:
         def shown(settings):

@@ -34,7 +34,7 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
 __all__ = ["local", "is_sharded", "sharded_topology", "shard_offsets", "reduce_squares", "shard_model",
-           "prepare_fsdp", "full_state_dict", "refuse_sharded", "check_state_shapes"]
+           "prepare_fsdp", "reshard", "full_state_dict", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
 SHARDED_OPTIMIZERS = "SLAMB or LAMB"
@@ -122,6 +122,13 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     except ImportError:
         return []
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards: a forward without backward (an evaluation) leaves the
+    root's parameters gathered, as plain tensors in place of the DTensors the optimizer holds."""
+    for m in fsdp_modules(model):
+        m.reshard()
 
 
 def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch.nn.Module:
