@@ -18,7 +18,8 @@ and ``optimizer.step()``:
 
 Gradient clipping (``clip_grad``) acts on the unscaled gradients: averaged
 ones under DDP, each rank's local ones under SLAMB (whose update is computed
-from local moments). :func:`accumulation_context` is the ``no_sync`` of
+from local moments); under FSDP/HSDP each replica's, the norm summed over its
+shards (DTensor's own reduction). :func:`accumulation_context` is the ``no_sync`` of
 DDP on the non-final micro-batches of an accumulated step.
 
 An optimizer that exchanges during backward (SLAMB with ``overlap=True``)

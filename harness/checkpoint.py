@@ -178,6 +178,7 @@ class Checkpointer:
         self.keep = keep
         self.inputs = inputs
         self.settings = settings
+        self.folder: Path | None = None  # the checkpoint load() returned
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
