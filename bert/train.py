@@ -205,7 +205,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True)
 
 
 if __name__ == "__main__":

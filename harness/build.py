@@ -180,27 +180,29 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
-def check_settings(cfg: dict) -> None:
+def check_settings(cfg: dict, *, shards: bool = False) -> None:
     """Every check made before any worker starts (``ValueError``: one line naming the setting), then
     the one-line notice on stderr of a ``trainer.device=auto`` that falls back to the CPU (rank 0 only,
-    where torchrun or SLURM run this in every worker)."""
+    where torchrun or SLURM run this in every worker). ``shards``: the pipeline takes
+    ``trainer.parallelism=fsdp|hsdp``."""
     t = cfg["trainer"]
     check_trainer(t)
     check_optimizer(cfg["optimizer"])
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     world_size = planned_world_size(t["nproc_per_node"])
     check_data(cfg.get("data") or {}, world_size)
-    check_parallelism(cfg, world_size)
+    check_parallelism(cfg, world_size, shards)
     check_inputs_exist(cfg)
     if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg):
+def run_from_hydra(worker, cfg, *, shards: bool = False):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
-    spawn or submitit import it instead of unpickling a function of ``__main__``.
+    spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
+    ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
 
     The job's run directory is Hydra's output directory, locked while the job writes it. With
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
@@ -231,7 +233,7 @@ def run_from_hydra(worker, cfg):
         sys.exit(2)
 
     try:
-        check_settings(container)
+        check_settings(container, shards=shards)
     except ValueError as e:
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir

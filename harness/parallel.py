@@ -73,9 +73,10 @@ def _one_rank_mesh():
         dist.destroy_process_group()
 
 
-def check_parallelism(cfg: dict, world_size: int) -> None:
-    """Clear errors, before any worker starts, for a ``trainer.parallelism`` the run cannot have: a shard size
-    that does not divide the workers, or an optimizer (or one of its settings) that takes no sharded parameters.
+def check_parallelism(cfg: dict, world_size: int, shards: bool) -> None:
+    """Clear errors, before any worker starts, for a ``trainer.parallelism`` the run cannot have: a pipeline
+    that does not shard (``shards`` False), a shard size that does not divide the workers, or an optimizer (or
+    one of its settings) that takes no sharded parameters.
 
     The optimizer decides: it is built from its config on FSDP2 parameters of a one-rank mesh and refuses
     them as it would in the workers (``fused``, ``overlap``, ``hierarchy``, the optimizers other than SLAMB
@@ -87,6 +88,9 @@ def check_parallelism(cfg: dict, world_size: int) -> None:
     shard_groups(parallelism, shard_size, world_size)
     if parallelism == "ddp":
         return
+    if not shards:
+        raise ValueError(f"invalid trainer.parallelism={parallelism}: this pipeline trains full replicas only; "
+                         "bert.train and swin.train shard. Set trainer.parallelism=ddp")
     if cfg.get("init_optimizer_from"):
         raise ValueError(f"invalid trainer.parallelism={parallelism} with init_optimizer_from: an earlier phase's "
                          "optimizer continues under trainer.parallelism=ddp only; set init_optimizer_from=null (a "

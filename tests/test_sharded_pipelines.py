@@ -168,7 +168,7 @@ def test_hsdp_slamb_swin_trains_and_evaluates_the_average(runs):
 def test_settings_that_cannot_shard_are_refused_before_any_worker_in_one_line(overrides, match, tmp_path):
     cfg = compose_bert("trainer.device=cpu", f"data.dir={tmp_path}", *overrides)
     with pytest.raises(ValueError) as e:
-        check_settings(cfg)
+        check_settings(cfg, shards=True)
     line = user_error(e.value, cfg["optimizer"])
     assert "\n" not in line and re.search(match, line), line
 
@@ -176,7 +176,7 @@ def test_settings_that_cannot_shard_are_refused_before_any_worker_in_one_line(ov
 def test_sharded_settings_that_fit_pass_the_checks(tmp_path):
     for overrides in (["trainer.parallelism=hsdp", "trainer.shard_size=4", "experiment=bert/phase1_slamb"],
                       ["trainer.parallelism=fsdp", "experiment=bert/phase1_lamb"]):
-        check_settings(compose_bert("trainer.device=cpu", f"data.dir={tmp_path}", *overrides))
+        check_settings(compose_bert("trainer.device=cpu", f"data.dir={tmp_path}", *overrides), shards=True)
 
 
 def test_a_ddp_checkpoint_and_an_hsdp_run_refuse_each_other_and_older_runs_are_ddp():
@@ -198,3 +198,22 @@ def test_a_ddp_checkpoint_and_an_hsdp_run_refuse_each_other_and_older_runs_are_d
     older_cfg = compose_bert()
     del older_cfg["trainer"]["parallelism"], older_cfg["trainer"]["shard_size"]
     assert same_configuration(older_cfg, ddp) and not same_configuration(older_cfg, hsdp)
+
+
+@pytest.mark.multiprocess
+def test_the_command_refuses_an_optimizer_that_cannot_shard_in_one_line_and_exit_2(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    run_dir = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "bert.train", "experiment=bert/phase1_onebit_lamb",
+                           "trainer.parallelism=hsdp", "trainer.shard_size=2", "trainer.nproc_per_node=4",
+                           "trainer.device=cpu", f"data.dir={tmp_path}", f"hydra.run.dir={run_dir}"],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("error: invalid trainer.parallelism=hsdp for optimizer=onebit_lamb: OnebitLamb "
+                                  "takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path of SLAMB or "
+                                  "LAMB does; fix: trainer.parallelism=ddp"), done.stderr
+    assert not (run_dir / "meta.json").exists()
