@@ -26,6 +26,14 @@ def build_model(cfg) -> torch.nn.Module:
     return BertForPreTraining(bert_config(cfg))
 
 
+def shard_blocks() -> tuple[type, ...]:
+    """The modules sharded as one FSDP2 unit each (``trainer.parallelism=fsdp|hsdp``): the transformer layers;
+    the embeddings, the pooler and the heads (the MLM decoder tied to the word embeddings) go with the root."""
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    return (BertLayer,)
+
+
 def load_pretrained(path, cfg) -> torch.nn.Module:
     """The ``BertForPreTraining`` saved in the local directory ``path``, which must have ``cfg``'s shape."""
     from pathlib import Path

@@ -47,9 +47,10 @@ import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
+from slamb.sharding import full_state_dict
 
 from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards, load_shard, to_batch
-from .model import build_model, load_pretrained
+from .model import build_model, load_pretrained, shard_blocks
 
 # per-period sums, kept on the device (no host sync per step)
 LOSS, MLM_CORRECT, MLM_COUNT, NSP_CORRECT, NSP_COUNT, MICRO = range(6)
@@ -118,11 +119,13 @@ def validation_metrics(model, batches: list[dict], amp) -> dict:
 
 @torch.no_grad()
 def export_model(model, optimizer, env, out_dir: Path, vocab: Path | None) -> None:
-    """Rank 0 saves the ranks' average model in Hugging Face format (with the vocabulary when known)."""
+    """Rank 0 saves the ranks' average model in Hugging Face format (with the vocabulary when known); a sharded
+    model's average is over its replicas, gathered to whole tensors."""
     if optimizer.params_differ:
         slamb.average_model(model)  # the run's model: one model's bytes once, outside the training ledger
+    state = full_state_dict(harness.unwrap(model))  # collective under FSDP/HSDP
     if env.is_main:
-        harness.unwrap(model).save_pretrained(str(out_dir))
+        harness.unwrap(model).save_pretrained(str(out_dir), state_dict=state)
         if vocab is not None and vocab.is_file():
             shutil.copyfile(vocab, out_dir / "vocab.txt")
     harness.barrier()
@@ -145,10 +148,10 @@ def train(cfg: dict, run_dir: str) -> dict:
                                seed=cfg.seed, seq_len=d.seq_len)
     steps_per_epoch = cfg.get("steps_per_epoch") or max(1, sum(stream.lengths) // d.global_batch)
 
-    model = initial_model(cfg).to(env.device)
-    optimizer = harness.build_optimizer(model, plain["optimizer"])
     # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
-    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
+    model, optimizer = harness.distribute(initial_model(cfg).to(env.device), t, env, blocks=shard_blocks(),
+                                          build_optimizer=lambda m: harness.build_optimizer(m, plain["optimizer"]),
+                                          forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, 1, cfg.steps)
     amp = MixedPrecision(t.precision, env.device, optimizer=optimizer, **cfg.loss_scale)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -202,7 +205,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True)
 
 
 if __name__ == "__main__":

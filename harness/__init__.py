@@ -17,12 +17,14 @@
 * :mod:`.loop`: what every training loop shares (resume, the schedules of the optimizer contract,
   evaluation of the ranks' averaged model, period logging, checkpoint cadence, the run summary);
 * :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
+* :mod:`.parallel`: ``trainer.parallelism``, DDP or FSDP/HSDP (per-layer sharding on the run's mesh);
 * :mod:`.tables`: results tables and plots from run directories.
 """
 from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import Checkpointer, open_run, restore_training, save_training, unwrap
 from .data import ShardedBatches, eval_shard
 from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums
+from .parallel import distribute
 from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
 from .run import RunLogger, comm_metrics, comm_totals, git_revision
 from .seeding import seed_everything
@@ -34,5 +36,5 @@ __all__ = [
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",
-    "seed_everything", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums",
+    "seed_everything", "distribute", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums",
 ]

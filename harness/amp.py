@@ -18,7 +18,8 @@ and ``optimizer.step()``:
 
 Gradient clipping (``clip_grad``) acts on the unscaled gradients: averaged
 ones under DDP, each rank's local ones under SLAMB (whose update is computed
-from local moments). :func:`accumulation_context` is the ``no_sync`` of
+from local moments); under FSDP/HSDP each replica's, the norm summed over its
+shards (DTensor's own reduction). :func:`accumulation_context` is the ``no_sync`` of
 DDP on the non-final micro-batches of an accumulated step.
 
 An optimizer that exchanges during backward (SLAMB with ``overlap=True``)
@@ -173,7 +174,8 @@ class MixedPrecision:
 
 def accumulation_context(model: torch.nn.Module, last_micro_batch: bool):
     """DDP's ``no_sync()`` on the non-final micro-batches (gradients accumulate locally, one
-    all-reduce per optimizer step); a no-op for models DDP does not wrap (one worker)."""
+    all-reduce per optimizer step); a no-op for models DDP does not wrap (one worker), and for FSDP2 modules,
+    which reduce-scatter every micro-batch: holding the whole gradients back would undo the memory sharding saves."""
     if last_micro_batch or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
     return model.no_sync()

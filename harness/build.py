@@ -17,6 +17,7 @@ from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
 from .distributed import (WILL_RECUR_EXIT, WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
+from .parallel import PARALLELISMS, check_parallelism
 from .settings import check_count
 
 RESUME = ("auto", "never")
@@ -44,6 +45,7 @@ def check_trainer(t) -> None:
     check_count("trainer.max_restarts", t["max_restarts"], minimum=0)
     check_choice("trainer.precision", t["precision"], PRECISIONS)
     check_choice("trainer.resume", t["resume"], RESUME)
+    check_choice("trainer.parallelism", t["parallelism"], PARALLELISMS)
     for key in ("tf32", "cudnn_benchmark"):
         if not isinstance(t[key], bool):
             raise ValueError(f"invalid trainer.{key}={t[key]!r}: must be true or false")
@@ -164,6 +166,9 @@ def user_error(error: ValueError, ocfg: dict) -> str:
         fix = f"drop {unknown[1]} or correct its name (configs/trainer/default.yaml)"
     elif message.startswith("unknown setting"):
         fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
+    elif key == "trainer.parallelism" and "sharded" in message:
+        fix = ("trainer.parallelism=ddp, or the optimizer and settings the message names (optimizer=slamb or "
+               "optimizer=lamb)")
     elif key and key.startswith("trainer."):
         fix = f"set {key} to an allowed value (command line or configs/trainer/default.yaml)"
     elif key and key.startswith("data."):
@@ -175,25 +180,29 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
-def check_settings(cfg: dict) -> None:
+def check_settings(cfg: dict, *, shards: bool = False) -> None:
     """Every check made before any worker starts (``ValueError``: one line naming the setting), then
     the one-line notice on stderr of a ``trainer.device=auto`` that falls back to the CPU (rank 0 only,
-    where torchrun or SLURM run this in every worker)."""
+    where torchrun or SLURM run this in every worker). ``shards``: the pipeline takes
+    ``trainer.parallelism=fsdp|hsdp``."""
     t = cfg["trainer"]
     check_trainer(t)
     check_optimizer(cfg["optimizer"])
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
-    check_data(cfg.get("data") or {}, planned_world_size(t["nproc_per_node"]))
+    world_size = planned_world_size(t["nproc_per_node"])
+    check_data(cfg.get("data") or {}, world_size)
+    check_parallelism(cfg, world_size, shards)
     check_inputs_exist(cfg)
     if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg):
+def run_from_hydra(worker, cfg, *, shards: bool = False):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
-    spawn or submitit import it instead of unpickling a function of ``__main__``.
+    spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
+    ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
 
     The job's run directory is Hydra's output directory, locked while the job writes it. With
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
@@ -224,7 +233,7 @@ def run_from_hydra(worker, cfg):
         sys.exit(2)
 
     try:
-        check_settings(container)
+        check_settings(container, shards=shards)
     except ValueError as e:
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir

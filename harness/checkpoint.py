@@ -7,6 +7,10 @@ Layout under ``<run_dir>/ckpt/``::
     step000000480/rank{r}.pt     every rank: optimizer state, its ledger, its RNG
                                  streams, and its model when parameters differ by rank
     step000000480/*.pt.sha256    each file's sha256 (``sha256sum -c`` format), checked before it is loaded
+    step000000480/dcp/           FSDP/HSDP runs (``trainer.parallelism``): the model and optimizer state through
+                                 ``torch.distributed.checkpoint`` (:func:`slamb.save_sharded`: each rank its
+                                 shards, each SLAMB replica its own), in place of the model and
+                                 optimizer entries of the ``.pt`` files
     step000000480/complete.json  written once every rank's file is on disk: the folder is usable
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
@@ -51,13 +55,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import slamb
 from .atomic import atomic_torch_save, atomic_write_json, verified_torch_load
 from .distributed import DistEnv, barrier
+from .parallel import is_fsdp
 from .run import RunLogger
 from .seeding import rng_state, set_rng_state
-from .settings import INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration
+from .settings import (INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration,
+                       with_added_settings)
 
 LATEST, COMPLETE = "latest.json", "complete.json"
+SHARDED = "dcp"  # the folder of a checkpoint that holds a sharded run's model and optimizer
 # settings a resumed run may change: its length (an extended run continues where the shorter one stopped) and
 # Swin's time_breakdown (device syncs that split the step time: what is measured, not computed). Every other
 # setting of what the run computes must match the checkpoint's (see check_settings).
@@ -135,6 +143,7 @@ def check_settings(saved: dict | None, current: dict, where) -> None:
     """
     if saved is None:  # written before settings were recorded
         return
+    saved = with_added_settings(saved)
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, ()) != current.get(k, ())]
     if changed:
         def shown(settings):
@@ -169,6 +178,7 @@ class Checkpointer:
         self.keep = keep
         self.inputs = inputs
         self.settings = settings
+        self.folder: Path | None = None  # the checkpoint load() returned
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
@@ -192,14 +202,18 @@ class Checkpointer:
                     continue
         return found
 
-    def save(self, progress: dict, shared: dict, per_rank: dict) -> Path:
-        """Write one checkpoint; ``progress`` (json-able; must hold ``step``) goes in ``latest.json``."""
+    def save(self, progress: dict, shared: dict, per_rank: dict, write=None) -> Path:
+        """Write one checkpoint; ``progress`` (json-able; must hold ``step``) goes in ``latest.json``.
+        ``write(folder)``: what every rank writes beside its file (collective; a sharded run's DCP entries),
+        before the checkpoint is declared complete."""
         name = f"step{int(progress['step']):09d}"
         folder = self.dir / name
         folder.mkdir(parents=True, exist_ok=True)
         atomic_torch_save(per_rank, folder / f"rank{self.env.rank}.pt")
         if self.env.is_main:
             atomic_torch_save({"progress": progress, **shared}, folder / "shared.pt")
+        if write is not None:
+            write(folder)
         barrier()  # every rank's file is on disk before the checkpoint is declared complete
         if self.env.is_main:
             record = {"world_size": self.env.world_size, **progress}
@@ -226,7 +240,8 @@ class Checkpointer:
         return loaded, None
 
     def load(self) -> tuple[dict, dict, dict] | None:
-        """(progress, shared, this rank's) of the newest checkpoint every rank can read, or None."""
+        """(progress, shared, this rank's) of the newest checkpoint every rank can read, or None; its folder
+        is ``self.folder`` after."""
         candidates = self.complete()
         if not candidates:
             return None
@@ -244,6 +259,7 @@ class Checkpointer:
             why = next((w for w in whys if w is not None), None)
             if why is None:
                 shared = loaded["shared"]
+                self.folder = self.dir / entry["dir"]
                 return shared.pop("progress"), shared, loaded["mine"]
             if i + 1 == len(candidates):
                 raise RuntimeError(why)
@@ -254,16 +270,20 @@ class Checkpointer:
 
 def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, scheduler=None, extra=None) -> Path:
     """Checkpoint a training loop: model, optimizer (+ ledger), scheduler, RNG streams, progress."""
-    model_sd = unwrap(model).state_dict()
+    module = unwrap(model)
+    sharded = is_fsdp(module)
     per_rank_model = optimizer.params_differ  # the contract: SLAMB between syncs
     shared = {"scheduler": scheduler.state_dict() if scheduler is not None else None, "extra": extra}
-    per_rank = {"optimizer": optimizer.state_dict(), "ledger": optimizer.ledger.state_dict(), "rng": rng_state()}
-    (per_rank if per_rank_model else shared)["model"] = model_sd
-    if not per_rank_model:
+    per_rank = {"ledger": optimizer.ledger.state_dict(), "rng": rng_state()}
+    if not sharded:
+        per_rank["optimizer"] = optimizer.state_dict()
+        (per_rank if per_rank_model else shared)["model"] = module.state_dict()
+    if sharded or not per_rank_model:
         # floating buffers (BatchNorm statistics) are each rank's own under every optimizer: the pipelines
-        # do not broadcast them per forward, and the evaluated model averages them
-        per_rank["buffers"] = {k: v for k, v in unwrap(model).named_buffers() if v.is_floating_point()}
-    return ckpt.save(progress, shared, per_rank)
+        # do not broadcast them per forward, and the evaluated model averages them (DCP keeps one copy)
+        per_rank["buffers"] = {k: v for k, v in module.named_buffers() if v.is_floating_point()}
+    write = (lambda folder: slamb.save_sharded(module, optimizer, folder / SHARDED)) if sharded else None
+    return ckpt.save(progress, shared, per_rank, write)
 
 
 def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) -> tuple[dict, object] | None:
@@ -272,10 +292,14 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) ->
     if loaded is None:
         return None
     progress, shared, mine = loaded
-    unwrap(model).load_state_dict(mine["model"] if "model" in mine else shared["model"])
+    module = unwrap(model)
+    if is_fsdp(module):  # after wrap_model, as load_sharded needs
+        slamb.load_sharded(module, optimizer, ckpt.folder / SHARDED)
+    else:
+        module.load_state_dict(mine["model"] if "model" in mine else shared["model"])
+        optimizer.load_state_dict(mine["optimizer"])
     if mine.get("buffers"):
-        unwrap(model).load_state_dict(mine["buffers"], strict=False)
-    optimizer.load_state_dict(mine["optimizer"])
+        module.load_state_dict(mine["buffers"], strict=False)
     # torch.optim optimizers keep the ledger outside their state_dict: cumulative bytes survive resume here
     optimizer.ledger.load_state_dict(mine["ledger"])
     if scheduler is not None:

@@ -37,6 +37,10 @@ NOT_COMPUTED = {
 # what two runs may differ in and still be one configuration
 OPERATIONAL_KEYS = tuple(k for k, kind in NOT_COMPUTED.items() if kind in (OPERATIONAL, LABEL))
 INPUT_KEYS = tuple(k for k, kind in NOT_COMPUTED.items() if kind == INPUT)
+# settings added after runs were recorded, with the value those runs computed with: a saved config or
+# checkpoint without one is the same configuration as a config that sets it to this value (their resume and
+# their finished runs are found again, rather than refused or trained over)
+ADDED_SETTINGS = {"trainer.parallelism": "ddp", "trainer.shard_size": None}
 # settings whose value is a length that must be at least 1 (an empty schedule trains nothing)
 SCHEDULE_KEYS = ("epochs", "steps", "log_every", "trainer.checkpoint.every")
 
@@ -83,10 +87,15 @@ def flatten(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
+def with_added_settings(flat: dict) -> dict:
+    """Flattened settings with the :data:`ADDED_SETTINGS` they lack, at their earlier runs' values."""
+    return {**ADDED_SETTINGS, **flat}
+
+
 def effective_config(cfg: dict, drop: tuple[str, ...] = ()) -> dict:
     """The flattened settings of ``cfg`` that determine what a run computes (less those under ``drop``)."""
     skip = OPERATIONAL_KEYS + tuple(drop)
-    return {k: v for k, v in flatten(cfg).items() if not covers(skip, k)}
+    return {k: v for k, v in with_added_settings(flatten(cfg)).items() if not covers(skip, k)}
 
 
 def same_configuration(a: dict, b: dict) -> bool:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .sharding import local, sharded_topology
+from .sharding import local, reshard, sharded_topology
 
 
 def _floating(tensors) -> list[torch.Tensor]:
@@ -69,6 +69,7 @@ def _averaged_together(model: torch.nn.Module, process_group, buffers: bool) -> 
     """``[(tensors, group)]``: a sharded (FSDP2) model's shards are averaged with the ranks holding the same
     shard (its replicas), its buffers (not sharded) over every rank."""
     module = getattr(model, "module", model)
+    reshard(module)
     shards = sharded_topology(list(module.parameters()))
     if shards is None:
         return [(model_tensors(model, buffers=buffers), process_group)]

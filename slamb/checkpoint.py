@@ -28,7 +28,7 @@ import torch
 
 from . import comm
 from .contract import rank_stamp
-from .sharding import is_sharded, local
+from .sharding import is_sharded, local, reshard
 from .topology import MeshTopology, whole_group
 
 __all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]
@@ -189,6 +189,7 @@ def _shard_of(t: torch.Tensor, whole: torch.Size, mesh):
 
 
 def _param_names(model, optimizer) -> list[str]:
+    reshard(model)  # the optimizer's DTensors are the model's parameters again after an evaluation's forward
     names = {id(p): n for n, p in model.named_parameters()}
     params = [p for g in optimizer.param_groups for p in g["params"]]
     if any(id(p) not in names for p in params):

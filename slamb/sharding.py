@@ -34,7 +34,7 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
 __all__ = ["local", "is_sharded", "sharded_topology", "chunk_rows", "shard_offsets", "reduce_squares", "shard_model",
-           "prepare_fsdp", "refuse_sharded", "check_state_shapes"]
+           "prepare_fsdp", "reshard", "full_state_dict", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
 SHARDED_OPTIMIZERS = "SLAMB or LAMB"
@@ -132,6 +132,13 @@ def fsdp_modules(model: torch.nn.Module) -> list:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit of ``model`` back to its shards: a forward without backward (an evaluation) leaves the
+    root's parameters gathered, as plain tensors in place of the DTensors the optimizer holds."""
+    for m in fsdp_modules(model):
+        m.reshard()
+
+
 def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch.nn.Module:
     """``fully_shard`` each block of ``model`` (bottom-up: each gathers and frees its parameters as one unit),
     then the root, which takes the rest; returns ``model``.
@@ -208,6 +215,19 @@ def _reduce_over_shards_only(module, topology: MeshTopology) -> None:
         elif not isinstance(info, FSDPMeshInfo):
             raise ValueError("slamb.wrap_model: SLAMB takes FSDP2 modules sharded by fully_shard (FSDP or HSDP), "
                              f"not {type(info).__name__}")
+
+
+def full_state_dict(model: torch.nn.Module) -> dict:
+    """``model``'s state dict as whole CPU tensors on rank 0 (``{}`` on the other ranks), for an export
+    (``save_pretrained(directory, state_dict=...)``). Collective for an FSDP2 module: each DTensor is gathered
+    over its shard dimension (``DTensor.full_tensor``, one tensor at a time, so no rank holds two copies of
+    the model on its device) and moved to the CPU; replicas are taken to be equal, so average them first
+    (:func:`slamb.average_model`). An unsharded model's own state dict, on every rank."""
+    if not fsdp_modules(model):
+        return model.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 def check_state_shapes(name: str, params, states) -> None:

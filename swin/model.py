@@ -28,6 +28,14 @@ def build_model(cfg) -> torch.nn.Module:
         raise ValueError(f"invalid model config for {arch}: {e}") from None
 
 
+def shard_blocks() -> tuple[type, ...]:
+    """The modules sharded as one FSDP2 unit each (``trainer.parallelism=fsdp|hsdp``): the Swin blocks (window
+    attention and MLP); the patch embedding, the patch merging layers and the head go with the root."""
+    from timm.models.swin_transformer import SwinTransformerBlock
+
+    return (SwinTransformerBlock,)
+
+
 def image_size(model: torch.nn.Module) -> int:
     """The square input size the model was built for (``model.patch_embed.img_size``)."""
     size = model.patch_embed.img_size

@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-import slamb
 import harness
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
@@ -91,7 +90,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     # timm (and the wandb it imports) here, in the workers: 1-3 s that a command refused by its settings
     # check, before any worker starts, would otherwise spend
     from .data import build_loaders, mixup_and_loss
-    from .model import build_model, image_size
+    from .model import build_model, image_size, shard_blocks
 
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
@@ -111,11 +110,12 @@ def train(cfg: dict, run_dir: str) -> dict:
     global_batch = d.micro_batch * env.world_size * accum
     ocfg = dict(plain["optimizer"])
     ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
-    optimizer = harness.build_optimizer(model, ocfg)
+    # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
+    model, optimizer = harness.distribute(model, t, env, blocks=shard_blocks(),
+                                          build_optimizer=lambda m: harness.build_optimizer(m, ocfg),
+                                          forward_sync_buffers=False)
     amp = MixedPrecision(t.precision, env.device, optimizer=optimizer)  # an overlapping SLAMB needs the loss scale
     params = [p for p in model.parameters() if p.requires_grad]
-    # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
-    model = slamb.wrap_model(model, optimizer, forward_sync_buffers=False)
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
@@ -151,7 +151,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True)
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
                                      "optimizer.compress_ratio to an allowed value (command line or "
                                      "configs/optimizer/slamb.yaml)"),
     ("optimizer.name=adam", "unknown optimizer 'adam'; known: ['adamw', "),
+    ("trainer.parallelism=fsdp", "invalid trainer.parallelism=fsdp: this pipeline trains full replicas only; "
+                                 "bert.train and swin.train shard. Set trainer.parallelism=ddp"),
     pytest.param("trainer.device=cuda", f"invalid trainer.device='cuda': no usable CUDA device (torch built for CUDA "
                  f"{torch.version.cuda or 'none (a CPU build)'}, NVIDIA driver ",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here")),
