@@ -164,7 +164,7 @@ def largest_micro_batch(row: str, named_shapes, shards: int, per_sequence: float
 
 
 def goal(models: dict[str, dict]) -> dict:
-    """The issue's goal, computed: each of :data:`GOAL`'s rows' resident bytes at its shard size."""
+    """The memory goal, computed: each of :data:`GOAL`'s rows' resident bytes at its shard size."""
     shapes = models[GOAL["model"]]["named_shapes"]
     got = {row: per_gpu(row, shapes, GOAL["shard"])["resident"] for row in GOAL["rows"]}
     return {"resident": got, "met": all(v <= GOAL["bytes"] for v in got.values())}

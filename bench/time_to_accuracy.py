@@ -9,8 +9,8 @@ Emulated hosts (:class:`bench.netns.Cluster`: network namespaces, veth pairs, ``
 run the study's digits recipe (ResNet-8, 40 epochs, x0.1 at 20 and 30, 64 images per worker and step;
 :func:`bench.netbench.run_overrides`) with LAMB, SLAMB and 1-bit LAMB, every seed, at a link rate where
 LAMB is communication-bound. One LAMB run on an unlimited link first measures the compute-only step, so
-that the page can say how communication-bound LAMB is at the set rate (the issue's bar: its communication
-at least 2x its compute).
+that the page can say how communication-bound LAMB is at the set rate (the bar: its communication at
+least 2x its compute).
 
 The time of a run is its training time (the pipeline's ``epoch_time_s``, evaluation left out, which is
 the same work for every row) summed until the averaged model's test top-1 first reaches the target:
@@ -152,7 +152,7 @@ def render(record: dict) -> str:
 
 
 def public(record: dict) -> dict:
-    """The json the issue names: target and one entry per run (histories kept beside, for the times)."""
+    """The page's json: target and one entry per run (histories kept beside, for the times)."""
     return {"target_top1": record["target_top1"], "verdict": verdict(record)[1],
             "runs": [{"optimizer": r["optimizer"], "seed": r["seed"], "hosts": record["hosts"],
                       "rate_mbit": record["rate_mbit"], "time_to_target_s": r["time_to_target_s"],
