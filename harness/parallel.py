@@ -125,12 +125,11 @@ def distribute(model: torch.nn.Module, trainer, env, *, blocks, build_optimizer,
     mesh under FSDP/HSDP, the optimizer ``build_optimizer(model)`` built on its (sharded) parameters, and
     :func:`slamb.wrap_model` giving it its communication; under DDP, ``ddp_kwargs`` go to DDP."""
     mesh = device_mesh(trainer, env)
-    if mesh is None:
-        optimizer = build_optimizer(model)
-        return slamb.wrap_model(model, optimizer, **ddp_kwargs), optimizer
-    slamb.shard_model(model, mesh, blocks=tuple(blocks))
+    if mesh is not None:
+        slamb.shard_model(model, mesh, blocks=tuple(blocks))
+        ddp_kwargs = {}
     optimizer = build_optimizer(model)
-    return slamb.wrap_model(model, optimizer), optimizer
+    return slamb.wrap_model(model, optimizer, **ddp_kwargs), optimizer
 
 
 def is_fsdp(model: torch.nn.Module) -> bool:
