@@ -48,8 +48,16 @@ from .topology import MeshTopology, NodeTopology
 # a collective's kind, or the kinds of a packed buffer's runs in order: ((kind, entries), ...)
 Kind = str | tuple[tuple[str, int], ...]
 
-# newer torch names all_gather_into_tensor all_gather_single and warns on the old name; 2.11 has only the old
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# newer torch names all_gather_into_tensor all_gather_single (reduce_scatter_tensor reduce_scatter_single) and
+# warns on the old names; 2.11 has only the old ones. Looked up at each call, as torch's own callers do, so
+# a wrapper installed on torch.distributed (a profiler, a test's byte counter) sees these calls too.
+def _all_gather_single(*args, **kwargs):
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter_single(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
+
 
 __all__ = [
     "CommLedger",

@@ -15,6 +15,12 @@ local shard and compute on the local tensors; what a whole tensor decides is sum
 The workers are the replicas (:class:`slamb.topology.MeshTopology`): SLAMB's momentum exchange and
 parameter syncs run over the replicate dimension, each rank with the ranks holding its shard.
 
+FSDP's own collectives go to the optimizer's ledger too (:func:`prepare_fsdp`): its parameter all-gathers
+and gradient reduce-scatters at level ``"shard"``, as kinds of their own (``"fsdp_all_gather"``,
+``"fsdp_reduce_scatter"``: what sharding costs whatever the optimizer, kept apart from the kinds that
+compare optimizers), and under HSDP with a data-parallel optimizer its gradient all-reduce over the
+replicas (``"grads"``, level ``"replicate"``, as DDP's), so the ledger holds what crosses each mesh dimension.
+
 :func:`shard_model` calls ``fully_shard`` per block and on the root; :func:`slamb.wrap_model` on such
 a module makes its gradient reduction the one the optimizer needs (:func:`prepare_fsdp`).
 """
@@ -176,10 +182,52 @@ def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
         raise ValueError(f"slamb.wrap_model got an FSDP2 module for {type(optimizer).__name__}, which takes no "
                          f"sharded parameters; {SHARDED_OPTIMIZERS} does")
     _broadcast_replicas(model, topology)
-    if optimizer.communication != GRADIENT_ALLREDUCE:
-        for m in fsdp_modules(model):
+    dense = optimizer.communication == GRADIENT_ALLREDUCE
+    for m in fsdp_modules(model):
+        if not dense:
             _reduce_over_shards_only(m, topology)
+        _record_fsdp_collectives(m, optimizer.ledger, replicas=topology.replicate if dense else None)
     return model
+
+
+def _record_fsdp_collectives(module, ledger: comm.CommLedger, *, replicas) -> None:
+    """Route ``module``'s all-gathers and reduce-scatters through ledgered ones (FSDP2's public custom
+    collectives), and where FSDP all-reduces over ``replicas`` (HSDP under a data-parallel optimizer; a
+    process group, or None) record that all-reduce, which FSDP runs itself, from the hook it calls after.
+
+    An all-gather of a module in eval mode is not recorded: the ledger holds the training steps' traffic,
+    and an evaluation between two steps would otherwise count in the next one (and not survive a resume,
+    which saves the ledger's finished steps)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+    class _LedgeredAllGather(AllGather):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            if module.training:
+                _record_at_shard(ledger, "fsdp_all_gather", "all_gather", input_tensor, group)
+            return comm._all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
+
+    class _LedgeredReduceScatter(ReduceScatter):
+        def allocate(self, size, *, dtype, device):
+            return torch.empty(*size, dtype=dtype, device=device)
+
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            _record_at_shard(ledger, "fsdp_reduce_scatter", "reduce_scatter", input_tensor, group)
+            return comm._reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
+
+    module.set_custom_all_gather(_LedgeredAllGather())
+    module.set_custom_reduce_scatter(_LedgeredReduceScatter())
+    if replicas is not None:
+        n = dist.get_world_size(replicas)
+        module.set_all_reduce_hook(
+            lambda reduced: ledger.record("grads", "all_reduce", reduced.numel() * reduced.element_size(), n,
+                                          level="replicate"))
+
+
+def _record_at_shard(ledger, kind: str, op: str, tensor: torch.Tensor, group) -> None:
+    ledger.record(kind, op, tensor.numel() * tensor.element_size(), dist.get_world_size(group), level="shard")
 
 
 @torch.no_grad()

@@ -80,14 +80,11 @@ class Traffic:
         for name in self.NAMES:
             self.saved[name] = getattr(dist, name)
             setattr(dist, name, self._wrap(name, self.saved[name], 1 if name.endswith("_single") else 0))
-        self.saved["slamb"] = comm._all_gather_single
-        comm._all_gather_single = self._wrap("all_gather_single", comm._all_gather_single, 1)
         return self
 
     def __exit__(self, *exc):
         for name in self.NAMES:
             setattr(dist, name, self.saved[name])
-        comm._all_gather_single = self.saved["slamb"]
 
 
 def masks_of(opt):
@@ -150,22 +147,28 @@ def flat_slamb(rank, cfg, peers):
 
 
 def lamb_run(rank, model, steps=STEPS):
+    """The whole parameters after ``steps``, the last step's ledger, the run's ledger totals and the bytes
+    handed to each collective during the steps."""
     opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
     wrapped = slamb.wrap_model(model, opt)
-    for t in range(1, steps + 1):
-        opt.zero_grad(set_to_none=True)
-        loss_of(wrapped, rank, t).backward()
-        opt.step()
+    with Traffic() as traffic:
+        for t in range(1, steps + 1):
+            opt.zero_grad(set_to_none=True)
+            loss_of(wrapped, rank, t).backward()
+            opt.step()
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
-    return [p.detach().clone() for p in params], opt.comm_stats()["last_step"]
+    return [p.detach().clone() for p in params], opt.comm_stats()["last_step"], opt.comm_stats()["total"], \
+        traffic.bytes
 
 
 def lamb_runs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     blocks = (torch.nn.Linear, torch.nn.LayerNorm)
-    fsdp, stats = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)), blocks=blocks))
-    hsdp = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks))[0]
-    return {"fsdp": fsdp, "hsdp": hsdp, "ddp": lamb_run(rank, make_model())[0], "norms": stats.get("norms")}
+    fsdp, stats, _, _ = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)),
+                                                        blocks=blocks))
+    hsdp, _, total, traffic = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks))
+    return {"fsdp": fsdp, "hsdp": hsdp, "ddp": lamb_run(rank, make_model())[0], "norms": stats.get("norms"),
+            "hsdp_total": total, "hsdp_traffic": traffic}
 
 
 def refusals():
@@ -248,6 +251,27 @@ def test_fsdp_and_hsdp_lamb_equal_ddp_lamb(runs):
     assert runs[0]["lamb"]["norms"]["levels"]["shard"]["calls"] == 1  # one all-reduce of the norms per step
 
 
+def test_hsdp_lamb_ledger_holds_fsdps_collectives_by_mesh_dimension(runs):
+    """FSDP's own all-gathers, reduce-scatters and HSDP all-reduce are in LAMB's ledger at the level of the
+    mesh dimension they cross, byte for byte what the collectives are handed."""
+    for r in runs:
+        rank = r["rank"]
+        replicas = tuple(rank % S + S * i for i in range(R))
+        shard = tuple(range(rank - rank % S, rank - rank % S + S))
+        crossed = {}
+        for (op, ranks), nbytes in r["lamb"]["hsdp_traffic"].items():
+            key = "replicate" if ranks == replicas else "shard" if ranks == shard else "world"
+            crossed[key, op] = crossed.get((key, op), 0) + nbytes
+        total = r["lamb"]["hsdp_total"]
+        level = {lv: sum(v.get("levels", {}).get(lv, {}).get("payload", 0) for k, v in total.items() if k != "all")
+                 for lv in ("replicate", "shard")}
+        assert crossed["replicate", "all_reduce"] == total["grads"]["levels"]["replicate"]["payload"] \
+            == level["replicate"] > 0
+        assert crossed["shard", "all_gather_single"] == total["fsdp_all_gather"]["levels"]["shard"]["payload"] > 0
+        assert crossed["shard", "reduce_scatter_single"] == total["fsdp_reduce_scatter"]["payload"] > 0
+        assert sum(b for (key, _), b in crossed.items() if key == "shard") == level["shard"]
+
+
 def test_replicate_dimension_carries_exactly_the_ledger(runs):
     for r in runs:
         rank = r["rank"]
@@ -264,10 +288,16 @@ def test_replicate_dimension_carries_exactly_the_ledger(runs):
                 crossed[key, op] = crossed.get((key, op), 0) + nbytes
             # across the replicas: the exchange and the syncs, nothing else (FSDP's gradient all-reduce is off)
             assert sum(b for (key, _), b in crossed.items() if key == "replicate") == ledger["replicate"], crossed
-            # inside the replica: FSDP's all-gathers and reduce-scatters, and the norms (4 per tensor, one call)
-            assert crossed["shard", "all_reduce"] == ledger["shard"] == STEPS * 4 * 8 * 8
+            # inside the replica: FSDP's all-gathers and reduce-scatters, and the norms (4 per tensor, one call),
+            # every one of them in the ledger at level "shard"
             assert {op for key, op in crossed if key == "shard"} == {"all_reduce", "all_gather_single",
                                                                      "reduce_scatter_single"}
+            assert sum(b for (key, _), b in crossed.items() if key == "shard") == ledger["shard"], crossed
+            assert crossed["shard", "all_reduce"] == STEPS * 4 * 8 * 8
+            kinds = ("norms", "fsdp_all_gather", "fsdp_reduce_scatter")
+            by_kind = {k: sum(s[k]["levels"]["shard"]["payload"] for s in stats) for k in kinds}
+            assert by_kind == dict(zip(kinds, (crossed["shard", op] for op in ("all_reduce", "all_gather_single",
+                                                                                "reduce_scatter_single"))))
             assert crossed["world", "all_reduce"] == ledger["world"]  # the step's decision, 4 bytes
             for s in stats:
                 assert s["norms"]["calls"] == 1

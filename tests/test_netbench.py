@@ -159,6 +159,13 @@ def test_hosts_with_several_processes_settings():
     assert f"optimizer.start_powerSGD_iter={netbench.cifar_steps_per_epoch(4)}" in ov
     job = {"pipeline": "cifar10", "hosts": 2, "rate_mbit": 10.0, "optimizer": netbench.HIER, "procs_per_host": 2}
     assert netbench.run_tag(job) == "cifar10_2h2p_10m_SLAMBhierarchical"
+    # HSDP rows: BERT only, a host's processes are its replica's shards
+    ov = netbench.run_overrides("bert", "HSDP SLAMB", 2, 8, Path("d"), Path("r"), vocab_size=100, procs=2)
+    assert {"trainer.parallelism=hsdp", "trainer.shard_size=2", "data.global_batch=64"} <= set(ov)
+    for argv, match in ((["--pipelines", "bert", "--bert-optimizers", "HSDP SLAMB"], "--procs-per-host >= 2"),
+                        (["--procs-per-host", "2", "--optimizers", "HSDP LAMB"], "no cifar10 run")):
+        with pytest.raises(SystemExit):
+            netbench.parse_args(argv)
 
 
 @needs_netns
@@ -192,3 +199,32 @@ def test_hierarchical_slamb_on_hosts_with_two_processes(tmp_path):
         assert r["link_tx_payload_bytes_per_step"] == pytest.approx(inter + world, rel=0.05)
         assert r["lo_tx_payload_bytes_per_step"] == pytest.approx(intra, rel=0.05)
     assert "| cifar10 | 2 x 2 | 50 | SLAMB hierarchical |" in out.read_text()
+
+
+@needs_netns
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+@pytest.mark.netns
+def test_hsdp_rows_send_across_hosts_what_the_ledger_records_at_the_replicate_level(tmp_path):
+    """2 hosts x 2 processes, BERT sharded inside each host (HSDP): the veth carries the ledger's
+    replicate-level bytes (LAMB's gradient all-reduce; SLAMB's momentum exchange and syncs, about 8x
+    fewer), FSDP's all-gathers and reduce-scatters stay on the loopback, in the ledger at level shard."""
+    out = tmp_path / "hsdp.md"
+    env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
+    res = subprocess.run([sys.executable, "-m", "bench.netbench", "--procs-per-host", "2", "--pipelines", "bert",
+                          "--bert-hosts", "2", "--bert-rates", "50", "--bert-steps", "8", "--bert-optimizers",
+                          *netbench.HSDP, "--check-rates", "--out", str(out)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    records = {(r["optimizer"], r["rate_mbit"]): r for r in json.loads((tmp_path / "hsdp_raw.json").read_text())}
+    assert set(records) == {(row, rate) for row in netbench.HSDP for rate in (None, 50)}
+    for r in records.values():
+        levels = r["host_ledger_levels_per_step"]
+        assert r["status"] == "ok" and set(levels) <= {"replicate", "shard", "world"}
+        across = levels["replicate"]["wire"] + levels.get("world", {}).get("wire", 0.0)
+        assert r["link_tx_payload_bytes_per_step"] == pytest.approx(across, rel=0.05)
+        # inside: the ring's bytes of FSDP's collectives, which gloo's 2-rank reduce-scatter doubles
+        assert levels["shard"]["wire"] < r["lo_tx_payload_bytes_per_step"] < 2 * levels["shard"]["wire"]
+    lamb, slamb = (records[row, 50]["host_ledger_levels_per_step"]["replicate"]["wire"] for row in netbench.HSDP)
+    assert 5 * slamb < lamb
+    assert "HSDP SLAMB / HSDP LAMB step time" in out.read_text()

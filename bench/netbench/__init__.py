@@ -6,6 +6,8 @@
     python -m bench.netbench --render-only                     # netbench.md and plots from the raw JSON
     python -m bench.netbench --hosts 2 --procs-per-host 2 --rates 10 --pipelines cifar10 \
         --out results/netbench_hierarchical.md                  # hosts of 2 processes: hierarchical SLAMB's rows
+    python -m bench.netbench --procs-per-host 2 --pipelines bert --bert-hosts 2 --bert-rates 10 \
+        --bert-optimizers "HSDP LAMB" "HSDP SLAMB" --out results/netbench_hsdp.md   # FSDP2 inside each host
 
 Only the full matrix (every setting at its default) writes ``results/``; ``--quick`` and any other
 partial matrix write to ``runs/netbench/`` unless ``--out`` names a page, so that a quick check never
@@ -13,7 +15,8 @@ replaces the committed results. The raw JSON and the plots are named after the p
 
 With ``--procs-per-host P`` each host runs P processes (``--nproc-per-node P``): their traffic inside
 the host crosses the namespace's loopback, the traffic between hosts its shaped veth, and both
-interfaces' counters are recorded beside the ledger's bytes by level (``intra``, ``inter``, ``world``).
+interfaces' counters are recorded beside the ledger's bytes by level (``intra``, ``inter``, ``world``;
+the HSDP rows' ``shard`` and ``replicate``, FSDP2's own collectives included).
 
 For each host count N a :class:`bench.netns.Cluster` of N network namespaces
 on a switch namespace is created; for each link rate (and an unlimited link,
@@ -56,14 +59,14 @@ from __future__ import annotations
 # (the namespaces' torchruns), analysis (a run's numbers), report (page and plots), cli (settings, main)
 from .analysis import RECORD_KEYS, analyse_run, complete, fill_compute_times, reanalyse, target_checks, time_to
 from .cli import FULL_OUT, SCRATCH_OUT, main, parse_args
-from .config import (BERT_MICRO, CIFAR_BATCH, DEFAULT_ROWS, HIER, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, TRAIN_IMAGES,
+from .config import (BERT_MICRO, CIFAR_BATCH, DEFAULT_ROWS, HIER, HSDP, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, TRAIN_IMAGES,
                      UNLIMITED, WORKER_FLAG, Settings, cifar_steps_per_epoch, model_name, plan, prepare_data,
                      run_overrides, run_tag)
 from .report import multi_proc_section, render
 from .runs import launch_run, run_matrix
 from .worker import interface_counters, tcp_snmp, worker_main
 
-__all__ = ["BERT_MICRO", "CIFAR_BATCH", "DEFAULT_ROWS", "FULL_OUT", "HIER", "MULTI_PROC_ROWS", "PIPELINES", "RECORD_KEYS",
+__all__ = ["BERT_MICRO", "CIFAR_BATCH", "DEFAULT_ROWS", "FULL_OUT", "HIER", "HSDP", "MULTI_PROC_ROWS", "PIPELINES", "RECORD_KEYS",
            "ROOT", "ROWS", "SCRATCH_OUT", "TRAIN_IMAGES", "UNLIMITED", "WORKER_FLAG", "Settings", "analyse_run",
            "cifar_steps_per_epoch", "complete", "fill_compute_times", "interface_counters", "launch_run", "main",
            "model_name", "multi_proc_section", "parse_args", "plan", "prepare_data", "reanalyse", "render",

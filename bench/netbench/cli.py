@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from .analysis import reanalyse
-from .config import DEFAULT_ROWS, HIER, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, WORKER_FLAG, Settings, plan
+from .config import DEFAULT_ROWS, HIER, HSDP, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, WORKER_FLAG, Settings, plan
 from .report import _rate, render
 from .runs import run_matrix
 from .worker import worker_main
@@ -89,6 +89,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     rows = {*a.optimizers, *(a.bert_optimizers if "bert" in a.pipelines else []), *(a.reduced_optimizers if max(a.hosts) >= a.reduce_from else [])}
     if HIER in rows and a.procs_per_host < 2:
         p.error(f"--optimizers '{HIER}' needs --procs-per-host >= 2 (with one process per host it is flat SLAMB)")
+    for pipeline, chosen in (("cifar10", {*a.optimizers, *(a.reduced_optimizers if max(a.hosts) >= a.reduce_from
+                                                            else [])}),
+                             ("bert", set(a.bert_optimizers))):
+        missing = sorted(r for r in chosen if pipeline not in ROWS[r])
+        if pipeline in a.pipelines and missing:
+            p.error(f"rows {missing} have no {pipeline} run (the CIFAR-10 pipeline does not shard): pass them with "
+                    f"--bert-optimizers and --pipelines bert")
+    if rows & set(HSDP) and a.procs_per_host < 2:
+        p.error(f"rows {sorted(rows & set(HSDP))} shard each host's replica over its processes: give "
+                "--procs-per-host >= 2")
     for name in ("hosts", "bert_hosts", "tta_hosts"):
         bad = [n for n in getattr(a, name) if not 2 <= n <= 64]
         if bad:

@@ -15,6 +15,8 @@ UNLIMITED = None
 # LAMB's row settings (its warm-up, freeze_step, is set per run to 20% of the steps as in bert.demo), DGC takes
 # the SGD-M demo row's (lr 0.03, momentum 0.9, wd 1e-4) with DGC's own density 0.001 and 4-epoch warm-up.
 HIER = "SLAMB hierarchical"
+# rows sharded with FSDP2 inside each host (HSDP: trainer.shard_size = the processes of a host), BERT only
+HSDP = ("HSDP LAMB", "HSDP SLAMB")
 ROWS = {
     "LAMB": {"cifar10": ["experiment=cifar10/demo_lamb"],
              "bert": ["experiment=bert/phase1_lamb"]},
@@ -52,6 +54,12 @@ ROWS = {
                            "optimizer.lr=0.01", "optimizer.weight_decay=1.0e-4", "optimizer.sync_interval=10"],
                "bert": ["optimizer=diloco", "name=netbench_bert_diloco", "optimizer.inner=lamb",
                         "optimizer.sync_interval=10", "optimizer.weight_decay=0.01"]},
+    # HSDP (--procs-per-host > 1): each host holds one replica of the model, sharded over its processes; the
+    # shard dimension's all-gathers and reduce-scatters stay inside the host, what crosses the hosts is LAMB's
+    # gradient all-reduce over the replicas, or SLAMB's momentum exchange and model syncs
+    "HSDP LAMB": {"bert": ["experiment=bert/phase1_lamb", "trainer.parallelism=hsdp"]},
+    "HSDP SLAMB": {"bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
+                            "optimizer.min_compress_numel=2000", "trainer.parallelism=hsdp"]},
 }
 # the rows of the default matrix (one process per host)
 DEFAULT_ROWS = ["LAMB", "SLAMB", "SLAMB+overlap", "1-bit LAMB", "DGC"]
@@ -107,6 +115,8 @@ def run_overrides(pipeline: str, row: str, hosts: int, length: int, data_dir: Pa
     workers = hosts * procs
     if row == HIER:
         common.append(f"optimizer.local_world_size={procs}")
+    if row in HSDP:
+        common.append(f"trainer.shard_size={procs}")
     if pipeline == "cifar10":
         e = length
         spe = cifar_steps_per_epoch(workers)

@@ -5,7 +5,7 @@ import math
 from pathlib import Path
 
 from .analysis import target_checks
-from .config import BERT_MICRO, CIFAR_BATCH, HIER, PIPELINES, ROWS, TRAIN_IMAGES, cifar_steps_per_epoch
+from .config import BERT_MICRO, CIFAR_BATCH, HIER, HSDP, PIPELINES, ROWS, TRAIN_IMAGES, cifar_steps_per_epoch
 
 
 def _fmt(v, spec=".3g", none="–"):
@@ -61,7 +61,12 @@ def render(raw: dict, out_md: Path) -> list[Path]:
             f"{procs}` (a host is one SLAMB worker: its gradients averaged densely inside the host, the momentum "
             "exchange and model syncs across hosts, local rank l carrying the l-th chunk); PowerSGD: the SGD-M demo "
             "row's settings with rank-1 factors from the second epoch on (timing runs); DiLoCo: LAMB's row settings "
-            "for the inner optimizer, H = 10 local steps, outer Nesterov SGD (lr 0.7, momentum 0.9)."),
+            "for the inner optimizer, H = 10 local steps, outer Nesterov SGD (lr 0.7, momentum 0.9).")
+         + ("" if not any(r["optimizer"] in HSDP for r in records) else
+            f" {' and '.join(HSDP)}: the LAMB and SLAMB rows with `trainer.parallelism=hsdp trainer.shard_size={procs}` "
+            "(FSDP2 shards each host's replica of the model over its processes, per BERT layer; the hosts are the "
+            "replicas: LAMB's gradient all-reduce, or SLAMB's momentum exchange and model syncs, cross the hosts, "
+            "FSDP's all-gathers and reduce-scatters stay inside them)."),
          "",
          "## How the numbers are measured", "",
          "- **Step time**: the pipeline's own training time (evaluation excluded) over the logged periods (epochs for "
@@ -184,6 +189,17 @@ def render(raw: dict, out_md: Path) -> list[Path]:
     return [out_md, *plots]
 
 
+# the ledger's levels that cross the hosts, and those that stay inside one (a host is a node of the hierarchical
+# row, a replica of the HSDP rows)
+ACROSS, INSIDE = ("inter", "replicate"), ("intra", "shard")
+
+
+def _level_sum(levels: dict, names) -> float | None:
+    """The wire bytes of ``levels`` summed over ``names``; None where the run recorded none of them."""
+    got = [levels[k]["wire"] for k in names if k in levels]
+    return sum(got) if got else None
+
+
 def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
     """Hosts with several processes: step times against flat SLAMB's, inter-host bytes against the ledger."""
     ok = [r for r in records if r["status"] == "ok" and (r.get("procs_per_host") or 1) > 1]
@@ -215,7 +231,7 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
     for r in sorted(ok, key=lambda r: (r["pipeline"], r["hosts"], r["rate_mbit"] or math.inf,
                                        list(ROWS).index(r["optimizer"]))):
         lv = r.get("host_ledger_levels_per_step", {})
-        inter, world, intra = (lv.get(k, {}).get("wire") for k in ("inter", "world", "intra"))
+        inter, world, intra = (_level_sum(lv, names) for names in (ACROSS, ("world",), INSIDE))
         flat = by.get((r["pipeline"], r["hosts"], r["rate_mbit"], "SLAMB"))
         cross = (inter or 0) + (world or 0)
         L.append(f"| {r['pipeline']} | {r['hosts']} x {r['procs_per_host']} | {_rate(r['rate_mbit'])} | "
@@ -234,6 +250,13 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
     for (pipeline, n, rate, _), x in sorted(ratios, key=lambda t: (t[0][0], t[0][1], t[0][2] or math.inf)):
         L.append(f"- {pipeline}, {n} hosts x {by[(pipeline, n, rate, HIER)]['procs_per_host']} processes, "
                  f"{f'{rate:g} Mbit/s' if rate else 'unlimited link'}: {HIER} / flat SLAMB step time = **{x:.3f}**.")
+    for pipeline, n, rate, _ in sorted((k for k in by if k[3] == HSDP[1] and (*k[:3], HSDP[0]) in by),
+                                       key=lambda k: (k[0], k[1], k[2] or math.inf)):
+        slamb, lamb = by[(pipeline, n, rate, HSDP[1])], by[(pipeline, n, rate, HSDP[0])]
+        L.append(f"- {pipeline}, {n} hosts x {slamb['procs_per_host']} processes, "
+                 f"{f'{rate:g} Mbit/s' if rate else 'unlimited link'}: {HSDP[1]} / {HSDP[0]} step time = "
+                 f"**{slamb['step_time_s'] / lamb['step_time_s']:.3f}**, bytes across the hosts (veth payload) "
+                 f"**{slamb['link_tx_payload_bytes_per_step'] / lamb['link_tx_payload_bytes_per_step']:.3f}**.")
     silent = [r for r in ok if r["host_ledger_wire_bytes_per_step"] == 0]
     if silent:
         L += ["", "No collective in the measured steps (– in the ledger columns): "
@@ -247,7 +270,14 @@ def multi_proc_section(records: list[dict], meta: dict) -> list[str]:
           "crosses the hosts on every second edge, so the veth carries about half the host's world-level bytes "
           "(column `veth / (ledger inter + world)`, more where gloo's per-message framing of many small "
           "collectives adds to it). The hierarchical row sends across hosts only its `inter` level, which the veth "
-          "counters match, and its dense gradient average stays on the loopback.", ""]
+          "counters match, and its dense gradient average stays on the loopback."
+          + ("" if not any(r["optimizer"] in HSDP for r in ok) else
+             " The HSDP rows' levels are FSDP2's mesh dimensions: `replicate` (across hosts) counts as `inter`, "
+             "`shard` (FSDP's all-gathers and reduce-scatters, and the trust ratios' sums of squares) as `intra`; "
+             "each is in the optimizer's ledger, FSDP's own collectives included. The ledger's wire bytes are the "
+             "bandwidth-optimal ring's; gloo's reduce-scatter sends its whole input on 2 ranks (1.00x per rank, "
+             "measured on the loopback, against the ring's 0.5x), so `lo / ledger intra` is above 1 there, by the "
+             "reduce-scatter's share."), ""]
     return L
 
 
@@ -295,11 +325,11 @@ def _plots(records: list[dict], out_dir: Path, prefix: str = "netbench") -> list
             if any((r.get("procs_per_host") or 1) > 1 for r in shaped):
                 # per host: what crosses the hosts (ledger levels inter + world, veth) and what stays inside
                 def level(r, *names):
-                    return sum(r["host_ledger_levels_per_step"].get(k, {}).get("wire", 0.0) for k in names)
+                    return _level_sum(r["host_ledger_levels_per_step"], names) or 0.0
 
-                bars = [("ledger inter + world", lambda r: level(r, "inter", "world")),
+                bars = [("ledger across + world", lambda r: level(r, *ACROSS, "world")),
                         ("veth payload", lambda r: r["link_tx_payload_bytes_per_step"]),
-                        ("ledger intra", lambda r: level(r, "intra")),
+                        ("ledger inside", lambda r: level(r, *INSIDE)),
                         ("loopback payload", lambda r: r["lo_tx_payload_bytes_per_step"])]
             else:
                 bars = [("ledger wire", lambda r: r["ledger_wire_bytes_per_step"]),
