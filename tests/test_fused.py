@@ -211,18 +211,15 @@ def test_lamb_fused_equals_lamb_foreach():
     assert not torch.equal(runs[True][0], init_params()[0].float())
 
 
-def test_runs_of_the_same_shapes_share_a_graph():
-    """30 tensors of one shape compile two graphs per pass (runs of 12, 12 and 6 tensors), and v2's mask draw
-    one (a single chunk), and match the reference."""
+def test_a_step_is_one_graph_per_pass_whatever_the_number_of_tensors():
+    """30 tensors of three shapes compile one graph per pass, and v2's mask draw one (a single chunk), and match
+    the reference."""
     from torch._dynamo.utils import counters
 
-    from slamb.optim.fused import CHUNK
-
-    assert CHUNK == 12
     runs = {}
     for kw in (dict(fused=True), dict(foreach=False)):
         gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(10, 10, generator=gen)) for _ in range(30)]
+        params = [torch.nn.Parameter(torch.randn(10, 10 + i % 3, generator=gen)) for i in range(30)]
         opt = slamb.SLAMB(params, lr=0.01, weight_decay=0.01, min_compress_numel=50, compress_ratio=0.3, **kw)
         graphs = counters["stats"]["unique_graphs"]
         for t in range(3):
@@ -230,9 +227,22 @@ def test_runs_of_the_same_shapes_share_a_graph():
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
         runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
-    assert runs[True][1] == 4 + 1 and runs[False][1] == 0
+    assert runs[True][1] == 2 + 1 and runs[False][1] == 0
     for a, b in zip(runs[True][0], runs[False][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_age_reads_and_writes_every_int16_counter_through_fp16_bits_exactly():
+    """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits, fused.age_bits
+    writes those bits back; the mark SELECTED reads as NaN."""
+    from slamb.optim.fused import MAX_AGE, SELECTED, age_bits, age_of, compile_once
+
+    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16)
+    for read, write in ((age_of, age_bits), (compile_once(age_of), compile_once(age_bits))):
+        ages = read(counters.view(torch.float16))
+        assert torch.equal(ages, torch.arange(MAX_AGE + 1, dtype=torch.float32))
+        assert torch.equal(write(ages).view(torch.int16), counters)
+        assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16).view(torch.float16))).all()
 
 
 def test_each_compiled_graph_has_its_own_recompile_limit():
@@ -253,45 +263,59 @@ def test_each_compiled_graph_has_its_own_recompile_limit():
     assert counters["stats"]["unique_graphs"] - graphs == 10
 
 
+def resume_on(paths, saved, params, steps, **kw):
+    """Each path's parameters and int16 ages after ``saved`` is loaded into it and ``steps`` run."""
+    ends = {}
+    for path in paths:
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw, **path)
+        opt.load_state_dict(saved)
+        advance(resumed, opt, steps)
+        ends["fused" if path else "foreach"] = (resumed, [s["staleness"] for s in opt.state_dict()["state"].values()])
+    return ends
+
+
+def aged(saved, age):
+    """``saved`` with every positive age moved to ``age`` minus it: the entries of a long run."""
+    for s in saved["state"].values():
+        assert s["staleness"].dtype == torch.int16
+        s["staleness"] = torch.where(s["staleness"] > 0, age - s["staleness"], 0).to(torch.int16)
+    return saved
+
+
 @pytest.mark.parametrize("first, then", [(dict(fused=True), {}), ({}, dict(fused=True))])
 def test_a_checkpoint_moves_between_the_fused_and_the_multi_tensor_paths(first, then):
-    """The fused path keeps its age in fp16, held at fused.MAX_AGE, and saves the int16 counter: a checkpoint
-    of either path resumes on the other, to fp32 rounding, with ages past the fused path's end."""
+    """Both paths keep the int16 age, held at MAX_AGE, in per-parameter views (the fused path's layout padded):
+    a checkpoint of either resumes on the other, to fp32 rounding, with the same ages, those at the cap
+    included."""
     from slamb.optim.fused import MAX_AGE
 
     params, opt = fresh(variant="v2", **first)
     advance(params, opt, range(1, 4))
-    saved = opt.state_dict()
-    for s in saved["state"].values():
-        assert s["staleness"].dtype == torch.int16
-        s["staleness"] = torch.where(s["staleness"] > 0, MAX_AGE - 2 - s["staleness"], 0).to(torch.int16)
-    ends = {}
-    for kw in (first, then):
-        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt2 = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw)
-        opt2.load_state_dict(saved)
-        advance(resumed, opt2, range(4, 8))
-        ends["fused" if kw else "foreach"] = (resumed, [s["staleness"] for s in opt2.state_dict()["state"].values()])
+    ends = resume_on((first, then), aged(opt.state_dict(), MAX_AGE - 2), params, range(4, 8))
     for a, b in zip(ends["fused"][0], ends["foreach"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     fused_ages, ages = ends["fused"][1], ends["foreach"][1]
-    assert max(int(a.max()) for a in ages) > MAX_AGE  # some entries went past the fused path's end ...
-    assert all(torch.equal(a, b.clamp_max(MAX_AGE)) for a, b in zip(fused_ages, ages))  # ... where it stopped
+    assert max(int(a.max()) for a in ages) == MAX_AGE  # some entries reached the cap ...
+    assert all(torch.equal(a, b) for a, b in zip(fused_ages, ages))  # ... on both paths alike
 
 
-def test_fused_refuses_a_beta3_its_age_cannot_carry():
-    from slamb.optim.fused import MAX_BETA3
-
-    with pytest.raises(ValueError, match=r"beta3=0\.999 with fused=True.*use fused=False"):
-        slamb.SLAMB([torch.nn.Parameter(torch.ones(3, 3))], fused=True, beta3=0.999)
-    params, opt = fresh(variant="v2", fused=True, group_beta3=MAX_BETA3)
-    advance(params, opt, [1])
-    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-    opt.param_groups[0]["beta3"] = 0.995
-    with pytest.raises(ValueError, match="fused=False"):
-        advance(params, opt, [2])
-    after = opt.state_dict()["state"][0]
-    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before anything changed
+@pytest.mark.parametrize("cfg", [dict(variant="v1", mask="bernoulli"), dict(variant="v2")])
+def test_fused_takes_a_beta3_whose_freshness_outlives_2048_steps(cfg):
+    """beta3 = 0.999 (the Swin row; 0.999^2048 = 0.13): ages past 2048, the old fp16 age's end, where the
+    freshness still weighs, give the multi-tensor path's numbers (v1 with a Bernoulli mask: a cyclic one
+    averages every entry every 1/k steps)."""
+    params, opt = fresh(group_beta3=0.999, **cfg)
+    advance(params, opt, range(1, 4))
+    saved = aged(opt.state_dict(), 2046)
+    for g in saved["param_groups"]:
+        g["beta3"] = 0.999
+    ends = resume_on(({}, dict(fused=True)), saved, params, range(4, 12), **cfg)
+    fused_ages, ages = ends["fused"][1], ends["foreach"][1]
+    assert max(int(a.max()) for a in ages) > 2048 + 4
+    assert all(torch.equal(a, b) for a, b in zip(fused_ages, ages))
+    for a, b in zip(ends["fused"][0], ends["foreach"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_graphs_are_compiled_with_the_deterministic_inductor_settings(monkeypatch):

@@ -262,22 +262,50 @@ class Selection:
     tensors, and the drawn positions of the others, split per tensor.
 
     ``local[i]`` is None for an always-averaged tensor, else the sorted
-    positions (in the flattened tensor) of its selected coordinates.
+    positions (in the flattened tensor) of its selected coordinates. They are cut at their first use:
+    the fused step reads the counts and :meth:`layout_positions` alone (unless an exchange takes the
+    per-tensor view), so its step costs the same ops whatever the number of tensors.
     """
 
     def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
-        self.layout, self.dense = layout, dense
-        spans = Selection.spans(layout, dense)
+        self.layout, self.dense, self.drawn = layout, dense, drawn
         if bounds is None:  # ``Selection.bounds(layout, dense)``, made once by a caller that draws every step
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
-        cut = torch.searchsorted(drawn, bounds).tolist()
-        self.local = [None if d else drawn[cut[2 * i]:cut[2 * i + 1]] - lo
-                      for i, (d, (lo, _)) in enumerate(zip(dense, spans))]
+        self._cut = cut = torch.searchsorted(drawn, bounds).tolist()
+        self._local: list | None = None
         self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
+
+    @property
+    def local(self) -> list:
+        if self._local is None:
+            cut = self._cut
+            self._local = [None if d else self.drawn[cut[2 * i]:cut[2 * i + 1]] - lo
+                           for i, (d, (lo, _)) in enumerate(zip(self.dense, Selection.spans(self.layout, self.dense)))]
+        return self._local
+
+    @staticmethod
+    def shifts(layout, dense: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per compressed tensor, where its span starts among the drawn positions and what takes a drawn
+        position to the layout's (:meth:`layout_positions`); whole tensors only (no shards)."""
+        spans = Selection.spans(layout, dense)
+        ids = [i for i, d in enumerate(dense) if not d]
+        starts = torch.tensor([spans[i][0] for i in ids], dtype=torch.long, device=layout.device)
+        shift = torch.tensor([layout.offsets[i] - spans[i][0] for i in ids], dtype=torch.long, device=layout.device)
+        return starts, shift
+
+    def layout_positions(self, shifts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The drawn positions of the compressed tensors in the flat layout, in a few ops whatever the number
+        of tensors: position x of the draw is in the compressed tensor j whose span starts last at or before
+        it, and moves by that tensor's shift (``shifts``: :meth:`shifts`)."""
+        starts, shift = shifts
+        drawn = self.drawn[:sum(self.counts[i] for i in self.compressed)]  # those past the end dropped
+        if not starts.numel():
+            return drawn
+        return drawn + shift[torch.searchsorted(starts, drawn, right=True) - 1]
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
@@ -337,7 +365,7 @@ class Selection:
             flat[off[i]:off[i + 1]].index_fill_(0, self.local[i], value)
 
     def bool_mask(self) -> torch.Tensor:
-        """The flat bool mask over the layout."""
+        """The flat bool mask over the layout's entries (without its padding)."""
         mask = torch.zeros(self.layout.numel, dtype=torch.bool, device=self.layout.device)
         self.fill_(mask, True)
-        return mask
+        return self.layout.unpadded(mask)
