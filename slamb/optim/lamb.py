@@ -99,24 +99,34 @@ class FusedBuckets:
         steps = layout.adopt(opt.state, "step", per_tensor=True, dtype=torch.float32, device="cpu")
         return tuple(id(p) for _, p in members), flat, state, steps
 
-    def step(self, work) -> bool:
-        """The step of ``work`` (per parameter group: the group and its parameters with gradients) as the two
-        compiled passes of :mod:`slamb.optim.fused` per bucket. Returns False where ``torch.compile`` failed
-        before any tensor changed: the caller runs the multi-tensor path."""
+    def prepare(self, work) -> list | None:
+        """The buckets of ``work`` (per parameter group: the group and its parameters with gradients), their
+        gradients gathered into the flat buffers (which the non-finite screen then reads), or None where
+        ``torch.compile`` has failed: the caller runs the multi-tensor path."""
         if self.passes.failed is not None:
-            return False
-        opt, groups = self.optimizer, {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
+            return None
+        groups = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
         members: dict = {}
         for group, params in work:
             for p in params:
                 members.setdefault((p.device, p.dtype), []).append((groups[id(group)], p))
-        self.passes.begin_step()
+        buckets = []
         for key, ps in members.items():
             bucket = self.buckets.get(key)
             if bucket is None or bucket[0] != tuple(id(p) for _, p in ps):
                 bucket = self.buckets[key] = self._bucket(ps)
+            bucket[1].grads([p.grad for _, p in ps])
+            buckets.append(bucket)
+        return buckets
+
+    def step(self, buckets) -> bool:
+        """The step of the :meth:`prepare`d ``buckets`` as the two compiled passes of :mod:`slamb.optim.fused`
+        each. Returns False where ``torch.compile`` failed before any tensor changed: the caller runs the
+        multi-tensor path."""
+        self.passes.begin_step()
+        for bucket in buckets:
             try:
-                self._run(opt, *bucket[1:])
+                self._run(self.optimizer, *bucket[1:])
             except fused_passes.CompileFailed:
                 return False
         return True
@@ -225,11 +235,13 @@ class LAMB(ContractDefaults, Optimizer):
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
         # averaged gradients are the same on every rank, but each rank of a shard group holds another shard
         sharded = self.shards is not None
+        buckets = self._fused.prepare(work) if self.fused else None
         if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
-                          where="LAMB: ", agree=sharded):
+                          where="LAMB: ", agree=sharded,
+                          screened=None if buckets is None else [flat.grad for _, flat, _, _ in buckets]):
             self.ledger.end_step()
             return loss
-        if self.fused and self._fused.step(work):
+        if buckets is not None and self._fused.step(buckets):
             self.ledger.end_step()
             return loss
         todo = []  # per group: its tensors and hyper-parameters
