@@ -350,3 +350,92 @@ def fused_replica_worker(rank, world):
 def test_fused_lamb_replicas_stay_bit_identical():
     a, b = distributed.run(fused_replica_worker, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v1", fused=True),
+                                   lambda: fresh(variant="v2", fused=True)], ids=["lamb", "slamb_v1", "slamb_v2"])
+def test_the_flat_buffers_hold_the_parameters_and_gradients_with_zero_padding(build):
+    """Each parameter is a view of one flat buffer, each tensor starting at a multiple of BLOCK; the gradients
+    are pointed at views of a flat one; the padding stays 0 in p, m and v after steps."""
+    from slamb.optim.fused import BLOCK
+
+    params, opt = build()
+    advance(params, opt, range(1, 4))
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in params)
+    assert all(p.storage_offset() % BLOCK == 0 for p in params)
+    grads = params[0].grad.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == grads for p in params)
+    flat = torch.tensor([], dtype=params[0].dtype).set_(params[0].untyped_storage())
+    state = [opt.state[params[0]][k] for k in ("exp_avg", "exp_avg_sq")]
+    for buf in [flat] + [torch.tensor([], dtype=s.dtype).set_(s.untyped_storage()) for s in state]:
+        padding = torch.ones(buf.numel(), dtype=torch.bool)
+        for p in params:
+            padding[p.storage_offset():p.storage_offset() + p.numel()] = False
+        assert padding.any() and not buf[padding].any()
+
+
+def test_gradients_zeroed_in_place_are_not_copied_and_set_to_none_keeps_its_meaning(monkeypatch):
+    """After a step, p.grad are views of the flat gradient buffer: zero_grad(set_to_none=False) and backward
+    accumulate there and the next step copies nothing; with set_to_none=True a parameter without a gradient
+    keeps none, and is not updated. Both give the multi-tensor path's numbers."""
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        extra = torch.nn.Parameter(torch.ones(5))  # never in the loss: never a gradient
+        opt = slamb.LAMB([*model.parameters(), extra], lr=1e-2, weight_decay=0.01, fused=fused)
+        gen = torch.Generator().manual_seed(1)
+        cats = []
+        for t in range(4):
+            opt.zero_grad(set_to_none=t >= 2)
+            model(torch.randn(3, 8, generator=gen)).square().mean().backward()
+            with monkeypatch.context() as m:
+                cat = torch.cat
+                m.setattr(torch, "cat", lambda *a, **k: cats.append(t) or cat(*a, **k))
+                opt.step()
+            assert extra.grad is None
+        runs[fused] = ([p.detach().clone() for p in model.parameters()], cats)
+    fused_cats = runs[True][1]
+    assert 1 not in fused_cats and 2 in fused_cats  # the step after an in-place zero_grad copied nothing
+    assert torch.equal(extra, torch.ones(5))
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", ["lamb", "slamb"])
+def test_a_parameter_whose_storage_was_replaced_is_adopted_again(make):
+    """p.data rebound by the user (as a load with assign=True or a move does) between steps: the next step
+    adopts it again, and the run gives the multi-tensor path's numbers."""
+    runs = {}
+    for fused in (True, False):
+        params, opt = fresh_lamb(fused=fused) if make == "lamb" else fresh(variant="v2", fused=fused)
+        advance(params, opt, [1, 2])
+        with torch.no_grad():
+            params[1].data = params[1].detach().clone() * 0.5
+        advance(params, opt, [3, 4])
+        runs[fused] = params
+    assert runs[True][1].untyped_storage().data_ptr() == runs[True][0].untyped_storage().data_ptr()
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [lambda **kw: fresh_lamb(fused=True, **kw),
+                                   lambda **kw: fresh(variant="v2", fused=True, **kw)], ids=["lamb", "slamb"])
+def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
+    """The screen reads the flat gradient buffer; a NaN is still named by its tensor, and nothing changes."""
+    for policy in ("raise", "skip"):
+        params, opt = build(nonfinite=policy)
+        advance(params, opt, [1, 2])
+        before = [p.detach().clone() for p in params]
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        for i, p in enumerate(params):
+            p.grad = grad_of(p.detach().double(), 0, 3, i).float()
+        params[2].grad.view(-1)[1] = float("nan")
+        if policy == "raise":
+            with pytest.raises(FloatingPointError, match=str(tuple(params[2].shape)).replace("(", r"\(").replace(")", r"\)")):
+                opt.step()
+        else:
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert all(torch.equal(v, s[k]) for p, s in zip(params, state) for k, v in opt.state[p].items())
