@@ -139,12 +139,13 @@ class FlatLayout:
         return buf if self.align == 1 else self.flatten(self.views(buf))
 
     def segment_norms(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """L2 norm of each parameter's segment of ``flat`` (a buffer over parameters ``lo:hi``)."""
+        """L2 norm of each parameter's segment of ``flat`` (a buffer over parameters ``lo:hi`` of an unaligned
+        layout)."""
         parts = list(torch.split(flat, self.numels[lo:hi]))
         return torch.stack(torch._foreach_norm(parts))
 
     def expand(self, per_tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar."""
+        """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar (padding uninitialised)."""
         out = torch.empty(self.offsets[hi] - self.offsets[lo], dtype=per_tensor.dtype, device=self.device)
         views = self.views(out, lo, hi)
         # a broadcast copy per segment: no host read, and no per-coordinate index as repeat_interleave builds

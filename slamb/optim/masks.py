@@ -325,7 +325,7 @@ class Selection:
                             device=layout.device)
 
     def dense_runs(self) -> list[tuple[int, int]]:
-        """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""
+        """(start, end) in the flat layout of each run of consecutive always-averaged tensors, with their padding."""
         runs, off = [], self.layout.offsets
         for i, d in enumerate(self.dense):
             if d:

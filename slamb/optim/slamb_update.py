@@ -122,10 +122,6 @@ class SlambLayout:
         self.dense_f = self.dense_t.to(torch.float32)
         self.shifts = Selection.shifts(layout, dense) if fused else None
 
-    def index(self, ids: list[int]) -> torch.Tensor:
-        """``ids`` as a tensor on the device, made once per distinct list (the passes' cache)."""
-        return self.passes.index(ids, self.layout.device)
-
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
         got = self._views.get(id(flat))
