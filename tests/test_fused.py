@@ -439,3 +439,22 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
             opt.step()
         assert all(torch.equal(p, b) for p, b in zip(params, before))
         assert all(torch.equal(v, s[k]) for p, s in zip(params, state) for k, v in opt.state[p].items())
+
+
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout():
+    """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
+    tensor's offset, for both mask policies; an always-averaged tensor between compressed ones is skipped."""
+    from slamb.optim.flat import FlatLayout
+    from slamb.optim.fused import BLOCK
+    from slamb.optim.masks import Selection, make_mask
+
+    shapes = [(30, 20), (7,), (50, 3), (9, 9), (200,), (40, 40)]
+    dense = [len(s) == 1 or s == (9, 9) for s in shapes]
+    layout = FlatLayout([torch.zeros(s) for s in shapes], [0] * len(shapes), align=BLOCK)
+    assert all(o % BLOCK == 0 for o in layout.offsets)
+    compressible = sum(layout.numels[i] for i, d in enumerate(dense) if not d)
+    for policy in ("cyclic", "bernoulli"):
+        sel = Selection(layout, dense, make_mask(policy, compressible, 0, layout.device)(3, 0.3))
+        want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
+        assert want.numel() > 0
+        assert torch.equal(sel.layout_positions(Selection.shifts(layout, dense)), want)

@@ -305,7 +305,8 @@ class Selection:
         drawn = self.drawn[:sum(self.counts[i] for i in self.compressed)]  # those past the end dropped
         if not starts.numel():
             return drawn
-        return drawn + shift[torch.searchsorted(starts, drawn, right=True) - 1]
+        at = torch.searchsorted(starts, drawn, right=True).sub_(1)  # in place: two k N buffers, not four
+        return shift[at].add_(drawn)
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
