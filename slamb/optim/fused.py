@@ -283,6 +283,8 @@ class FlatStep:
 
     def sums(self, per_block: torch.Tensor) -> torch.Tensor:
         """Per-tensor sums of a pass's (blocks, k) per-block sums, added in float64: a tensor of many blocks
-        (BERT's embedding: 90,000) sums them one after another."""
+        (BERT's embedding: 90,000) sums them one after another. Deterministic on a CPU; CUDA's ``index_add_``
+        adds in the order its atomics land (``torch.use_deterministic_algorithms`` fixes it), which the
+        float64 sum keeps to its last bits, below the fp32 result's rounding but for rare ties."""
         out = torch.zeros(len(self.layout.params), per_block.shape[1], dtype=torch.float64, device=per_block.device)
         return out.index_add_(0, self.block_of, per_block.double()).to(per_block.dtype)
