@@ -148,13 +148,13 @@ class FusedBuckets:
         p = flat.view(flat.params())
         g = flat.view(flat.grads([q.grad for q in layout.params]))
         m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
-        sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, moment_table, flat.block_of))
+        sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
         steps.add_(1)
         p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
         trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
         inf = torch.full_like(trust, math.inf)
         table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
-        passes(fused_passes.update_pass, p, m, v, None, table, flat.block_of)
+        passes(fused_passes.update_pass, p, m, v, None, flat.per_block(table))
 
 
 class LAMB(ContractDefaults, Optimizer):

@@ -273,7 +273,8 @@ class Selection:
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
-        self._cut = cut = torch.searchsorted(drawn, bounds).tolist()
+        self._cuts = torch.searchsorted(drawn, bounds)
+        self._cut = cut = self._cuts.tolist()
         self._local: list | None = None
         self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
@@ -288,25 +289,21 @@ class Selection:
         return self._local
 
     @staticmethod
-    def shifts(layout, dense: list[bool]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per compressed tensor, where its span starts among the drawn positions and what takes a drawn
-        position to the layout's (:meth:`layout_positions`); whole tensors only (no shards)."""
-        spans = Selection.spans(layout, dense)
-        ids = [i for i, d in enumerate(dense) if not d]
-        starts = torch.tensor([spans[i][0] for i in ids], dtype=torch.long, device=layout.device)
-        shift = torch.tensor([layout.offsets[i] - spans[i][0] for i in ids], dtype=torch.long, device=layout.device)
-        return starts, shift
+    def shifts(layout, dense: list[bool]) -> torch.Tensor:
+        """Per tensor, what takes a drawn position to the layout's (:meth:`layout_positions`): its offset in the
+        layout less its start among the drawn positions; whole tensors only (no shards)."""
+        starts = [start for start, _ in Selection.spans(layout, dense)]
+        return torch.tensor([offset - start for offset, start in zip(layout.offsets, starts)], dtype=torch.long,
+                            device=layout.device)
 
-    def layout_positions(self, shifts: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def layout_positions(self, shifts: torch.Tensor) -> torch.Tensor:
         """The drawn positions of the compressed tensors in the flat layout, in a few ops whatever the number
-        of tensors: position x of the draw is in the compressed tensor j whose span starts last at or before
-        it, and moves by that tensor's shift (``shifts``: :meth:`shifts`)."""
-        starts, shift = shifts
-        drawn = self.drawn[:sum(self.counts[i] for i in self.compressed)]  # those past the end dropped
-        if not starts.numel():
-            return drawn
-        at = torch.searchsorted(starts, drawn, right=True).sub_(1)  # in place: two k N buffers, not four
-        return shift[at].add_(drawn)
+        of tensors: the draw's positions are sorted, so each tensor's are a run as long as its count (its cut
+        of the draw, on the device; 0 for an always-averaged tensor), moved by that tensor's shift (``shifts``:
+        :meth:`shifts`). A repeat of the shifts by the counts rather than a search of each position among the
+        tensors' spans (BERT-Base: 3x the time)."""
+        n = sum(self.counts[i] for i in self.compressed)
+        return shifts.repeat_interleave(self._cuts[1::2] - self._cuts[::2], output_size=n).add_(self.drawn[:n])
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:

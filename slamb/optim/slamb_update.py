@@ -305,7 +305,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     m, v, bits = flat.view(m), flat.view(v), flat.view(age.view(torch.float16))
 
     passes.begin_step()
-    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, moment_table, flat.block_of))
+    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, flat.per_block(moment_table)))
     p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
 
     lr, c_min, c_max = cols["lr"], cols["c_min"], cols["c_max"]
@@ -325,7 +325,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
         b = phi_s * lr - a
         lo, hi, e0, e1 = -inf, inf, torch.ones_like(lr), torch.zeros_like(lr)
     update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log2_b3"], a, b, lo, hi, e0, e1], 1)
-    passes(fused_passes.update_pass, p, m, v, bits, update_table, flat.block_of)
+    passes(fused_passes.update_pass, p, m, v, bits, flat.per_block(update_table))
 
 
 # the per-group numbers of the fused passes, staged to the device in one copy per step
