@@ -134,7 +134,7 @@ def counted_bytes(opt, params) -> dict:
     live = _storages(_tensors(dict(opt.state)), own)
     internals = {k: v for k, v in vars(opt).items() if k not in ("param_groups", "state", "defaults")}
     held = _storages(_tensors(internals), own)
-    # a tensor state_dict() makes afresh (a converted copy, such as the fused SLAMB's int16 age) is not held
+    # a tensor state_dict() makes afresh (a converted copy) is not held
     saved = {k: v for k, v in _storages(_tensors(opt.state_dict()), own).items() if k in held or k in live}
     state = {**saved, **live}
     scratch = {k: v for k, v in held.items() if k not in state}

@@ -23,7 +23,9 @@ Memory, from one fresh process per optimizer:
 * peak: the highest memory during the timed steps beyond parameters, gradients,
   state and scratch (CUDA: ``max_memory_allocated``; CPU: peak RSS in a second
   process where glibc hands every large block back, so freed temporaries leave
-  the RSS; the step time is measured with glibc's default behaviour).
+  the RSS; the step time is measured with glibc's default behaviour);
+* kernels: what one step launches (``bench.kernels``): the kernels (a CPU's compiled graph calls and
+  computing leaf ops; a GPU's device kernels) and, in brackets, the ops dispatched from the host.
 
 Writes ``results/bench/optimizer_step.md`` (``--quick``: ``runs/bench/``; or ``--out``), with the
 targets of the fused steps computed as met or missed from the measured rows.
@@ -44,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from bench.kernels import kernels_per_step
 from bench.memory import counted_bytes
 from bench.shapes import MODELS
 
@@ -148,8 +151,10 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     counted = counted_bytes(opt, params)
+    launched = kernels_per_step(opt.step, dev)
     queue.put({"state_words": counted["state"] / (4 * numel), "scratch_words": counted["scratch"] / (4 * numel),
-               "peak_words": max(peak, 0) / (4 * numel)})
+               "peak_words": max(peak, 0) / (4 * numel), "kernels": launched["kernels"],
+               "host_ops": launched["host_ops"]})
 
 
 def measure_times(shapes, names: list[str], steps: int, device: str, first: dict | None = None) -> dict[str, list[float]]:
@@ -353,12 +358,13 @@ def render(rows, device: str) -> str:
         + "; ".join(f"{m} {r['bytes'] / 1e9:.2f} GB at {r['gb_per_s']:.1f} GB/s" for m, r in floor.items()) + ".",
         "",
         "| model | parameters | optimizer | step (ms) | vs LAMB | vs floor | vs fused AdamW | state (words/param) "
-        "| scratch (words/param) | peak extra (words/param) |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        "| scratch (words/param) | peak extra (words/param) | kernels (host ops) |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        mem = (["-"] * 3 if r["optimizer"] == FLOOR
-               else [f"{r[k]:.2f}" for k in ("state_words", "scratch_words", "peak_words")])
+        mem = (["-"] * 4 if r["optimizer"] == FLOOR
+               else [f"{r[k]:.2f}" for k in ("state_words", "scratch_words", "peak_words")]
+               + [f"{r['kernels']} ({r['host_ops']})"])
         out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
                    f"{_q(r['vs_lamb'])} | {_q(r['vs_floor'])} | {_q(r['vs_adamw']) if r['vs_adamw'] else '-'} | "
                    f"{' | '.join(mem)} |")
@@ -379,7 +385,10 @@ def render(rows, device: str) -> str:
             "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the "
             "one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), "
             "not a per-step cost.",
-            "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.", ""]
+            "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.",
+            "Kernels: one step's launches from `torch.profiler` (`bench.kernels`): on a CPU the compiled graph "
+            "calls and the eager ops that compute (a foreach op once per tensor it loops over), on a GPU the "
+            "device kernels; in brackets the ops dispatched from the host (a foreach op once) and graph calls.", ""]
     return "\n".join(out)
 
 

@@ -80,7 +80,8 @@ def tiny_runs(monkeypatch, tmp_path, shapes=None, timed=SHAPES) -> list:
     monkeypatch.setattr(bench, "run_model", lambda model, names, steps, device: written.append(
         (model, steps, names)) or [
         {"model": model, "steps": steps, **r, **({} if r["optimizer"] == bench.FLOOR else
-                                                 {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0})}
+                                                 {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0,
+                                                  "kernels": 7, "host_ops": 5})}
         for r in bench.summarize(bench.measure_times(timed, names, steps, device), numel)])
     for model in bench.MODELS:  # the sizes run_model's memory check sees
         monkeypatch.setitem(bench.MODELS, model, lambda model=model: (shapes or {}).get(model, SHAPES))
@@ -110,6 +111,7 @@ def test_quick_run_writes_to_runs_not_results(monkeypatch, tmp_path):
     assert not (tmp_path / "results").exists()
     page = (tmp_path / "runs" / "optimizer_step.md").read_text()
     assert "| resnet110 |" in page and "| floor |" in page and "## Targets" in page
+    assert "| 7 (5) |" in page  # the kernels column
     assert math.isfinite(float(page.split("| slamb_v2 | ")[1].split(" |")[0]))
 
 

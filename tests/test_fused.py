@@ -5,6 +5,7 @@ graphs are few and quick to build."""
 from __future__ import annotations
 
 import io
+import re
 import warnings
 
 import pytest
@@ -211,18 +212,15 @@ def test_lamb_fused_equals_lamb_foreach():
     assert not torch.equal(runs[True][0], init_params()[0].float())
 
 
-def test_runs_of_the_same_shapes_share_a_graph():
-    """30 tensors of one shape compile two graphs per pass (runs of 12, 12 and 6 tensors), and v2's mask draw
-    one (a single chunk), and match the reference."""
+def test_a_step_is_one_graph_per_pass_whatever_the_number_of_tensors():
+    """30 tensors of three shapes compile one graph per pass, and v2's mask draw one (a single chunk), and match
+    the reference."""
     from torch._dynamo.utils import counters
 
-    from slamb.optim.fused import CHUNK
-
-    assert CHUNK == 12
     runs = {}
     for kw in (dict(fused=True), dict(foreach=False)):
         gen = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(10, 10, generator=gen)) for _ in range(30)]
+        params = [torch.nn.Parameter(torch.randn(10, 10 + i % 3, generator=gen)) for i in range(30)]
         opt = slamb.SLAMB(params, lr=0.01, weight_decay=0.01, min_compress_numel=50, compress_ratio=0.3, **kw)
         graphs = counters["stats"]["unique_graphs"]
         for t in range(3):
@@ -230,9 +228,22 @@ def test_runs_of_the_same_shapes_share_a_graph():
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
         runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
-    assert runs[True][1] == 4 + 1 and runs[False][1] == 0
+    assert runs[True][1] == 2 + 1 and runs[False][1] == 0
     for a, b in zip(runs[True][0], runs[False][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_age_reads_and_writes_every_int16_counter_through_fp16_bits_exactly():
+    """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits, fused.age_bits
+    writes those bits back; the mark SELECTED reads as NaN."""
+    from slamb.optim.fused import MAX_AGE, SELECTED, age_bits, age_of, compile_once
+
+    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16)
+    for read, write in ((age_of, age_bits), (compile_once(age_of), compile_once(age_bits))):
+        ages = read(counters.view(torch.float16))
+        assert torch.equal(ages, torch.arange(MAX_AGE + 1, dtype=torch.float32))
+        assert torch.equal(write(ages).view(torch.int16), counters)
+        assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16).view(torch.float16))).all()
 
 
 def test_each_compiled_graph_has_its_own_recompile_limit():
@@ -253,45 +264,59 @@ def test_each_compiled_graph_has_its_own_recompile_limit():
     assert counters["stats"]["unique_graphs"] - graphs == 10
 
 
+def resume_on(paths, saved, params, steps, **kw):
+    """Each path's parameters and int16 ages after ``saved`` is loaded into it and ``steps`` run."""
+    ends = {}
+    for path in paths:
+        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw, **path)
+        opt.load_state_dict(saved)
+        advance(resumed, opt, steps)
+        ends["fused" if path else "foreach"] = (resumed, [s["staleness"] for s in opt.state_dict()["state"].values()])
+    return ends
+
+
+def aged(saved, age):
+    """``saved`` with every positive age moved to ``age`` minus it: the entries of a long run."""
+    for s in saved["state"].values():
+        assert s["staleness"].dtype == torch.int16
+        s["staleness"] = torch.where(s["staleness"] > 0, age - s["staleness"], 0).to(torch.int16)
+    return saved
+
+
 @pytest.mark.parametrize("first, then", [(dict(fused=True), {}), ({}, dict(fused=True))])
 def test_a_checkpoint_moves_between_the_fused_and_the_multi_tensor_paths(first, then):
-    """The fused path keeps its age in fp16, held at fused.MAX_AGE, and saves the int16 counter: a checkpoint
-    of either path resumes on the other, to fp32 rounding, with ages past the fused path's end."""
+    """Both paths keep the int16 age, held at MAX_AGE, in per-parameter views (the fused path's layout padded):
+    a checkpoint of either resumes on the other, to fp32 rounding, with the same ages, those at the cap
+    included."""
     from slamb.optim.fused import MAX_AGE
 
     params, opt = fresh(variant="v2", **first)
     advance(params, opt, range(1, 4))
-    saved = opt.state_dict()
-    for s in saved["state"].values():
-        assert s["staleness"].dtype == torch.int16
-        s["staleness"] = torch.where(s["staleness"] > 0, MAX_AGE - 2 - s["staleness"], 0).to(torch.int16)
-    ends = {}
-    for kw in (first, then):
-        resumed = [torch.nn.Parameter(p.detach().clone()) for p in params]
-        opt2 = make_optimizer(resumed, compress_ratio=0.3, sync_interval=4, **kw)
-        opt2.load_state_dict(saved)
-        advance(resumed, opt2, range(4, 8))
-        ends["fused" if kw else "foreach"] = (resumed, [s["staleness"] for s in opt2.state_dict()["state"].values()])
+    ends = resume_on((first, then), aged(opt.state_dict(), MAX_AGE - 2), params, range(4, 8))
     for a, b in zip(ends["fused"][0], ends["foreach"][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     fused_ages, ages = ends["fused"][1], ends["foreach"][1]
-    assert max(int(a.max()) for a in ages) > MAX_AGE  # some entries went past the fused path's end ...
-    assert all(torch.equal(a, b.clamp_max(MAX_AGE)) for a, b in zip(fused_ages, ages))  # ... where it stopped
+    assert max(int(a.max()) for a in ages) == MAX_AGE  # some entries reached the cap ...
+    assert all(torch.equal(a, b) for a, b in zip(fused_ages, ages))  # ... on both paths alike
 
 
-def test_fused_refuses_a_beta3_its_age_cannot_carry():
-    from slamb.optim.fused import MAX_BETA3
-
-    with pytest.raises(ValueError, match=r"beta3=0\.999 with fused=True.*use fused=False"):
-        slamb.SLAMB([torch.nn.Parameter(torch.ones(3, 3))], fused=True, beta3=0.999)
-    params, opt = fresh(variant="v2", fused=True, group_beta3=MAX_BETA3)
-    advance(params, opt, [1])
-    before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
-    opt.param_groups[0]["beta3"] = 0.995
-    with pytest.raises(ValueError, match="fused=False"):
-        advance(params, opt, [2])
-    after = opt.state_dict()["state"][0]
-    assert all(torch.equal(before[k], after[k]) for k in before)  # refused before anything changed
+@pytest.mark.parametrize("cfg", [dict(variant="v1", mask="bernoulli"), dict(variant="v2")])
+def test_fused_takes_a_beta3_whose_freshness_outlives_2048_steps(cfg):
+    """beta3 = 0.999 (the Swin row; 0.999^2048 = 0.13): ages past 2048, the old fp16 age's end, where the
+    freshness still weighs, give the multi-tensor path's numbers (v1 with a Bernoulli mask: a cyclic one
+    averages every entry every 1/k steps)."""
+    params, opt = fresh(group_beta3=0.999, **cfg)
+    advance(params, opt, range(1, 4))
+    saved = aged(opt.state_dict(), 2046)
+    for g in saved["param_groups"]:
+        g["beta3"] = 0.999
+    ends = resume_on(({}, dict(fused=True)), saved, params, range(4, 12), **cfg)
+    fused_ages, ages = ends["fused"][1], ends["foreach"][1]
+    assert max(int(a.max()) for a in ages) > 2048 + 4
+    assert all(torch.equal(a, b) for a, b in zip(fused_ages, ages))
+    for a, b in zip(ends["fused"][0], ends["foreach"][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_fused_graphs_are_compiled_with_the_deterministic_inductor_settings(monkeypatch):
@@ -326,3 +351,111 @@ def fused_replica_worker(rank, world):
 def test_fused_lamb_replicas_stay_bit_identical():
     a, b = distributed.run(fused_replica_worker, 2)
     assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v1", fused=True),
+                                   lambda: fresh(variant="v2", fused=True)], ids=["lamb", "slamb_v1", "slamb_v2"])
+def test_the_flat_buffers_hold_the_parameters_and_gradients_with_zero_padding(build):
+    """Each parameter is a view of one flat buffer, each tensor starting at a multiple of BLOCK; the gradients
+    are pointed at views of a flat one; the padding stays 0 in p, m and v after steps."""
+    from slamb.optim.fused import BLOCK
+
+    params, opt = build()
+    advance(params, opt, range(1, 4))
+    base = params[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in params)
+    assert all(p.storage_offset() % BLOCK == 0 for p in params)
+    grads = params[0].grad.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == grads for p in params)
+    flat = torch.tensor([], dtype=params[0].dtype).set_(params[0].untyped_storage())
+    state = [opt.state[params[0]][k] for k in ("exp_avg", "exp_avg_sq")]
+    for buf in [flat] + [torch.tensor([], dtype=s.dtype).set_(s.untyped_storage()) for s in state]:
+        padding = torch.ones(buf.numel(), dtype=torch.bool)
+        for p in params:
+            padding[p.storage_offset():p.storage_offset() + p.numel()] = False
+        assert padding.any() and not buf[padding].any()
+
+
+def test_gradients_zeroed_in_place_are_not_copied_and_set_to_none_keeps_its_meaning(monkeypatch):
+    """After a step, p.grad are views of the flat gradient buffer: zero_grad(set_to_none=False) and backward
+    accumulate there and the next step copies nothing; with set_to_none=True a parameter without a gradient
+    keeps none, and is not updated. Both give the multi-tensor path's numbers."""
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        extra = torch.nn.Parameter(torch.ones(5))  # never in the loss: never a gradient
+        opt = slamb.LAMB([*model.parameters(), extra], lr=1e-2, weight_decay=0.01, fused=fused)
+        gen = torch.Generator().manual_seed(1)
+        cats = []
+        for t in range(4):
+            opt.zero_grad(set_to_none=t >= 2)
+            model(torch.randn(3, 8, generator=gen)).square().mean().backward()
+            with monkeypatch.context() as m:
+                cat = torch.cat
+                m.setattr(torch, "cat", lambda *a, **k: cats.append(t) or cat(*a, **k))
+                opt.step()
+            assert extra.grad is None
+        runs[fused] = ([p.detach().clone() for p in model.parameters()], cats)
+    fused_cats = runs[True][1]
+    assert 1 not in fused_cats and 2 in fused_cats  # the step after an in-place zero_grad copied nothing
+    assert torch.equal(extra, torch.ones(5))
+    for a, b in zip(runs[True][0], runs[False][0]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", ["lamb", "slamb"])
+def test_a_parameter_whose_storage_was_replaced_is_adopted_again(make):
+    """p.data rebound by the user (as a load with assign=True or a move does) between steps: the next step
+    adopts it again, and the run gives the multi-tensor path's numbers."""
+    runs = {}
+    for fused in (True, False):
+        params, opt = fresh_lamb(fused=fused) if make == "lamb" else fresh(variant="v2", fused=fused)
+        advance(params, opt, [1, 2])
+        with torch.no_grad():
+            params[1].data = params[1].detach().clone() * 0.5
+        advance(params, opt, [3, 4])
+        runs[fused] = params
+    assert runs[True][1].untyped_storage().data_ptr() == runs[True][0].untyped_storage().data_ptr()
+    for a, b in zip(runs[True], runs[False]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("build", [lambda **kw: fresh_lamb(fused=True, **kw),
+                                   lambda **kw: fresh(variant="v2", fused=True, **kw)], ids=["lamb", "slamb"])
+def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
+    """The screen reads the flat gradient buffer; a NaN is still named by its tensor, and nothing changes."""
+    for policy in ("raise", "skip"):
+        params, opt = build(nonfinite=policy)
+        advance(params, opt, [1, 2])
+        before = [p.detach().clone() for p in params]
+        state = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+        for i, p in enumerate(params):
+            p.grad = grad_of(p.detach().double(), 0, 3, i).float()
+        params[2].grad.view(-1)[1] = float("nan")
+        if policy == "raise":
+            with pytest.raises(FloatingPointError, match=re.escape(str(tuple(params[2].shape)))):
+                opt.step()
+        else:
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert all(torch.equal(v, s[k]) for p, s in zip(params, state) for k, v in opt.state[p].items())
+
+
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout():
+    """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
+    tensor's offset, for both mask policies; an always-averaged tensor between compressed ones is skipped."""
+    from slamb.optim.flat import FlatLayout
+    from slamb.optim.fused import BLOCK
+    from slamb.optim.masks import Selection, make_mask
+
+    shapes = [(30, 20), (7,), (50, 3), (9, 9), (200,), (40, 40)]
+    dense = [len(s) == 1 or s == (9, 9) for s in shapes]
+    layout = FlatLayout([torch.zeros(s) for s in shapes], [0] * len(shapes), align=BLOCK)
+    assert all(o % BLOCK == 0 for o in layout.offsets)
+    compressible = sum(layout.numels[i] for i, d in enumerate(dense) if not d)
+    for policy in ("cyclic", "bernoulli"):
+        sel = Selection(layout, dense, make_mask(policy, compressible, 0, layout.device)(3, 0.3))
+        want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
+        assert want.numel() > 0
+        assert torch.equal(sel.layout_positions(Selection.shifts(layout, dense)), want)

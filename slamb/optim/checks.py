@@ -81,11 +81,14 @@ def nonfinite_error(where: str, bad_names: list[str]) -> FloatingPointError:
     )
 
 
-def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str = "", agree: bool = True) -> bool:
+def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str = "", agree: bool = True,
+                   screened=None) -> bool:
     """Decide, identically on every rank, what a step does with non-finite gradients.
 
     ``agree=False`` decides locally: for gradients that are already averaged,
-    hence the same on every rank. Returns True when the step must be skipped. With ``policy="raise"`` raises
+    hence the same on every rank. ``screened``: the same values in fewer tensors (a fused optimizer's flat
+    buffers), which the first screen reads instead; a step that fails it checks the gradients one by one.
+    Returns True when the step must be skipped. With ``policy="raise"`` raises
     ``FloatingPointError`` on every rank, before any state is touched, so the
     run loses nothing. ``"ignore"`` checks nothing and costs nothing.
     """
@@ -95,10 +98,11 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     def found(bad: torch.Tensor) -> bool:  # one host read
         return comm.agree_any(bad.any(), ledger=ledger, group=group) if agree else bool(bad.any())
 
-    local_bad = nonfinite_candidates(grads)
+    local_bad = nonfinite_candidates(grads if screened is None else screened)
     if not found(local_bad):
         return False
-    local_bad = nonfinite_exact(grads, local_bad)  # every rank takes this path, or none: same collectives
+    # every rank takes this path, or none: same collectives
+    local_bad = nonfinite_exact(grads, local_bad if screened is None else nonfinite_candidates(grads))
     if not found(local_bad):
         return False
     if policy == "skip":

@@ -99,24 +99,31 @@ class MomentumExchange:
                 works[tuple(rest)] = launch(self, sel, rest, sel.take([grads[i] for i in rest], rest))
         return works
 
-    def finish(self, sel: Selection, works: dict) -> list[tuple[list[int], torch.Tensor]]:
-        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages)."""
+    def finish(self, sel: Selection, works: dict, grads=None) -> list[tuple[list[int], torch.Tensor]]:
+        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages).
+
+        ``grads``: the step's gradients where step 2 has not run yet (the fused path's order): the first
+        steps' check of the averages against this rank's own momentum then recomputes that momentum."""
         alike = self.alike_steps is not None
         means = []
         for key, work in works.items():
             ids = packing(sel, key)[0]
             mean = work.wait().to(self.momenta[ids[0]].dtype)
             if alike:
-                alike = self._same_as_local(sel, ids, mean)
+                alike = self._same_as_local(sel, ids, mean, grads)
             sel.put_([self.momenta[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
             means.append((ids, mean))
         if self.alike_steps is not None and comm.world_size(self.process_group) > 1:
             self._count_alike(alike)
         return means
 
-    def _same_as_local(self, sel: Selection, ids, mean: torch.Tensor) -> bool:
+    def _same_as_local(self, sel: Selection, ids, mean: torch.Tensor, grads=None) -> bool:
         """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
-        local = torch.cat(sel.take([self.momenta[i] for i in ids], ids))
+        ms = sel.take([self.momenta[i] for i in ids], ids)
+        if grads is not None:  # step 2 of these entries, as :func:`launch` computed it
+            ms = [torch.lerp(m, g.to(m.dtype), 1 - self.groups[i]["betas"][0])
+                  for i, m, g in zip(ids, ms, sel.take([grads[i] for i in ids], ids))]
+        local = torch.cat(ms)
         if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
             return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
         rtol = 8 * torch.finfo(self.wire_dtype).eps

@@ -52,9 +52,16 @@ class FlatLayout:
     """``keys``: the optimizer's parameters (the state's keys); ``params``: the tensors the buffers lay out
     and the step computes on, this rank's shards of sharded (FSDP2) parameters, else the parameters
     themselves; ``global_numels`` and ``global_offsets``: each whole tensor's size and where the shard
-    starts in it (:func:`slamb.sharding.shard_offsets`)."""
+    starts in it (:func:`slamb.sharding.shard_offsets`).
 
-    def __init__(self, params: list[torch.Tensor], group_index: list[int]):
+    ``align``: each tensor starts at a multiple of this many entries (``offsets``: the starts, then the
+    buffer's end; ``ends``: where each tensor's entries end). The fused step's layout is aligned to its
+    block size (:data:`slamb.optim.fused.BLOCK`) so that a buffer reshaped to (blocks, BLOCK) never has a
+    block of two tensors; the padding entries are 0 in every buffer, so they add nothing to a sum and 0 to
+    a parameter. Everything else addresses a tensor's entries through ``offsets``, ``ends`` or
+    :meth:`views`, and works on either layout."""
+
+    def __init__(self, params: list[torch.Tensor], group_index: list[int], align: int = 1):
         if not params:
             raise ValueError("no parameter has a gradient: nothing to optimize")
         self.keys = params
@@ -74,9 +81,11 @@ class FlatLayout:
         self.state_dtype = state_dtype(self.dtype)  # of the buffers: fp32 under bf16 and fp16 parameters
         self.numels = [p.numel() for p in params]
         self.shapes = [p.shape for p in params]
-        self.offsets = [0]
+        self.align = align
+        self.offsets, self.ends = [0], []
         for n in self.numels:
-            self.offsets.append(self.offsets[-1] + n)
+            self.ends.append(self.offsets[-1] + n)
+            self.offsets.append(-(-self.ends[-1] // align) * align)
         self.numel = self.offsets[-1]
         # groups are contiguous runs of the layout: (group index, first param, end param)
         self.groups: list[tuple[int, int, int]] = []
@@ -87,21 +96,21 @@ class FlatLayout:
                 self.groups.append((g, i, i + 1))
 
     @classmethod
-    def of(cls, optimizer, ids: list[int]) -> "FlatLayout":
+    def of(cls, optimizer, ids: list[int], align: int = 1) -> "FlatLayout":
         """The layout of the optimizer's parameters ``ids`` (indices in its parameter order)."""
         everything = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
-        return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids])
+        return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids], align)
 
     def adopt(self, state: dict, key: str, fill: float = 0.0, per_tensor: bool = False,
-              dtype: torch.dtype | None = None) -> torch.Tensor:
+              dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
         """One flat buffer for ``state[p][key]`` of every parameter, which then holds views of it.
 
         Values already in ``state`` (a loaded checkpoint, a layout before it grew) are carried over, else ``fill``.
         ``per_tensor``: one scalar per parameter (0-d views) instead of one per element.
-        ``dtype``: of the buffer, when not ``state_dtype`` (a counter).
+        ``dtype``: of the buffer, when not ``state_dtype`` (a counter); ``device``: when not the parameters'.
         """
         flat = torch.full((len(self.params) if per_tensor else self.numel,), fill,
-                          dtype=dtype or self.state_dtype, device=self.device)
+                          dtype=dtype or self.state_dtype, device=device or self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
         for p, view in zip(self.keys, views):
             if key in state[p]:  # per parameter: a grown layout keeps the state of those it had
@@ -116,22 +125,27 @@ class FlatLayout:
         """Shaped per-parameter views of ``buf``, a buffer over parameters ``lo:hi``."""
         hi = len(self.params) if hi is None else hi
         base = self.offsets[lo]
-        return [buf[self.offsets[i] - base:self.offsets[i + 1] - base].view(self.shapes[i])
-                for i in range(lo, hi)]
+        return [buf[self.offsets[i] - base:self.ends[i] - base].view(self.shapes[i]) for i in range(lo, hi)]
 
     def span(self, lo: int, hi: int) -> slice:
+        """Parameters ``lo:hi`` in a flat buffer, with their padding."""
         return slice(self.offsets[lo], self.offsets[hi])
 
     def flatten(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat([t.reshape(-1) for t in tensors])
 
+    def unpadded(self, buf: torch.Tensor) -> torch.Tensor:
+        """``buf``, a buffer over the layout, without its padding: the tensors' entries end to end."""
+        return buf if self.align == 1 else self.flatten(self.views(buf))
+
     def segment_norms(self, flat: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """L2 norm of each parameter's segment of ``flat`` (a buffer over parameters ``lo:hi``)."""
+        """L2 norm of each parameter's segment of ``flat`` (a buffer over parameters ``lo:hi`` of an unaligned
+        layout)."""
         parts = list(torch.split(flat, self.numels[lo:hi]))
         return torch.stack(torch._foreach_norm(parts))
 
     def expand(self, per_tensor: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
-        """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar."""
+        """Per-element vector over parameters ``lo:hi`` holding each parameter's scalar (padding uninitialised)."""
         out = torch.empty(self.offsets[hi] - self.offsets[lo], dtype=per_tensor.dtype, device=self.device)
         views = self.views(out, lo, hi)
         # a broadcast copy per segment: no host read, and no per-coordinate index as repeat_interleave builds

@@ -19,6 +19,7 @@ from ..contract import ContractDefaults
 from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
+from .flat import FlatLayout
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
 from .precision import promote_state_, state_dtype, working_copies, write_back_
 
@@ -75,44 +76,85 @@ def lamb_apply_(params, u, c, norms, *, lr, trust_clamp):
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
-def lamb_fused(passes: fused_passes.Passes, todo) -> bool:
-    """The step of every group (``todo``: per group its params, grads, moments and hyper-parameters) as the
-    two compiled passes of :mod:`slamb.optim.fused`. Returns False where ``torch.compile`` failed before any
-    tensor changed: the caller runs the multi-tensor path."""
-    if passes.failed is not None:
-        return False
-    params, grads, ms, vs, rows, index = [], [], [], [], [], []
-    for g, (ps, gs, m, v, h) in enumerate(todo):
-        params += ps
-        grads += gs
-        ms += m
-        vs += v
-        index += [g] * len(ps)
-        c, eps = bias_folding(h["t"], h["b1"], h["b2"], h["eps"]) if h["bias_correction"] else (1.0, h["eps"])
-        lo, hi = h["trust_clamp"] or (0.0, math.inf)
-        rows.append([1 - h["b1"], h["b2"], 1 - h["b2"], c, eps, h["wd"], h["lr"], lo, hi])
-    device = params[0].device
-    cols = fused_passes.table(rows, passes.index(index, device), device).unbind(1)
-    bounds, first = [], 0
-    for ps, *_ in todo:
-        bounds.append((first, first + len(ps)))
-        first += len(ps)
-    runs = fused_passes.runs(bounds)
-    moment_table = torch.stack(cols[:6], 1)
+class FusedBuckets:
+    """``LAMB(fused=True)``'s flat buffers: per (device, dtype), the parameters with gradients, adopted into an
+    aligned layout (:class:`slamb.optim.fused.FlatStep`), their moments and step counters, whose per-parameter
+    views are the state (``state_dict()`` unchanged). Rebuilt, the state carried over, when the parameters
+    with gradients change or a state is loaded."""
 
-    passes.begin_step()
-    try:
-        sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], None,
-                                 moment_table[a:b]) for a, b in runs])
-    except fused_passes.CompileFailed:
-        return False
-    p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
-    trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
-    zeros, inf = torch.zeros_like(trust), torch.full_like(trust, math.inf)
-    table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
-    for a, b in runs:
-        passes(fused_passes.update_pass, params[a:b], ms[a:b], vs[a:b], None, table[a:b])
-    return True
+    def __init__(self, optimizer: Optimizer):
+        self.optimizer = optimizer
+        self.passes = fused_passes.Passes("LAMB")
+        self.buckets: dict = {}
+
+    def reset(self) -> None:
+        self.buckets = {}
+
+    def _bucket(self, members):
+        opt = self.optimizer
+        layout = FlatLayout([p for _, p in members], [gi for gi, _ in members], align=fused_passes.BLOCK)
+        flat = fused_passes.FlatStep(layout)
+        state = {key: layout.adopt(opt.state, key) for key in ("exp_avg", "exp_avg_sq")}
+        # the counters on the host, as torch keeps them: one add per step, t read without a device sync
+        steps = layout.adopt(opt.state, "step", per_tensor=True, dtype=torch.float32, device="cpu")
+        return tuple(id(p) for _, p in members), flat, state, steps
+
+    def prepare(self, work) -> list | None:
+        """The buckets of ``work`` (per parameter group: the group and its parameters with gradients), their
+        gradients gathered into the flat buffers (which the non-finite screen then reads), or None where
+        ``torch.compile`` has failed: the caller runs the multi-tensor path."""
+        if self.passes.failed is not None:
+            return None
+        groups = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
+        members: dict = {}
+        for group, params in work:
+            for p in params:
+                members.setdefault((p.device, p.dtype), []).append((groups[id(group)], p))
+        buckets = []
+        for key, ps in members.items():
+            bucket = self.buckets.get(key)
+            if bucket is None or bucket[0] != tuple(id(p) for _, p in ps):
+                bucket = self.buckets[key] = self._bucket(ps)
+            bucket[1].grads([p.grad for _, p in ps])
+            buckets.append(bucket)
+        return buckets
+
+    def step(self, buckets) -> bool:
+        """The step of the :meth:`prepare`d ``buckets`` as the two compiled passes of :mod:`slamb.optim.fused`
+        each. Returns False where ``torch.compile`` failed before any tensor changed: the caller runs the
+        multi-tensor path."""
+        self.passes.begin_step()
+        for bucket in buckets:
+            try:
+                self._run(self.optimizer, *bucket[1:])
+            except fused_passes.CompileFailed:
+                return False
+        return True
+
+    def _run(self, opt, flat, state, steps) -> None:
+        layout, passes = flat.layout, self.passes
+        rows = []
+        for gi, lo, _ in layout.groups:
+            h = opt.param_groups[gi]
+            b1, b2 = h["betas"]
+            t = int(steps[lo]) + 1
+            c, eps = bias_folding(t, b1, b2, h["eps"]) if h["bias_correction"] else (1.0, h["eps"])
+            lo_, hi_ = h["trust_clamp"] or (0.0, math.inf)
+            rows.append([1 - b1, b2, 1 - b2, c, eps, h["weight_decay"], h["lr"], lo_, hi_])
+        index = passes.index([r for r, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)], layout.device)
+        cols = fused_passes.table(rows, index, layout.device).unbind(1)
+        zeros = torch.zeros_like(cols[0])
+        moment_table = torch.stack([*cols[:6], zeros, zeros], 1)  # no age: the dense and written columns unread
+        p = flat.view(flat.params())
+        g = flat.view(flat.grads([q.grad for q in layout.params]))
+        m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
+        sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
+        steps.add_(1)
+        p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
+        trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
+        inf = torch.full_like(trust, math.inf)
+        table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
+        passes(fused_passes.update_pass, p, m, v, None, flat.per_block(table))
 
 
 class LAMB(ContractDefaults, Optimizer):
@@ -124,8 +166,12 @@ class LAMB(ContractDefaults, Optimizer):
     :class:`slamb.SLAMB`; averaged gradients are the same on every rank, so
     the decision is too. The moments are fp32 under bf16 and fp16 parameters, which are updated in fp32
     and rounded once (:mod:`slamb.optim.precision`). ``fused=True`` runs the step as two compiled passes
-    (:mod:`slamb.optim.fused`, ``torch.compile``): the same numbers to rounding, no model-sized temporary;
-    it warns once and runs the multi-tensor path where ``torch.compile`` fails.
+    over flat buffers (:mod:`slamb.optim.fused`, ``torch.compile``; a constant number of kernels whatever
+    the number of tensors): the same numbers to rounding, no model-sized temporary. It adopts the
+    parameters with gradients into one flat buffer per device and dtype (each ``p.data`` becomes a view of
+    it, adopted again at a step where it is not) and points their ``p.grad`` at views of a flat gradient
+    buffer (:class:`slamb.optim.fused.FlatStep`); it warns once and runs the multi-tensor path where
+    ``torch.compile`` fails.
 
     FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or an HSDP mesh; the multi-tensor
     path): the moments are sharded as the parameters, the step runs on the local shards, and the trust
@@ -149,7 +195,7 @@ class LAMB(ContractDefaults, Optimizer):
         super().__init__(params, defaults)
         self.foreach = True if foreach is None else foreach
         self.fused = fused
-        self._passes = fused_passes.Passes("LAMB")  # the compiled graphs of fused=True
+        self._fused = FusedBuckets(self)  # the flat buffers and compiled graphs of fused=True
         self.nonfinite = nonfinite
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
@@ -175,6 +221,7 @@ class LAMB(ContractDefaults, Optimizer):
                            [state_dict["state"].get(k) for k in saved])
         super().load_state_dict(state_dict)
         promote_state_(self)  # torch's loader casts the moments to the parameters' dtype
+        self._fused.reset()  # the fused buffers adopt the loaded state at the next step
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -188,8 +235,13 @@ class LAMB(ContractDefaults, Optimizer):
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
         # averaged gradients are the same on every rank, but each rank of a shard group holds another shard
         sharded = self.shards is not None
+        buckets = self._fused.prepare(work) if self.fused else None
         if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
-                          where="LAMB: ", agree=sharded):
+                          where="LAMB: ", agree=sharded,
+                          screened=None if buckets is None else [flat.grad for _, flat, _, _ in buckets]):
+            self.ledger.end_step()
+            return loss
+        if buckets is not None and self._fused.step(buckets):
             self.ledger.end_step()
             return loss
         todo = []  # per group: its tensors and hyper-parameters
@@ -209,8 +261,6 @@ class LAMB(ContractDefaults, Optimizer):
                          trust_clamp=group["trust_clamp"])
             todo.append(([local(p) for p in params], [local(p.grad) for p in params],
                          [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], hyper))
-        if self.fused and lamb_fused(self._passes, todo):
-            todo = []
         staged = []
         for params, gs, ms, vs, hyper in todo:
             work, gs = working_copies(params), working_copies(gs)

@@ -262,22 +262,48 @@ class Selection:
     tensors, and the drawn positions of the others, split per tensor.
 
     ``local[i]`` is None for an always-averaged tensor, else the sorted
-    positions (in the flattened tensor) of its selected coordinates.
+    positions (in the flattened tensor) of its selected coordinates. They are cut at their first use:
+    the fused step reads the counts and :meth:`layout_positions` alone (unless an exchange takes the
+    per-tensor view), so its step costs the same ops whatever the number of tensors.
     """
 
     def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
-        self.layout, self.dense = layout, dense
-        spans = Selection.spans(layout, dense)
+        self.layout, self.dense, self.drawn = layout, dense, drawn
         if bounds is None:  # ``Selection.bounds(layout, dense)``, made once by a caller that draws every step
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
-        cut = torch.searchsorted(drawn, bounds).tolist()
-        self.local = [None if d else drawn[cut[2 * i]:cut[2 * i + 1]] - lo
-                      for i, (d, (lo, _)) in enumerate(zip(dense, spans))]
+        self._cuts = torch.searchsorted(drawn, bounds)
+        self._cut = cut = self._cuts.tolist()
+        self._local: list | None = None
         self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
+
+    @property
+    def local(self) -> list:
+        if self._local is None:
+            cut = self._cut
+            self._local = [None if d else self.drawn[cut[2 * i]:cut[2 * i + 1]] - lo
+                           for i, (d, (lo, _)) in enumerate(zip(self.dense, Selection.spans(self.layout, self.dense)))]
+        return self._local
+
+    @staticmethod
+    def shifts(layout, dense: list[bool]) -> torch.Tensor:
+        """Per tensor, what takes a drawn position to the layout's (:meth:`layout_positions`): its offset in the
+        layout less its start among the drawn positions; whole tensors only (no shards)."""
+        starts = [start for start, _ in Selection.spans(layout, dense)]
+        return torch.tensor([offset - start for offset, start in zip(layout.offsets, starts)], dtype=torch.long,
+                            device=layout.device)
+
+    def layout_positions(self, shifts: torch.Tensor) -> torch.Tensor:
+        """The drawn positions of the compressed tensors in the flat layout, in a few ops whatever the number
+        of tensors: the draw's positions are sorted, so each tensor's are a run as long as its count (its cut
+        of the draw, on the device; 0 for an always-averaged tensor), moved by that tensor's shift (``shifts``:
+        :meth:`shifts`). A repeat of the shifts by the counts rather than a search of each position among the
+        tensors' spans (BERT-Base: 3x the time)."""
+        n = sum(self.counts[i] for i in self.compressed)
+        return shifts.repeat_interleave(self._cuts[1::2] - self._cuts[::2], output_size=n).add_(self.drawn[:n])
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
@@ -297,7 +323,7 @@ class Selection:
                             device=layout.device)
 
     def dense_runs(self) -> list[tuple[int, int]]:
-        """(start, end) in the flat layout of each run of consecutive always-averaged tensors."""
+        """(start, end) in the flat layout of each run of consecutive always-averaged tensors, with their padding."""
         runs, off = [], self.layout.offsets
         for i, d in enumerate(self.dense):
             if d:
@@ -337,7 +363,7 @@ class Selection:
             flat[off[i]:off[i + 1]].index_fill_(0, self.local[i], value)
 
     def bool_mask(self) -> torch.Tensor:
-        """The flat bool mask over the layout."""
+        """The flat bool mask over the layout's entries (without its padding)."""
         mask = torch.zeros(self.layout.numel, dtype=torch.bool, device=self.layout.device)
         self.fill_(mask, True)
-        return mask
+        return self.layout.unpadded(mask)

@@ -42,7 +42,7 @@ from .checks import check_adam_group, check_choice, check_range
 from .exchange import MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, BernoulliMask, Selection, make_mask
-from .slamb_update import MAX_INT16_AGE, SlambLayout, check_fused_beta3, fused_age, int16_age, slamb_update_
+from .slamb_update import MAX_INT16_AGE, SlambLayout, slamb_update_
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
 
@@ -102,11 +102,14 @@ class SLAMB(LocalStateOptimizer):
     travels in the step's one 4-byte all-reduce (kind ``"control"``).
 
     ``fused=True`` runs steps 2 and 4-7 as two passes compiled by ``torch.compile``
-    (:mod:`slamb.optim.fused`; once per run of tensor shapes): no scratch buffer, no
-    host read of the trust ratios, the reference path's numbers to fp32 rounding; v2's
-    Bernoulli mask is drawn by a compiled kernel too (the same positions). Its
-    age is fp16, held at 2048, so it takes ``beta3 <= 0.9919`` (where b3^2048 is below
-    fp32's rounding; a larger one is refused). ``torch.compile(opt.step)`` runs the step
+    over flat buffers (:mod:`slamb.optim.fused`): a constant number of kernels whatever the
+    number of tensors, no scratch buffer, no host read of the trust ratios, the reference
+    path's numbers to fp32 rounding, every beta3 in [0, 1); v2's Bernoulli mask is drawn by a
+    compiled kernel too (the same positions). Its layout is aligned (each tensor starts at a
+    multiple of ``fused.BLOCK`` entries) and it adopts the parameters into one flat buffer
+    (each ``p.data`` becomes a view of it, adopted again at a step where it is not) and points
+    their ``p.grad`` at views of a flat gradient buffer (:class:`slamb.optim.fused.FlatStep`).
+    ``torch.compile(opt.step)`` runs the step
     eagerly (it decides on the host and communicates between its kernels): use
     ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the step warns
     once and runs the multi-tensor path from then on. It has never run on a GPU;
@@ -188,7 +191,7 @@ class SLAMB(LocalStateOptimizer):
             raise ValueError(f"invalid seed={seed!r}: must be an integer")
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, beta3=beta3,
                         c_min=c_min, c_max=c_max)
-        self.fused = fused  # add_param_group checks beta3 against it
+        self.fused = fused
         super().__init__(params, defaults)
         self.hierarchy = hierarchy
         self.shards = sharded_topology(self._all_params(), process_group)  # FSDP2: the workers are the replicas
@@ -262,8 +265,6 @@ class SLAMB(LocalStateOptimizer):
         check_range("c_max", g["c_max"], 0.0, lo_open=True)
         if g["c_min"] > g["c_max"]:
             raise ValueError(f"invalid c_min={g['c_min']} > c_max={g['c_max']}: need c_min <= c_max")
-        if getattr(self, "fused", False):
-            check_fused_beta3(g["beta3"])
 
     # -- inspection ---------------------------------------------------------------
 
@@ -321,7 +322,7 @@ class SLAMB(LocalStateOptimizer):
         ids = params_with_grad(self) if ids is None else ids
         if not ids:
             raise ValueError("SLAMB: no parameter has a gradient: nothing to optimize")
-        layout = FlatLayout.of(self, ids)
+        layout = FlatLayout.of(self, ids, align=fused_passes.BLOCK if self.fused else 1)
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq")}
@@ -331,7 +332,7 @@ class SLAMB(LocalStateOptimizer):
         self._work = ([layout.zeros() for _ in range(2)]
                       if self.foreach and not self.fused else [])
         self._dense = [always_averaged(p, self.min_compress_numel) for p in layout.keys]  # whole tensors' shapes
-        self._plan = SlambLayout(layout, self._dense)
+        self._plan = SlambLayout(layout, self._dense, fused=self.fused)
         self._views = {key: self._plan.views(buf) for key, buf in self._flat.items()}
         compressible = sum(n for n, d in zip(layout.global_numels, self._dense) if not d)  # the unsharded model's
         self._bounds = Selection.bounds(layout, self._dense)
@@ -346,29 +347,17 @@ class SLAMB(LocalStateOptimizer):
         self._draw_next()
 
     def _adopt_age(self, layout: FlatLayout) -> torch.Tensor:
-        """Step 6's age of every entry, one flat buffer: int16, or fp16 for the fused path (``fused.MAX_AGE``).
-        The per-parameter state holds views of it; :meth:`state_dict` saves the int16 counter for both."""
-        dtype = torch.float16 if self.fused else torch.int16
-        for p in layout.keys:
-            saved = self.state[p].get("staleness")
-            if saved is not None and saved.dtype != dtype:
-                self.state[p]["staleness"] = fused_age(saved) if self.fused else int16_age(saved)
-        return layout.adopt(self.state, "staleness", fill=0, dtype=dtype)
+        """Step 6's age of every entry, one flat int16 buffer (the fused path reads its bits as fp16,
+        :func:`slamb.optim.fused.age_of`); the per-parameter state holds views of it."""
+        return layout.adopt(self.state, "staleness", fill=0, dtype=torch.int16)
 
     def _leave_fused(self) -> None:
-        """The multi-tensor path from now on, ``torch.compile`` having failed: its age buffer and scratch."""
+        """The multi-tensor path from now on, ``torch.compile`` having failed: its scratch (the layout, aligned
+        for the fused passes, and the parameters adopted into it stay)."""
         self.fused = False
-        self._age = self._adopt_age(self._layout)
         self._work = [self._layout.zeros() for _ in range(2)]
         if isinstance(self._mask_fn, BernoulliMask):
             self._mask_fn.passes = None  # the eager draw
-
-    def state_dict(self) -> dict:
-        sd = super().state_dict()
-        sd["state"] = {k: {**s, "staleness": int16_age(s["staleness"])}
-                       if "staleness" in s and s["staleness"].dtype == torch.float16 else s
-                       for k, s in sd["state"].items()}
-        return sd
 
     def _check_counts_agree(self) -> None:
         """Every rank must pack as many entries as the others (collectives need equal counts; masks of
@@ -448,6 +437,14 @@ class SLAMB(LocalStateOptimizer):
         if grads is None:
             self.exchange.cancel()
         return loss, grads
+
+    def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The fused path, once its layout holds exactly the parameters with gradients: the flat gradient buffer
+        it gathers anyway (the step then finds the gradients in place). Before the update writes anything, so
+        the decision still precedes every change of state."""
+        if not self.fused or self._layout_ids != have:
+            return grads
+        return [self._plan.flat.grads(grads)]
 
     def _update(self, t: int, sel: Selection, grads, exchange) -> None:
         """Steps 2 and 4-7 (:func:`slamb_update_`); where ``torch.compile`` fails, on the multi-tensor path."""

@@ -6,7 +6,7 @@ dispatcher, :func:`slamb_update_`:
   ``v2_reference`` per tensor (the specification written out);
 * ``_multi_tensor_slamb``: steps 5-7 rewritten into per-tensor scalars and
   multi-tensor ops over flat buffers, as derived below;
-* ``_fused_slamb``: two passes compiled by ``torch.compile`` (``fused.py``).
+* ``_fused_slamb``: two passes compiled by ``torch.compile`` over flat buffers (``fused.py``).
 
 Step 4 is not here: each implementation calls back the ``exchange`` it is
 given (``exchange.py``) once step 2 is done.
@@ -60,9 +60,10 @@ from .lamb_math import adam_direction_, adam_moments_, bias_folding, safe_ratio
 from .masks import Selection
 from .precision import working_copies, write_back_
 
-# the per-element state of step 6: steps since the last average, in int16 (half a word); exact up to this
-# age, where b3^age is 0 in fp32 for b3 <= 0.997 (the fused path keeps it in fp16: fused.MAX_AGE)
-MAX_INT16_AGE = 2**15 - 1
+# the per-element state of step 6: steps since the last average, in int16 (half a word), held at this age on
+# every path (the fused path reads the same bits as fp16, whose largest finite number's they are); b3^age
+# there is below 1.3e-7 for b3 <= 0.9995
+MAX_INT16_AGE = fused_passes.MAX_AGE
 
 
 def _norms(x, sel):
@@ -96,22 +97,12 @@ def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max,
     p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
-def fused_age(age: torch.Tensor) -> torch.Tensor:
-    """The fused path's fp16 age of an int16 one: held at ``fused.MAX_AGE``."""
-    return age.clamp_max(fused_passes.MAX_AGE).to(torch.float16)
-
-
-def int16_age(age: torch.Tensor) -> torch.Tensor:
-    """The int16 age of the fused path's fp16 one; an entry marked for averaging is 0."""
-    return torch.where(age == fused_passes.SELECTED, 0, age).to(torch.int16)
-
-
 class SlambLayout:
     """The flat layout with what steps 5-7 read of it besides the step's buffers: which tensors are always
     averaged, and per-parameter views of the long-lived flat buffers (made once: a model with hundreds of
     small tensors spends more on making views each step than on its arithmetic)."""
 
-    def __init__(self, layout: FlatLayout, dense: list[bool]):
+    def __init__(self, layout: FlatLayout, dense: list[bool], fused: bool = False):
         self.layout, self.params, self.dense = layout, layout.params, dense
         self.dense_t = torch.tensor(dense, device=layout.device)
         self.one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
@@ -122,15 +113,14 @@ class SlambLayout:
             self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
                                                         device=layout.device))
         self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        # the fused path's runs of tensors, their compiled passes, and each tensor's group (in ``layout.groups``)
-        self.runs = fused_passes.runs([(lo, hi) for _, lo, hi in layout.groups])
+        # the fused path's compiled passes, flat parameters and gradients, each tensor's group (in
+        # ``layout.groups``) and dense column, and what takes the draw's positions to the layout's
         self.passes = fused_passes.Passes("SLAMB")
         self.group_index = torch.tensor([g for g, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)],
                                         device=layout.device)
-
-    def index(self, ids: list[int]) -> torch.Tensor:
-        """``ids`` as a tensor on the device, made once per distinct list (the passes' cache)."""
-        return self.passes.index(ids, self.layout.device)
+        self.flat = fused_passes.FlatStep(layout) if fused else None
+        self.dense_f = self.dense_t.to(torch.float32)
+        self.shifts = Selection.shifts(layout, dense) if fused else None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
@@ -295,36 +285,28 @@ def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant,
 
 
 def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
-    """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused`: moments, age and the norms
-    in the first, the update in the second; between them, the norms of the averaged entries are redone on
-    the averages (a fraction k of the entries). ``age``: fp16 (``fused.MAX_AGE``). No scratch,
-    no host read. Raises ``fused.CompileFailed`` where the first graph failed to compile: nothing has
-    changed but the marks, which step 6 makes 0 on any path."""
-    layout, passes = plan.layout, plan.passes
+    """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused` over the flat buffers: step 4
+    ends first (the ranks' averages written into m), then the moments, the age and the norms, split at the
+    marks, in the first pass, and the update in the second. The drawn entries are marked by their layout
+    positions (:meth:`Selection.layout_positions`), an always-averaged tensor by its dense column. A step is a
+    constant number of ops whatever the number of tensors: no scratch, no host read. Raises
+    ``fused.CompileFailed`` where the first graph failed to compile: nothing has changed but the averages in
+    m, which the exchange writes again on any path, and the marks, which step 6 makes 0 on any path
+    (-1 + 1)."""
+    layout, passes, flat = plan.layout, plan.passes, plan.flat
+    p, g = flat.view(flat.params()), flat.view(flat.grads(grads))
+    age.index_fill_(0, sel.layout_positions(plan.shifts), fused_passes.SELECTED)
+    written = 1.0 if exchange(grads=grads) else 0.0  # step 4 ended: nothing written at world size 1
     rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
-    ages, ms, vs = plan.views(age), plan.views(m), plan.views(v)
-    sel.fill_(age, fused_passes.SELECTED)  # pass 1 splits the norms at these marks and makes them 0
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
+    cols["dense"] = plan.dense_f
+    cols["written"] = torch.full_like(plan.dense_f, written)
     moment_table = torch.stack([cols[k] for k in fused_passes.MOMENT_COLUMNS], 1)
+    m, v, bits = flat.view(m), flat.view(v), flat.view(age.view(torch.float16))
 
     passes.begin_step()
-    sums = torch.cat([passes(fused_passes.moments_pass, params[a:b], grads[a:b], ms[a:b], vs[a:b], ages[a:b],
-                             moment_table[a:b]) for a, b in plan.runs])
+    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, flat.per_block(moment_table)))
     p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
-
-    u_s = u_s.clone()
-    per_tensor = [rows[g] for g, (lo, hi, _) in enumerate(groups) for _ in range(lo, hi)]
-    c_at, eps_at, wd_at = (_FUSED_COLUMNS.index(k) for k in ("c", "eps", "wd_norm"))
-    for ids, mean in exchange():  # step 4 ended: the norms of the averaged entries, on the averages
-        den = torch._foreach_sqrt(sel.take([vs[i] for i in ids], ids))
-        torch._foreach_add_(den, [per_tensor[i][eps_at] for i in ids])
-        u = torch._foreach_div(list(mean.split([sel.counts[i] for i in ids])), den)
-        torch._foreach_mul_(u, [per_tensor[i][c_at] for i in ids])
-        wd = [per_tensor[i][wd_at] for i in ids]
-        if any(wd):
-            taken = [x.to(m.dtype) for x in sel.take([params[i] for i in ids], ids)]  # fp32 under bf16 params
-            torch._foreach_add_(u, torch._foreach_mul(taken, wd))
-        u_s.index_copy_(0, plan.index(ids), torch.stack(torch._foreach_norm(u)))
 
     lr, c_min, c_max = cols["lr"], cols["c_min"], cols["c_max"]
     inf = torch.full_like(lr, math.inf)
@@ -343,9 +325,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
         b = phi_s * lr - a
         lo, hi, e0, e1 = -inf, inf, torch.ones_like(lr), torch.zeros_like(lr)
     update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log2_b3"], a, b, lo, hi, e0, e1], 1)
-    for first, end in plan.runs:
-        passes(fused_passes.update_pass, params[first:end], ms[first:end], vs[first:end], ages[first:end],
-               update_table[first:end])
+    passes(fused_passes.update_pass, p, m, v, bits, flat.per_block(update_table))
 
 
 # the per-group numbers of the fused passes, staged to the device in one copy per step
@@ -353,15 +333,7 @@ _FUSED_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm", "
                   "c_max")
 
 
-def check_fused_beta3(b3: float) -> None:
-    if b3 > fused_passes.MAX_BETA3:
-        raise ValueError(f"invalid beta3={b3!r} with fused=True: the fused step counts ages to "
-                         f"{fused_passes.MAX_AGE} (fp16), which is exact to fp32's rounding only for beta3 <= "
-                         f"{fused_passes.MAX_BETA3:.4f}; use fused=False for a larger beta3")
-
-
 def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list[float]:
-    check_fused_beta3(b3)
     c, eps_v1 = bias_folding(t, b1, b2, eps)
     return [1 - b1, b2, 1 - b2, c, eps_v1 if variant == "v1" else eps, wd if variant == "v1" else 0.0, wd,
             math.log2(b3) if b3 > 0 else fused_passes.LOG2_ZERO, lr, c_min, c_max]
@@ -380,8 +352,9 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
 
     ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
     moments and the age (``staleness``) of the last step); ``sel``: the step's mask; ``exchange``: ends
-    step 4 (waits for the momentum averages of ``sel``, started before, and writes them into ``m``; call it
-    after step 2) and returns them as (parameter ids, packed averages); ``groups``: (first, end,
+    step 4 (waits for the momentum averages of ``sel``, started before, and writes them into ``m``; the
+    multi-tensor and reference paths call it after step 2, the fused path before, giving it ``grads``) and
+    returns them as (parameter ids, packed averages); ``groups``: (first, end,
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
     scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
     or ``"reference"``; ``norms``: on the multi-tensor path, the whole tensors' norms from this rank's per-tensor
