@@ -7,7 +7,7 @@ starts at a multiple of ``BLOCK`` and its padding is 0 in every buffer, so a buf
 (blocks, BLOCK) views whatever the number of tensors: per-tensor scalars arrive in a small table
 (tensors, columns), gathered to one row per block through ``block_of`` (the tensor of each block, a
 constant index; :meth:`FlatStep.per_block`), and per-tensor sums are the graph's per-block sums, added
-up per tensor by one ``index_add_`` over the blocks (:meth:`FlatStep.sums`). So a step is two graph calls and a constant
+up per tensor by one segment reduction over the blocks (:meth:`FlatStep.sums`). So a step is two graph calls and a constant
 number of small eager ops, and a graph's code, hence inductor's compile time, does not grow with the
 number of tensors (only its shapes change). An earlier form, one graph with a loop over every tensor,
 took 325 s (LAMB) and 1,202 s (SLAMB v2) to compile for ResNet-110's 329 tensors.
@@ -52,7 +52,7 @@ import torch
 
 # The block of the aligned layout: the unit of the per-block sums. Larger blocks waste more padding on small
 # tensors (ResNet-110's 329 tensors: 2.5% of its 1.7M entries at 256) and leave more to each block's
-# sequential sum; smaller ones make the per-block outputs and their index_add_ larger (1/BLOCK of the
+# sequential sum; smaller ones make the per-block outputs and their segment sum larger (1/BLOCK of the
 # buffer per sum). 256 is a multiple of every CPU and GPU vector width; on ResNet-110's shapes (2-core CPU)
 # fused LAMB took 3.3, 3.2 and 3.1 ms and fused SLAMB v2 7.2, 5.9 and 6.6 ms at 128, 256 and 512.
 BLOCK = 256
@@ -241,6 +241,7 @@ class FlatStep:
     def __init__(self, layout):
         self.layout = layout
         sizes = [(end - start + BLOCK - 1) // BLOCK for start, end in zip(layout.offsets, layout.offsets[1:])]
+        self.blocks_per_tensor = torch.tensor(sizes, device=layout.device)
         self.block_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(layout.device)
         self.blocks = layout.numel // BLOCK
         self.grad = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
@@ -293,9 +294,9 @@ class FlatStep:
         return flat.view(self.blocks, BLOCK)
 
     def sums(self, per_block: torch.Tensor) -> torch.Tensor:
-        """Per-tensor sums of a pass's (blocks, k) per-block sums, added in float64: a tensor of many blocks
-        (BERT's embedding: 90,000) sums them one after another. Deterministic on a CPU; CUDA's ``index_add_``
-        adds in the order its atomics land (``torch.use_deterministic_algorithms`` fixes it), which the
-        float64 sum keeps to its last bits, below the fp32 result's rounding but for rare ties."""
-        out = torch.zeros(len(self.layout.params), per_block.shape[1], dtype=torch.float64, device=per_block.device)
-        return out.index_add_(0, self.block_of, per_block.double()).to(per_block.dtype)
+        """Per-tensor sums of a pass's (blocks, k) per-block sums, added in float64 (a tensor of many blocks,
+        BERT's embedding: 90,000, sums them one after another) by a segment reduction over each tensor's run
+        of blocks: in block order on every device, so the replicas of a fused LAMB under DDP stay bit-identical
+        on a GPU too (an ``index_add_`` there adds in the order its atomics land)."""
+        return torch.segment_reduce(per_block.double(), "sum", lengths=self.blocks_per_tensor, axis=0,
+                                    unsafe=True).to(per_block.dtype)
