@@ -183,51 +183,52 @@ def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
                          f"sharded parameters; {SHARDED_OPTIMIZERS} does")
     _broadcast_replicas(model, topology)
     dense = optimizer.communication == GRADIENT_ALLREDUCE
-    for m in fsdp_modules(model):
-        if not dense:
+    modules = fsdp_modules(model)
+    if not dense:
+        for m in modules:
             _reduce_over_shards_only(m, topology)
-        _record_fsdp_collectives(m, optimizer.ledger, replicas=topology.replicate if dense else None)
+    _record_fsdp_collectives(model, modules, optimizer.ledger, replicas=topology.replicate if dense else None)
     return model
 
 
-def _record_fsdp_collectives(module, ledger: comm.CommLedger, *, replicas) -> None:
-    """Route ``module``'s all-gathers and reduce-scatters through ledgered ones (FSDP2's public custom
-    collectives), and where FSDP all-reduces over ``replicas`` (HSDP under a data-parallel optimizer; a
-    process group, or None) record that all-reduce, which FSDP runs itself, from the hook it calls after.
+def _record_fsdp_collectives(model, modules, ledger: comm.CommLedger, *, replicas) -> None:
+    """Route the FSDP2 ``modules``' all-gathers and reduce-scatters through ledgered ones (FSDP2's public
+    custom collectives; one of each, shared), and where FSDP all-reduces over ``replicas`` (HSDP under a
+    data-parallel optimizer; a process group, or None) record that all-reduce, which FSDP runs itself, from
+    the hook it calls after.
 
-    An all-gather of a module in eval mode is not recorded: the ledger holds the training steps' traffic,
-    and an evaluation between two steps would otherwise count in the next one (and not survive a resume,
-    which saves the ledger's finished steps)."""
+    An all-gather while ``model`` is in eval mode is not recorded: the ledger holds the training steps'
+    traffic, and an evaluation between two steps would otherwise count in the next one (and not survive a
+    resume, which saves the ledger's finished steps)."""
     from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
 
-    class _LedgeredAllGather(AllGather):
+    class _Fresh:  # a buffer per call, as FSDP's default collectives allocate
         def allocate(self, size, *, dtype, device):
             return torch.empty(*size, dtype=dtype, device=device)
 
+    def record(kind: str, op: str, tensor: torch.Tensor, group) -> None:
+        ledger.record(kind, op, tensor.numel() * tensor.element_size(), dist.get_world_size(group), level="shard")
+
+    class _LedgeredAllGather(_Fresh, AllGather):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
-            if module.training:
-                _record_at_shard(ledger, "fsdp_all_gather", "all_gather", input_tensor, group)
+            if model.training:
+                record("fsdp_all_gather", "all_gather", input_tensor, group)
             return comm._all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    class _LedgeredReduceScatter(ReduceScatter):
-        def allocate(self, size, *, dtype, device):
-            return torch.empty(*size, dtype=dtype, device=device)
-
+    class _LedgeredReduceScatter(_Fresh, ReduceScatter):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-            _record_at_shard(ledger, "fsdp_reduce_scatter", "reduce_scatter", input_tensor, group)
+            record("fsdp_reduce_scatter", "reduce_scatter", input_tensor, group)
             return comm._reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
 
-    module.set_custom_all_gather(_LedgeredAllGather())
-    module.set_custom_reduce_scatter(_LedgeredReduceScatter())
+    gather, scatter = _LedgeredAllGather(), _LedgeredReduceScatter()
+    for m in modules:
+        m.set_custom_all_gather(gather)
+        m.set_custom_reduce_scatter(scatter)
     if replicas is not None:
         n = dist.get_world_size(replicas)
-        module.set_all_reduce_hook(
-            lambda reduced: ledger.record("grads", "all_reduce", reduced.numel() * reduced.element_size(), n,
-                                          level="replicate"))
-
-
-def _record_at_shard(ledger, kind: str, op: str, tensor: torch.Tensor, group) -> None:
-    ledger.record(kind, op, tensor.numel() * tensor.element_size(), dist.get_world_size(group), level="shard")
+        for m in modules:
+            m.set_all_reduce_hook(lambda reduced: ledger.record(
+                "grads", "all_reduce", reduced.numel() * reduced.element_size(), n, level="replicate"))
 
 
 @torch.no_grad()

@@ -110,12 +110,12 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
                 mine = comm.agree_max(mine, ledger=self.ledger, group=self.process_group)
             return int(mine.item())
 
-        screened = self._screened(have, grads) if self.nonfinite != "ignore" and have else None
-        bad = nonfinite_candidates(screened) if screened is not None else None
+        check = self.nonfinite != "ignore" and bool(have)
+        screened = self._screened(have, grads) if check else None
+        bad = nonfinite_candidates(screened or grads) if check else None
         decision = decide(bad)
         if decision == NONFINITE:  # rare: tell overflowed norms of finite gradients from NaN and inf, agreed again
-            if bad is not None:
-                bad = nonfinite_exact(grads, bad if screened is grads else nonfinite_candidates(grads))
+            bad = nonfinite_exact(grads, bad, screened) if bad is not None else None
             decision = decide(bad)
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
@@ -134,11 +134,11 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         return loss, [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
                       for p in self._layout_params()]
 
-    def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        """What the non-finite screen reads for ``grads`` (of the parameters ``have``): the gradients themselves,
-        or the same values in fewer tensors (a fused optimizer's flat buffer: one reduction, whatever the number
-        of tensors). On a step that fails the screen, the gradients are checked one by one."""
-        return grads
+    def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
+        """What the non-finite screen reads for ``grads`` (of the parameters ``have``) where not the gradients
+        themselves: the same values in fewer tensors (a fused optimizer's flat buffer: one reduction, whatever
+        the number of tensors), or None. On a step that fails the screen, the gradients are checked one by one."""
+        return None
 
     def _grow(self, have: list[int], *, agree: bool) -> None:
         """Lay out the union over the ranks of the parameters with gradients; the layout's state is kept

@@ -65,8 +65,12 @@ def nonfinite_candidates(grads) -> torch.Tensor:
     return ~torch.isfinite(torch.stack(torch._foreach_norm(grads, dtype=acc)))
 
 
-def nonfinite_exact(grads, candidates: torch.Tensor) -> torch.Tensor:
-    """Those of the ``candidates`` that hold NaN or inf; host syncs, taken only on a step that has candidates."""
+def nonfinite_exact(grads, candidates: torch.Tensor, screened=None) -> torch.Tensor:
+    """Those of the ``candidates`` that hold NaN or inf; host syncs, taken only on a step that has candidates.
+    ``screened``: the tensors the candidates are of where not ``grads`` (the same values in fewer tensors, a
+    fused optimizer's flat buffers): every gradient is then screened again, one by one."""
+    if screened is not None:
+        candidates = nonfinite_candidates(grads)
     return torch.tensor([not bool(torch.isfinite(g).all()) if b else False
                          for g, b in zip(grads, candidates.tolist())], device=candidates.device)
 
@@ -98,11 +102,10 @@ def nonfinite_skip(grads, names, policy: str, *, ledger, group=None, where: str 
     def found(bad: torch.Tensor) -> bool:  # one host read
         return comm.agree_any(bad.any(), ledger=ledger, group=group) if agree else bool(bad.any())
 
-    local_bad = nonfinite_candidates(grads if screened is None else screened)
+    local_bad = nonfinite_candidates(screened or grads)
     if not found(local_bad):
         return False
-    # every rank takes this path, or none: same collectives
-    local_bad = nonfinite_exact(grads, local_bad if screened is None else nonfinite_candidates(grads))
+    local_bad = nonfinite_exact(grads, local_bad, screened)  # every rank takes this path, or none: same collectives
     if not found(local_bad):
         return False
     if policy == "skip":

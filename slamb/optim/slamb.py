@@ -438,12 +438,12 @@ class SLAMB(LocalStateOptimizer):
             self.exchange.cancel()
         return loss, grads
 
-    def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """The fused path, once its layout holds exactly the parameters with gradients: the flat gradient buffer
         it gathers anyway (the step then finds the gradients in place). Before the update writes anything, so
         the decision still precedes every change of state."""
         if not self.fused or self._layout_ids != have:
-            return grads
+            return None
         return [self._plan.flat.grads(grads)]
 
     def _update(self, t: int, sel: Selection, grads, exchange) -> None:
