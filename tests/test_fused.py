@@ -213,8 +213,8 @@ def test_lamb_fused_equals_lamb_foreach():
 
 
 def test_a_step_is_one_graph_per_pass_whatever_the_number_of_tensors():
-    """30 tensors of three shapes compile one graph per pass, and v2's mask draw one (a single chunk), and match
-    the reference."""
+    """30 tensors of three shapes compile one graph per pass (the moments', the age's, the update's), and v2's
+    mask draw one (a single chunk), and match the reference."""
     from torch._dynamo.utils import counters
 
     runs = {}
@@ -228,22 +228,35 @@ def test_a_step_is_one_graph_per_pass_whatever_the_number_of_tensors():
                 p.grad = torch.randn(p.shape, generator=gen)
             opt.step()
         runs[kw.get("fused", False)] = (params, counters["stats"]["unique_graphs"] - graphs)
-    assert runs[True][1] == 2 + 1 and runs[False][1] == 0
+    assert runs[True][1] == 3 + 1 and runs[False][1] == 0
     for a, b in zip(runs[True][0], runs[False][0]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
-def test_the_age_reads_and_writes_every_int16_counter_through_fp16_bits_exactly():
-    """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits, fused.age_bits
-    writes those bits back; the mark SELECTED reads as NaN."""
-    from slamb.optim.fused import MAX_AGE, SELECTED, age_bits, age_of, compile_once
+def test_the_age_reads_and_advances_every_int16_counter_through_fp16_bits_exactly():
+    """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits; fused.age_pass
+    (step 6) makes it one more, held at MAX_AGE, where it is not averaged, and 0 where it is: marked SELECTED
+    (which age_of reads as NaN) or in an always-averaged tensor's block."""
+    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED, age_of, age_pass, compile_once
 
     counters = torch.arange(MAX_AGE + 1, dtype=torch.int16)
-    for read, write in ((age_of, age_bits), (compile_once(age_of), compile_once(age_bits))):
-        ages = read(counters.view(torch.float16))
-        assert torch.equal(ages, torch.arange(MAX_AGE + 1, dtype=torch.float32))
-        assert torch.equal(write(ages).view(torch.int16), counters)
+    advanced = torch.clamp(counters.int() + 1, max=MAX_AGE).to(torch.int16)
+    blocks = -(-(MAX_AGE + 1) // BLOCK)
+    for read, advance in ((age_of, age_pass), (compile_once(age_of), compile_once(age_pass))):
+        assert torch.equal(read(counters.view(torch.float16)), torch.arange(MAX_AGE + 1, dtype=torch.float32))
         assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16).view(torch.float16))).all()
+        for dense in (0.0, 1.0):
+            age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16)
+            age[:MAX_AGE + 1] = counters
+            age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
+            table = torch.zeros(blocks, len(MOMENT_COLUMNS))
+            table[:, MOMENT_COLUMNS.index("dense")] = dense
+            advance(age.view(torch.float16).view(blocks, BLOCK), table)
+            if dense:
+                assert not age.any()
+            else:
+                assert torch.equal(age[:MAX_AGE + 1], advanced)
+                assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
 
 
 def test_each_compiled_graph_has_its_own_recompile_limit():

@@ -44,10 +44,10 @@ def counted(name: str, n: int) -> dict:
     return kernels_per_step(opt.step)
 
 
-@pytest.mark.parametrize("name, graphs", [("lamb_fused", 2), ("slamb_v1_fused", 2), ("slamb_v2_fused", 3)])
+@pytest.mark.parametrize("name, graphs", [("lamb_fused", 2), ("slamb_v1_fused", 3), ("slamb_v2_fused", 4)])
 def test_a_fused_step_launches_the_same_kernels_for_10_and_100_tensors(name, graphs):
-    """Two passes over the flat buffers (v2: and its compiled mask draw), and the same eager ops around them,
-    the non-finite screen included: the step's kernels do not grow with the number of tensors."""
+    """Two passes over the flat buffers (SLAMB: and the age's; v2: and its compiled mask draw), and the same eager
+    ops around them, the non-finite screen included: the step's kernels do not grow with the number of tensors."""
     few, many = counted(name, 10), counted(name, 100)
     assert few["graph_calls"] == many["graph_calls"] == graphs
     assert few["host_ops"] == many["host_ops"]

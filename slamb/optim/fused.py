@@ -1,4 +1,5 @@
-"""The compiled step of ``LAMB(fused=True)`` and ``SLAMB(fused=True)``: two passes over flat buffers.
+"""The compiled step of ``LAMB(fused=True)`` and ``SLAMB(fused=True)``: two passes over flat buffers (SLAMB: and
+its age's between them).
 
 The fused optimizers keep the parameters, the gradients and the state in flat buffers over a layout
 aligned to ``BLOCK`` entries (:class:`slamb.optim.flat.FlatLayout`, :class:`FlatStep`): every tensor
@@ -7,8 +8,8 @@ starts at a multiple of ``BLOCK`` and its padding is 0 in every buffer, so a buf
 (blocks, BLOCK) views whatever the number of tensors: per-tensor scalars arrive in a small table
 (tensors, columns), gathered to one row per block through ``block_of`` (the tensor of each block, a
 constant index; :meth:`FlatStep.per_block`), and per-tensor sums are the graph's per-block sums, added
-up per tensor by one segment reduction over the blocks (:meth:`FlatStep.sums`). So a step is two graph calls and a constant
-number of small eager ops, and a graph's code, hence inductor's compile time, does not grow with the
+up per tensor by one segment reduction over the blocks (:meth:`FlatStep.sums`). So a step is two graph calls
+(SLAMB: three) and a constant number of small eager ops, and a graph's code, hence inductor's compile time, does not grow with the
 number of tensors (only its shapes change). An earlier form, one graph with a loop over every tensor,
 took 325 s (LAMB) and 1,202 s (SLAMB v2) to compile for ResNet-110's 329 tensors.
 
@@ -16,7 +17,8 @@ Pass 1, :func:`moments_pass`: the moments (m = m + (1-b1)(g - m), v = b2 v + (1-
 and, per block, the sums of squares of the parameter and of the direction u = c m / (sqrt(v) + eps) +
 wd p that the trust ratios need. With SLAMB's age the sums are split between the entries the step
 averages (S: marked ``SELECTED`` beforehand, or every entry of an always-averaged tensor, its ``dense``
-column) and the others, and the age advances (step 6: 0 where averaged, else one more). SLAMB's exchange
+column) and the others. :func:`age_pass` then advances the age (step 6: 0 where averaged, else one
+more). SLAMB's exchange
 ends before pass 1: where it wrote the ranks' averages into m (the ``written`` column), pass 1 keeps them
 in S instead of its own update, so the sums of S are those of the averaged momentum.
 
@@ -30,12 +32,13 @@ Every scalar arrives in the table (a tensor, so a new lr or t reuses the graphs)
 traced into a graph (b1^t, a trust ratio) is evaluated inside the innermost loop of the generated code,
 once per vector of elements, which made an earlier compiled step 7-47x slower than the memory traffic it
 needs. Reading p, g, m, v and writing m, v in pass 1 and reading p, m, v and writing p in pass 2 moves 10
-fp32 words per parameter (SLAMB: 11 with its age) against Adam's 7.
+fp32 words per parameter (SLAMB: 12 with its age, read in each pass and written in its own) against
+Adam's 7.
 
 SLAMB's age is the int16 counter of every path (the state and the checkpoint format), handed to the
 graphs as fp16 of the same bits: inductor's CPU code vectorizes 16-bit floats but not 16-bit integers.
-:func:`age_of` and :func:`age_bits` read and write the counter through those bits with float arithmetic
-alone, exactly for every age up to ``MAX_AGE`` (the largest int16 whose bits are a finite fp16), so
+:func:`age_of` reads the counter from those bits with integer arithmetic on their exact fp32, and
+:func:`next_age` advances it with float arithmetic alone, exactly for every age up to ``MAX_AGE`` (the largest int16 whose bits are a finite fp16), so
 r = b3^age is exact to fp32's rounding for every beta3 in [0, 1) wherever the counter is; the mark
 ``SELECTED`` (int16 -1) reads as a NaN.
 
@@ -72,6 +75,8 @@ SELECTED = -1
 # fp32's exponent bias less fp16's, in place in an fp32 word shifted right by 13 (fp16's mantissa is fp32's
 # top 10 bits): a normal fp16 of bits a converts exactly to the fp32 of bits (a + _REBIAS) << 13
 _REBIAS = (127 - 15) << 10
+# the fp16 whose bits are MAX_AGE
+_MAX_AGE_VALUE = 65504.0
 
 
 def age_of(bits: torch.Tensor) -> torch.Tensor:
@@ -84,11 +89,16 @@ def age_of(bits: torch.Tensor) -> torch.Tensor:
     return torch.where(f >= 2.0 ** -14, normal, f * 2.0 ** 24)
 
 
-def age_bits(age: torch.Tensor) -> torch.Tensor:
-    """The fp16 whose bits are the int16 counter ``age`` (fp32 integers in [0, ``MAX_AGE``]): the inverse of
-    :func:`age_of`."""
-    normal = torch.bitwise_left_shift(age.to(torch.int32) + _REBIAS, 13).view(torch.float32)
-    return torch.where(age >= 1024, normal, age * 2.0 ** -24).to(torch.float16)
+def next_age(f: torch.Tensor) -> torch.Tensor:
+    """The fp16 (as fp32) whose bits are one more than those of ``f`` (fp32 of an fp16 counter's bits, not
+    NaN), held at ``MAX_AGE``: the next fp16 above f, by float arithmetic alone. f plus a delta in (ulp/2,
+    3 ulp/2) of fp16's spacing at f rounds to f + ulp when converted to fp16: f (2^-11 + 2^-20) is such a
+    delta for a normal f (ulp = 2^(e-10) for f in [2^e, 2^(e+1)); the product is exact in fp32 and the
+    sum's rounding in fp32, at 2^-13 ulp, cannot leave the interval), 0.75 2^-24 for a subnormal one (ulp =
+    2^-24). Checked for every counter. Reinterpreting the bits (``view(torch.int32)``) instead costs a
+    store and a reload per vector in inductor's CPU code: the age's own pass took 9x as long."""
+    step = torch.maximum(f * (2.0 ** -11 + 2.0 ** -20), torch.full_like(f, 0.75 * 2.0 ** -24))
+    return torch.where(f >= _MAX_AGE_VALUE, f, f + step)
 
 
 def _direction(p, m, v, c, eps, wd):
@@ -103,23 +113,39 @@ def _columns(table):
 def moments_pass(p, g, m, v, age, table):
     """Pass 1 over (blocks, BLOCK) views; ``table``: a row of ``MOMENT_COLUMNS`` per block
     (:meth:`FlatStep.per_block`). Returns per block [|p|^2, |u|^2], or with ``age`` (fp16 bits of the int16
-    counters) [|p_S|^2, |p_L|^2, |u_S|^2, |u_L|^2]."""
+    counters, read for the marks alone) [|p_S|^2, |p_L|^2, |u_S|^2, |u_L|^2]."""
     b1c, b2, b2c, c, eps, wd, dense, written = _columns(table)
     p, g = p.to(m.dtype), g.to(m.dtype)  # bf16 and fp16 tensors: fp32 arithmetic, fp32 sums
     m_new = m + b1c * (g - m)
     v_new = b2 * v + b2c * (g * g)
     if age is not None:
-        a = age_of(age)
-        sel = (a != a) | (dense > 0)  # NaN: SELECTED (a compare, where isnan is not vectorized)
+        sel = _averaged(age, dense)
         m_new = torch.where(sel & (written > 0), m, m_new)  # the ranks' average, written by the exchange
     m.copy_(m_new)
     v.copy_(v_new)
     pp, uu = p * p, _direction(p, m_new, v_new, c, eps, wd).square()
     if age is None:
         return torch.stack([pp.sum(1), uu.sum(1)], 1)
-    age.copy_(age_bits(torch.where(sel, 0.0, torch.clamp(a + 1, max=MAX_AGE))))
     return torch.stack([torch.where(sel, pp, 0).sum(1), torch.where(sel, 0, pp).sum(1),
                         torch.where(sel, uu, 0).sum(1), torch.where(sel, 0, uu).sum(1)], 1)
+
+
+def _averaged(age, dense):
+    """The entries averaged at this step: marked ``SELECTED`` (a NaN: a compare, where isnan is not
+    vectorized), or of an always-averaged tensor."""
+    f = age.to(torch.float32)
+    return (f != f) | (dense > 0)
+
+
+def age_pass(age, table):
+    """Step 6 over the (blocks, BLOCK) view of the age's fp16 bits, between the passes: 0 where averaged,
+    else one more, held at ``MAX_AGE``; ``table``: pass 1's. A pass of its own rather than a write in pass 1:
+    inductor's CPU code writes a 16-bit output of a kernel whose vectors are 16 fp32 wide (pass 1's) with
+    masked half-width stores, and through a model-sized temporary where the kernel also reduces; that made
+    BERT-Base's pass 1 2.7x as long (163 ms against 60, 2-core CPU) for the half word per parameter that
+    this pass reads again."""
+    dense = _columns(table)[MOMENT_COLUMNS.index("dense")]
+    age.copy_(torch.where(_averaged(age, dense), 0.0, next_age(age.to(torch.float32))).to(torch.float16))
 
 
 def update_pass(p, m, v, age, table):

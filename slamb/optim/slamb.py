@@ -20,7 +20,7 @@ each one call of :meth:`SLAMB.step` into the file named:
    (``averaging.py``).
 
 Steps 2 and 5-7 are one call, :func:`slamb_update_` (``slamb_update.py``): the
-fused path runs them as two compiled passes with the end of step 4 between them.
+fused path runs them as compiled passes (the moments, the age, the update) with the end of step 4 before them.
 The optimizer keeps the state, the layout, the mask and the parameter sync.
 """
 from __future__ import annotations
@@ -101,7 +101,7 @@ class SLAMB(LocalStateOptimizer):
     ``"ignore"`` (no check; saves a pass over the gradients). The decision
     travels in the step's one 4-byte all-reduce (kind ``"control"``).
 
-    ``fused=True`` runs steps 2 and 4-7 as two passes compiled by ``torch.compile``
+    ``fused=True`` runs steps 2 and 4-7 as three passes compiled by ``torch.compile``
     over flat buffers (:mod:`slamb.optim.fused`): a constant number of kernels whatever the
     number of tensors, no scratch buffer, no host read of the trust ratios, the reference
     path's numbers to fp32 rounding, every beta3 in [0, 1); v2's Bernoulli mask is drawn by a

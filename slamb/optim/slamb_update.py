@@ -6,7 +6,7 @@ dispatcher, :func:`slamb_update_`:
   ``v2_reference`` per tensor (the specification written out);
 * ``_multi_tensor_slamb``: steps 5-7 rewritten into per-tensor scalars and
   multi-tensor ops over flat buffers, as derived below;
-* ``_fused_slamb``: two passes compiled by ``torch.compile`` over flat buffers (``fused.py``).
+* ``_fused_slamb``: two passes and the age's, compiled by ``torch.compile`` over flat buffers (``fused.py``).
 
 Step 4 is not here: each implementation calls back the ``exchange`` it is
 given (``exchange.py``) once step 2 is done.
@@ -285,9 +285,9 @@ def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant,
 
 
 def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
-    """Steps 2 and 4-7 as the two compiled passes of :mod:`slamb.optim.fused` over the flat buffers: step 4
-    ends first (the ranks' averages written into m), then the moments, the age and the norms, split at the
-    marks, in the first pass, and the update in the second. The drawn entries are marked by their layout
+    """Steps 2 and 4-7 as the compiled passes of :mod:`slamb.optim.fused` over the flat buffers: step 4
+    ends first (the ranks' averages written into m), then the moments and the norms, split at the marks,
+    in the first pass, the age in its own, and the update in the second. The drawn entries are marked by their layout
     positions (:meth:`Selection.layout_positions`), an always-averaged tensor by its dense column. A step is a
     constant number of ops whatever the number of tensors: no scratch, no host read. Raises
     ``fused.CompileFailed`` where the first graph failed to compile: nothing has changed but the averages in
@@ -305,7 +305,9 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     m, v, bits = flat.view(m), flat.view(v), flat.view(age.view(torch.float16))
 
     passes.begin_step()
-    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, flat.per_block(moment_table)))
+    moment_rows = flat.per_block(moment_table)
+    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, moment_rows))
+    passes(fused_passes.age_pass, bits, moment_rows)
     p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
 
     lr, c_min, c_max = cols["lr"], cols["c_min"], cols["c_max"]
