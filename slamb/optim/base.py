@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from ..sharding import check_state_shapes, local
+from ..sharding import check_state_shapes, is_sharded, local
 from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
 from .flat import param_labels
 from .precision import state_dtype
@@ -74,6 +74,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         # would average the ranks' parameters (a SLAMB sync) and count a step.
         for p in self.param_groups[-1]["params"]:
             self.state.setdefault(p, {})
+        # whether a parameter is an FSDP2 shard: a step then reads every gradient's local shard
+        self._sharded = getattr(self, "_sharded", False) or any(map(is_sharded, self.param_groups[-1]["params"]))
 
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -95,10 +97,13 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             with torch.enable_grad():
                 loss = closure()
         everything = self._all_params()
+        # a sharded parameter's gradient: this rank's shard (no per-tensor call otherwise: a model of hundreds
+        # of tensors spends more on these lists than on a fused step's arithmetic)
+        grad_of = (lambda p: None if p.grad is None else local(p.grad)) if self._sharded else (lambda p: p.grad)
         have = [i for i, p in enumerate(everything) if p.grad is not None]
         known = set(self._layout_ids or have)
         plain = NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT
-        grads = [local(everything[i].grad) for i in have]  # a sharded parameter's: this rank's shard
+        grads = [grad_of(everything[i]) for i in have]
 
         def decide(bad: torch.Tensor | None) -> int:
             # made on the parameters' device (the one a backend such as NCCL communicates from) without a host
@@ -131,8 +136,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             self._build()
         elif decision == NEW_PARAMETERS:
             self._grow(have, agree=agree)
-        return loss, [local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
-                      for p in self._layout_params()]
+        return loss, [torch.zeros_like(local(p)) if p.grad is None else grad_of(p) for p in self._layout_params()]
 
     def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """What the non-finite screen reads for ``grads`` (of the parameters ``have``) where not the gradients
