@@ -21,8 +21,8 @@ Memory, from one fresh process per optimizer:
 * scratch: the other tensors it keeps between steps (SLAMB's update buffers,
   its mask's buffers and the next step's draw, v1's cut permutation);
 * peak: the highest memory during the timed steps beyond parameters, gradients,
-  state and scratch (CUDA: ``max_memory_allocated``; CPU: peak RSS in a second
-  process where glibc hands every large block back, so freed temporaries leave
+  state and scratch (CUDA: ``max_memory_allocated``; CPU: peak RSS, reset after the warm-up, in a second
+  process where glibc hands every block of 4 KiB or more back, so freed temporaries leave
   the RSS; the step time is measured with glibc's default behaviour);
 * kernels: what one step launches (``bench.kernels``): the kernels (a CPU's compiled graph calls and
   computing leaf ops; a GPU's device kernels) and, in brackets, the ops dispatched from the host.
@@ -38,7 +38,6 @@ import importlib.util
 import math
 import os
 import platform
-import resource
 import statistics
 import time
 from pathlib import Path
@@ -47,7 +46,7 @@ import torch
 import torch.multiprocessing as mp
 
 from bench.kernels import kernels_per_step
-from bench.memory import counted_bytes
+from bench.memory import Resident, counted_bytes
 from bench.shapes import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,11 +100,6 @@ def floor_seconds(add_seconds: float, numel: int) -> float:
     return floor_bytes(numel) * add_seconds / (8 * numel)
 
 
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def _model_params(shapes, dev: torch.device) -> list[torch.nn.Parameter]:
     """Parameters of the given shapes, filled with the same numbers every time, with gradients."""
     gen = torch.Generator(device=dev).manual_seed(0)
@@ -142,14 +136,17 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-    else:
-        base = _rss_bytes()
+    else:  # the peak of the timed steps alone: the first steps' one-time work (adopting the parameters into
+        # flat buffers, v1's cut of its permutation) is not a step's
+        resident = Resident()
+        resident.reset()
+        base = resident.now()
     for _ in range(3):
         _timed(opt.step, dev)
     if cuda:
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+        peak = resident.peak() - base
     counted = counted_bytes(opt, params)
     launched = kernels_per_step(opt.step, dev)
     queue.put({"state_words": counted["state"] / (4 * numel), "scratch_words": counted["scratch"] / (4 * numel),
@@ -293,8 +290,10 @@ def run_model(model: str, names: list[str], steps: int, device: str) -> list[dic
         times = _spawn(_times_in_child, (model, group, steps, device), {})
         for row in summarize(times, numel):
             summary.setdefault(row["optimizer"], row)
-    # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here)
-    env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)} if device == "cpu" else {}
+    # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here):
+    # 4 KiB, so that a step's temporaries of small tensors (ResNet-110's) leave the RSS too, rather than being
+    # reused from a heap that the warm-up steps grew
+    env = {"MALLOC_MMAP_THRESHOLD_": str(1 << 12)} if device == "cpu" else {}
     rows = []
     for row in summary.values():
         mem = {} if row["optimizer"] == FLOOR else _spawn(measure_memory, (model, row["optimizer"], device), env)
@@ -391,9 +390,9 @@ def render(rows, device: str) -> str:
             "as `bench.memory` counts them): SLAMB's update buffers, its mask's buffers and next draw, v1's cut "
             "permutation (int16 gaps), kept instead of allocating the temporaries afresh each step; LAMB and "
             "AdamW allocate theirs each step, as torch's foreach optimizers do, and their peak shows it.",
-            "Peak is the process's highest RSS beyond the state after warm-up: slamb_v1's includes the "
-            "one-time cut of its permutation at the first step (a randperm and a sort of every coordinate), "
-            "not a per-step cost.",
+            "Peak is the highest memory during the timed steps beyond what was resident before them (CPU: the "
+            "RSS high-water mark, reset after the warm-up steps), so a first step's one-time work (the fused "
+            "paths' adoption of the parameters into flat buffers, slamb_v1's cut of its permutation) is not in it.",
             "`slamb_v2_nocheck` is `nonfinite=\"ignore\"`: no rank-agreed non-finite check, so no host sync.",
             "Kernels: one step's launches from `torch.profiler` (`bench.kernels`): on a CPU the compiled graph "
             "calls and the eager ops that compute (a foreach op once per tensor it loops over), on a GPU the "

@@ -167,9 +167,7 @@ class LAMB(ContractDefaults, Optimizer):
     the decision is too. The moments are fp32 under bf16 and fp16 parameters, which are updated in fp32
     and rounded once (:mod:`slamb.optim.precision`). ``fused=True`` runs the step as two compiled passes
     over flat buffers (:mod:`slamb.optim.fused`, ``torch.compile``; a constant number of kernels whatever
-    the number of tensors): the same numbers to rounding, no scratch kept between steps (inside its first
-    pass inductor writes one moment through a model-sized temporary, about a word per parameter at the
-    step's peak: ``python -m bench.optimizer_step``'s peak column). It adopts the
+    the number of tensors): the same numbers to rounding, no scratch kept between steps. It adopts the
     parameters with gradients into one flat buffer per device and dtype (each ``p.data`` becomes a view of
     it, adopted again at a step where it is not) and points their ``p.grad`` at views of a flat gradient
     buffer (:class:`slamb.optim.fused.FlatStep`); it warns once and runs the multi-tensor path where
