@@ -455,20 +455,27 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
         assert all(torch.equal(v, s[k]) for p, s in zip(params, state) for k, v in opt.state[p].items())
 
 
-def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout():
+@pytest.mark.parametrize("shapes", [
+    [(30, 20), (7,), (50, 3), (9, 9), (200,), (40, 40)],
+    # always-averaged tensors first, side by side and last (runs that start where the draw ends); a compressed
+    # tensor of two entries, which a draw often skips
+    [(5,), (30, 20), (7,), (8,), (2, 1), (50, 3), (200,), (3,)],
+])
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes):
     """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
-    tensor's offset, for both mask policies; an always-averaged tensor between compressed ones is skipped."""
+    tensor's offset, for both mask policies and several steps; the always-averaged tensors are skipped."""
     from slamb.optim.flat import FlatLayout
     from slamb.optim.fused import BLOCK
     from slamb.optim.masks import Selection, make_mask
 
-    shapes = [(30, 20), (7,), (50, 3), (9, 9), (200,), (40, 40)]
     dense = [len(s) == 1 or s == (9, 9) for s in shapes]
     layout = FlatLayout([torch.zeros(s) for s in shapes], [0] * len(shapes), align=BLOCK)
     assert all(o % BLOCK == 0 for o in layout.offsets)
     compressible = sum(layout.numels[i] for i, d in enumerate(dense) if not d)
     for policy in ("cyclic", "bernoulli"):
-        sel = Selection(layout, dense, make_mask(policy, compressible, 0, layout.device)(3, 0.3))
-        want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
-        assert want.numel() > 0
-        assert torch.equal(sel.layout_positions(Selection.shifts(layout, dense)), want)
+        mask = make_mask(policy, compressible, 0, layout.device)
+        for step in range(1, 6):
+            sel = Selection(layout, dense, mask(step, 0.3))
+            want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
+            assert want.numel() > 0
+            assert torch.equal(sel.layout_positions(Selection.shifts(layout, dense)), want)
