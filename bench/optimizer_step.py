@@ -378,8 +378,8 @@ def render(rows, device: str) -> str:
     out += ["", "## Targets", "", "Computed from the rows above (medians of the paired ratios).", "",
             "| model | target | limit | measured | |", "|---|---|---:|---:|---|"]
     for t in targets(rows):
-        # a state's words to 4 places: the aligned layout's padding is a few in 10,000 on BERT's tensors
-        value = "-" if t["value"] is None else f"{t['value']:.4f}" if "state" in t["target"] else f"{t['value']:.2f}"
+        # a state's words to 5 places: the aligned layout's padding is a few in 100,000 on BERT's tensors
+        value = "-" if t["value"] is None else f"{t['value']:.5f}" if "state" in t["target"] else f"{t['value']:.2f}"
         out.append(f"| {t['model']} | {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
     out += ["",
             "Rows: `lamb`, `slamb_*` are this package's (`*_fused`: `fused=True`); `adamw_foreach` / `adamw_fused` are torch's AdamW; `timm_lamb` is timm's "
