@@ -99,7 +99,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         everything = self._all_params()
         # a sharded parameter's gradient: this rank's shard (no per-tensor call otherwise: a model of hundreds
         # of tensors spends more on these lists than on a fused step's arithmetic)
-        grad_of = (lambda p: None if p.grad is None else local(p.grad)) if self._sharded else (lambda p: p.grad)
+        grad_of = (lambda p: local(p.grad)) if self._sharded else (lambda p: p.grad)  # of a p with a gradient
         have = [i for i, p in enumerate(everything) if p.grad is not None]
         known = set(self._layout_ids or have)
         plain = NEW_PARAMETERS if any(i not in known for i in have) else GRADIENTS if have else NO_GRADIENT

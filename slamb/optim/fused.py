@@ -75,8 +75,8 @@ SELECTED = -1
 # fp32's exponent bias less fp16's, in place in an fp32 word shifted right by 13 (fp16's mantissa is fp32's
 # top 10 bits): a normal fp16 of bits a converts exactly to the fp32 of bits (a + _REBIAS) << 13
 _REBIAS = (127 - 15) << 10
-# the fp16 whose bits are MAX_AGE
-_MAX_AGE_VALUE = 65504.0
+# the fp16 whose bits are MAX_AGE (65504)
+_MAX_AGE_VALUE = float(torch.tensor(MAX_AGE, dtype=torch.int16).view(torch.float16))
 
 
 def age_of(bits: torch.Tensor) -> torch.Tensor:
