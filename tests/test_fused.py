@@ -463,10 +463,12 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
 ])
 def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes):
     """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
-    tensor's offset, for both mask policies and several steps; the always-averaged tensors are skipped."""
+    tensor's offset, for both mask policies and several steps: the drawn ones alone (the marks), and after
+    every entry of the always-averaged tensors (the exchange's packed order)."""
+    from slamb.optim.exchange import packing
     from slamb.optim.flat import FlatLayout
     from slamb.optim.fused import BLOCK
-    from slamb.optim.masks import Selection, make_mask
+    from slamb.optim.masks import LayoutRuns, Selection, make_mask
 
     dense = [len(s) == 1 or s == (9, 9) for s in shapes]
     layout = FlatLayout([torch.zeros(s) for s in shapes], [0] * len(shapes), align=BLOCK)
@@ -478,4 +480,10 @@ def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout
             sel = Selection(layout, dense, mask(step, 0.3))
             want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
             assert want.numel() > 0
-            assert torch.equal(sel.layout_positions(Selection.shifts(layout, dense)), want)
+            runs = LayoutRuns(layout, dense)
+            assert torch.equal(sel.layout_positions(runs), want)
+            order = packing(sel, range(len(shapes)))[0]
+            packed = torch.cat([torch.arange(layout.numels[i]) + layout.offsets[i] if dense[i]
+                                else sel.local[i] + layout.offsets[i] for i in order])
+            assert torch.equal(sel.layout_positions(runs, with_dense=True), packed)
+            assert torch.equal(sel.layout_positions(runs), want)  # the tail of the kept ones

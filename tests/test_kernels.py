@@ -7,6 +7,7 @@ import torch
 
 import slamb
 from bench.kernels import kernels_per_step
+from tests import distributed
 
 
 def test_the_counts_of_known_ops():
@@ -20,10 +21,12 @@ def test_the_counts_of_known_ops():
     assert kernels_per_step(lambda: double(xs[0])) == {"host_ops": 1, "graph_calls": 1, "kernels": 1}
 
 
-def model(n: int) -> list[torch.nn.Parameter]:
-    """n tensors, half compressed (2-D, 60 entries) and half always averaged (1-D), with gradients."""
+def model(n: int, rank: int = 0) -> list[torch.nn.Parameter]:
+    """n tensors, half compressed (2-D, 60 entries) and half always averaged (1-D), with gradients (the ranks'
+    own: the same parameters, other gradients)."""
     gen = torch.Generator().manual_seed(n)
     params = [torch.nn.Parameter(torch.randn((30, 2) if i % 2 else (30,), generator=gen)) for i in range(n)]
+    gen.manual_seed(1000 * rank + n)
     for p in params:
         p.grad = torch.randn(p.shape, generator=gen)
     return params
@@ -37,8 +40,8 @@ BUILDS = {
 }
 
 
-def counted(name: str, n: int) -> dict:
-    opt = BUILDS[name](model(n))
+def counted(name: str, n: int, rank: int = 0) -> dict:
+    opt = BUILDS[name](model(n, rank))
     for _ in range(3):  # compiled, and past the first steps' checks
         opt.step()
     return kernels_per_step(opt.step)
@@ -52,6 +55,19 @@ def test_a_fused_step_launches_the_same_kernels_for_10_and_100_tensors(name, gra
     assert few["graph_calls"] == many["graph_calls"] == graphs
     assert few["host_ops"] == many["host_ops"]
     assert few["kernels"] == many["kernels"]
+
+
+def counted_on_ranks(rank, world):
+    return {name: [counted(name, n, rank) for n in (10, 100)] for name in ("slamb_v1_fused", "slamb_v2_fused")}
+
+
+@pytest.mark.multiprocess
+def test_a_fused_step_with_its_exchange_launches_the_same_kernels_for_10_and_100_tensors():
+    """On two ranks the step also gathers the selected momentum, all-reduces it and scatters the averages back:
+    by layout positions, so that too is the same ops whatever the number of tensors."""
+    for counts in distributed.run(counted_on_ranks, 2):
+        for name, (few, many) in counts.items():
+            assert few == many, name
 
 
 def test_the_multi_tensor_step_dispatches_more_ops_with_more_tensors():

@@ -205,8 +205,8 @@ def compile_case(rank, name):
     return all(torch.equal(a, b) for a, b in zip(snapshot(model_a), snapshot(model_b)))
 
 
-def warning_case(rank, wrap: str):
-    model, _, opt = build("slamb", wrap=False)
+def warning_case(rank, wrap: str, **kw):
+    model, _, opt = build("slamb", wrap=False, **kw)
     model.late.requires_grad_(False)
     ddp = slamb.wrap_model(model, opt) if wrap == "slamb" else torch.nn.parallel.DistributedDataParallel(model)
     with warnings.catch_warnings(record=True) as caught:
@@ -227,7 +227,8 @@ def worker(rank, world, directory):
         "lr0": {name: lr_zero_case(rank, name) for name in OPTIMIZERS},
         "empty": {name: empty_case(rank, name) for name in ("slamb", "dgc")},
         "compile": {name: compile_case(rank, name) for name in OPTIMIZERS},
-        "warning": {wrap: warning_case(rank, wrap) for wrap in ("ddp", "slamb")},
+        "warning": {wrap: warning_case(rank, wrap) for wrap in ("ddp", "slamb")}
+        | {"ddp_fused": warning_case(rank, "ddp", fused=True)},  # the exchange by layout positions
     }
 
 
@@ -400,6 +401,7 @@ def test_compiled_step_equals_the_eager_step(results):
 @pytest.mark.multiprocess
 def test_gradients_averaged_by_someone_else_warn_once_with_the_fix(results):
     for r in results:
-        assert len(r["warning"]["ddp"]) == 1
-        assert "slamb.wrap_model(model, optimizer)" in r["warning"]["ddp"][0]
+        for wrap in ("ddp", "ddp_fused"):
+            assert len(r["warning"][wrap]) == 1
+            assert "slamb.wrap_model(model, optimizer)" in r["warning"][wrap][0]
         assert r["warning"]["slamb"] == []

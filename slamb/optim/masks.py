@@ -264,8 +264,8 @@ class Selection:
 
     ``local[i]`` is None for an always-averaged tensor, else the sorted
     positions (in the flattened tensor) of its selected coordinates. They are cut at their first use:
-    the fused step reads the counts and :meth:`layout_positions` alone (unless an exchange takes the
-    per-tensor view), so its step costs the same ops whatever the number of tensors.
+    the fused step reads the counts and :meth:`layout_positions` alone (unless an exchange overlapped with
+    backward takes the per-tensor view), so its step costs the same ops whatever the number of tensors.
     """
 
     def __init__(self, layout, dense: list[bool], drawn: torch.Tensor, bounds: torch.Tensor | None = None):
@@ -277,6 +277,7 @@ class Selection:
         self._cuts = torch.searchsorted(drawn, bounds)
         self._cut = cut = self._cuts.tolist()
         self._local: list | None = None
+        self._packed: torch.Tensor | None = None  # layout_positions(runs, with_dense=True), kept for the step
         self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
         self.numel = sum(self.counts)
         self.compressed = [i for i, d in enumerate(dense) if not d]
@@ -289,27 +290,34 @@ class Selection:
                            for i, (d, (lo, _)) in enumerate(zip(self.dense, Selection.spans(self.layout, self.dense)))]
         return self._local
 
-    @staticmethod
-    def shifts(layout, dense: list[bool]) -> torch.Tensor:
-        """Per tensor, what takes a drawn position to the layout's (:meth:`layout_positions`): its offset in the
-        layout less its start among the drawn positions; whole tensors only (no shards)."""
-        starts = [start for start, _ in Selection.spans(layout, dense)]
-        return torch.tensor([offset - start for offset, start in zip(layout.offsets, starts)], dtype=torch.long,
-                            device=layout.device)
-
-    def layout_positions(self, shifts: torch.Tensor) -> torch.Tensor:
+    def layout_positions(self, runs: "LayoutRuns", with_dense: bool = False) -> torch.Tensor:
         """The drawn positions of the compressed tensors in the flat layout, in a few ops whatever the number
-        of tensors: the draw's positions are sorted, so each tensor's are a run as long as its count, starting
-        at its cut of the draw (on the device; an empty run for an always-averaged tensor), moved by that
-        tensor's shift (``shifts``: :meth:`shifts`, nondecreasing). The shift of every position is the running
-        sum of the shifts' steps placed at the runs' starts (one ``index_add_`` of a value per tensor, exact in
-        int64 on every device, and one ``cumsum_``). A repeat of the shifts by the counts gathers a shift per
-        position through an index as long (BERT-Base: 82 ms against 32 on a 2-core CPU); a search of each
-        position among the tensors' spans took 3x as long again."""
+        of tensors; ``with_dense``: after every entry of the always-averaged tensors, the order in which step 4
+        packs the momentum (:func:`slamb.optim.exchange.packing`). The draw's positions are sorted, so each
+        tensor's are a run as long as its count, starting at its cut of the draw (on the device; an empty run for
+        an always-averaged tensor), moved by that tensor's shift (``runs``: the layout's :class:`LayoutRuns`).
+        The shift of every position is the running sum of the shifts' steps placed at the runs' starts (one
+        ``index_add_`` of a value per tensor, exact in int64 on every device, and one ``cumsum_``); an
+        always-averaged tensor's entries are a run of steps of one. A repeat of the shifts by the counts gathers a
+        shift per position through an index as long (BERT-Base: 82 ms against 32 on a 2-core CPU); a search of
+        each position among the tensors' spans took 3x as long again.
+
+        The positions with the always-averaged entries are kept for the step (the exchange's gather and scatter
+        and the marks read them); without them they are made for the one call."""
+        if self._packed is not None:
+            return self._packed if with_dense else self._packed[runs.n_dense:]
         n = sum(self.counts[i] for i in self.compressed)
-        steps = torch.diff(shifts, prepend=shifts[:1].new_zeros(1))
-        out = torch.zeros(n + 1, dtype=torch.long, device=shifts.device)  # a trailing empty run starts at n
-        return out.index_add_(0, self._cuts[::2], steps).cumsum_(0)[:n].add_(self.drawn[:n])
+        nd = runs.n_dense if with_dense else 0
+        out = torch.zeros(nd + n + 1, dtype=torch.long, device=runs.steps.device)  # a trailing empty run starts at n
+        if nd:
+            out[1:nd].fill_(1)
+            out.index_add_(0, runs.dense_at, runs.dense_steps)
+        out[nd:].index_add_(0, self._cuts[::2], runs.steps_after_dense if nd else runs.steps)
+        out = out.cumsum_(0)[:nd + n]
+        out[nd:].add_(self.drawn[:n])
+        if with_dense:
+            self._packed = out
+        return out
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
@@ -373,3 +381,31 @@ class Selection:
         mask = torch.zeros(self.layout.numel, dtype=torch.bool, device=self.layout.device)
         self.fill_(mask, True)
         return self.layout.unpadded(mask)
+
+
+class LayoutRuns:
+    """What takes a draw's positions to a flat layout's (:meth:`Selection.layout_positions`), made once per layout
+    of whole tensors (no shards): each tensor's shift, its offset in the layout less its start among the drawn
+    positions, as steps between consecutive tensors (``steps``), and the always-averaged tensors' entries as
+    runs of consecutive positions (``n_dense`` of them, tensor by tensor from ``dense_at`` in the packed order,
+    each run's shift step in ``dense_steps``; ``steps_after_dense``: ``steps`` continuing after those)."""
+
+    def __init__(self, layout, dense: list[bool]):
+        starts = [start for start, _ in Selection.spans(layout, dense)]
+        shifts = [offset - start for offset, start in zip(layout.offsets, starts)]
+        steps = [b - a for a, b in zip([0] + shifts, shifts)]
+        dense_ids = [i for i, d in enumerate(dense) if d and layout.numels[i]]
+        at = [sum(layout.numels[j] for j in dense_ids[:k]) for k in range(len(dense_ids))]
+        dense_shifts = [layout.offsets[i] - a for i, a in zip(dense_ids, at)]
+        self.n_dense = sum(layout.numels[i] for i in dense_ids)
+        # every entry but the first steps by one (filled before the sum), a run's first also by its shift's change
+        dense_steps = [b - a for a, b in zip([0] + dense_shifts, dense_shifts)]
+        after = list(steps)
+        if dense_ids:  # the sampled runs' sum starts again from 0 where the always-averaged ones end
+            after[0] -= (self.n_dense - 1) + dense_shifts[-1]
+
+        def tensor(xs):
+            return torch.tensor(xs, dtype=torch.long, device=layout.device)
+
+        self.steps, self.steps_after_dense = tensor(steps), tensor(after)
+        self.dense_at, self.dense_steps = tensor(at), tensor(dense_steps)

@@ -39,7 +39,7 @@ from ..ddp import no_comm_hook
 from . import fused as fused_passes
 from .base import LocalStateOptimizer, eager_under_compile
 from .checks import check_adam_group, check_choice, check_range
-from .exchange import MomentumExchange, overlap_hook
+from .exchange import FlatMomentum, MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, BernoulliMask, Selection, make_mask
 from .slamb_update import MAX_INT16_AGE, SlambLayout, slamb_update_
@@ -105,7 +105,9 @@ class SLAMB(LocalStateOptimizer):
     over flat buffers (:mod:`slamb.optim.fused`): a constant number of kernels whatever the
     number of tensors, no scratch buffer, no host read of the trust ratios, the reference
     path's numbers to fp32 rounding, every beta3 in [0, 1); v2's Bernoulli mask is drawn by a
-    compiled kernel too (the same positions). Its layout is aligned (each tensor starts at a
+    compiled kernel too (the same positions), and step 4 gathers and scatters the selected
+    momentum by layout positions (the same packed buffer; per DDP bucket with ``overlap``).
+    Its layout is aligned (each tensor starts at a
     multiple of ``fused.BLOCK`` entries) and it adopts the parameters into one flat buffer
     (each ``p.data`` becomes a view of it, adopted again at a step where it is not) and points
     their ``p.grad`` at views of a flat gradient buffer (:class:`slamb.optim.fused.FlatStep`).
@@ -340,7 +342,9 @@ class SLAMB(LocalStateOptimizer):
         self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep,
                                    self._plan.passes if self.fused else None)
                          if compressible else None)
-        self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of])
+        flat = FlatMomentum(self._flat["exp_avg"], self._plan.runs, layout.groups) if self.fused else None
+        self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of],
+                           flat)
         self._drawn = None
         self._layout, self._layout_ids = layout, ids
         self._check_counts_agree()
@@ -419,7 +423,8 @@ class SLAMB(LocalStateOptimizer):
             return loss
         t = self._step = self._step + 1
         sel = self._selection(t)  # step 3: the mask M_t (masks.py)
-        sent = self.exchange.start(sel, grads)  # step 4 starts: the selected momentum goes out (exchange.py)
+        flat_grad = self._plan.flat.grads(grads) if self.fused else None
+        sent = self.exchange.start(sel, grads, flat_grad)  # step 4 starts: the selected momentum goes out (exchange.py)
         # steps 2 and 5-7, step 4 ending between them: the averages written into m (slamb_update.py)
         self._update(t, sel, grads, functools.partial(self.exchange.finish, sel, sent))
         if (t - 1) % self.sync_interval == 0:  # step 8: the parameters averaged (averaging.py)

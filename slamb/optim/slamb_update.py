@@ -57,7 +57,7 @@ import torch
 from . import fused as fused_passes
 from .flat import FlatLayout
 from .lamb_math import adam_direction_, adam_moments_, bias_folding, safe_ratio
-from .masks import Selection
+from .masks import LayoutRuns, Selection
 from .precision import working_copies, write_back_
 
 # the per-element state of step 6: steps since the last average, in int16 (half a word), held at this age on
@@ -120,7 +120,7 @@ class SlambLayout:
                                         device=layout.device)
         self.flat = fused_passes.FlatStep(layout) if fused else None
         self.dense_f = self.dense_t.to(torch.float32)
-        self.shifts = Selection.shifts(layout, dense) if fused else None
+        self.runs = LayoutRuns(layout, dense) if fused else None
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
@@ -295,7 +295,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     (-1 + 1)."""
     layout, passes, flat = plan.layout, plan.passes, plan.flat
     p, g = flat.view(flat.params()), flat.view(flat.grads(grads))
-    age.index_fill_(0, sel.layout_positions(plan.shifts), fused_passes.SELECTED)
+    age.index_fill_(0, sel.layout_positions(plan.runs), fused_passes.SELECTED)
     written = 1.0 if exchange(grads=grads) else 0.0  # step 4 ended: nothing written at world size 1
     rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
