@@ -146,3 +146,11 @@ def test_huge_finite_gradients_are_not_taken_for_nonfinite(dtype):
     with pytest.raises(FloatingPointError, match=r"gradients: c\b"):
         nonfinite_skip([huge, torch.ones(3, dtype=dtype), nan], ["a", "b", "c"], "raise", ledger=None,
                        agree=False)
+    # a fused optimizer's flat buffer, screened by its sum, which overflows for these too
+    flat = torch.cat([huge, torch.ones(3, dtype=dtype)])
+    assert not torch.isfinite(flat.sum(dtype=torch.float32)) or dtype == torch.float16
+    assert not nonfinite_skip([huge, torch.ones(3, dtype=dtype)], ["a", "b"], "raise", ledger=None, agree=False,
+                              screened=[flat])
+    with pytest.raises(FloatingPointError, match=r"gradients: c\b"):
+        nonfinite_skip([huge, torch.ones(3, dtype=dtype), nan], ["a", "b", "c"], "raise", ledger=None,
+                       agree=False, screened=[torch.cat([flat, nan])])

@@ -117,7 +117,9 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
 
         check = self.nonfinite != "ignore" and bool(have)
         screened = self._screened(have, grads) if check else None
-        bad = nonfinite_candidates(screened or grads) if check else None
+        bad = None
+        if check:
+            bad = nonfinite_candidates(screened, flat=True) if screened else nonfinite_candidates(grads)
         decision = decide(bad)
         if decision == NONFINITE:  # rare: tell overflowed norms of finite gradients from NaN and inf, agreed again
             bad = nonfinite_exact(grads, bad, screened) if bad is not None else None
