@@ -46,9 +46,14 @@ def train(rank, steps=STEPS, **settings) -> tuple[list[dict], list[bool], list[i
     return out, [always_averaged(p, T) for p in params], [p.numel() for p in params]
 
 
+# (overlap, fused): the fused step packs the same buffer by layout positions
+PATHS = ((False, False), (True, False), (False, True))
+
+
 def flat_worker(rank, world):
-    return {(variant, name, overlap): train(rank, variant=variant, comm_dtype=dtype, overlap=overlap)
-            for variant in ("v1", "v2") for name, dtype in DTYPES.items() for overlap in (False, True)}
+    return {(variant, name, overlap, fused): train(rank, variant=variant, comm_dtype=dtype, overlap=overlap,
+                                                   fused=fused)
+            for variant in ("v1", "v2") for name, dtype in DTYPES.items() for overlap, fused in PATHS}
 
 
 def counts(mask: torch.Tensor, numels: list[int]) -> list[int]:
@@ -77,7 +82,7 @@ def test_momentum_and_momentum_dense_are_the_bytes_each_part_packed_and_every_by
     n = 2
     res = support.run(flat_worker, n)
     for r in res:
-        for (variant, name, overlap), (steps, dense, numels) in r.items():
+        for (variant, name, overlap, fused), (steps, dense, numels) in r.items():
             assert any(dense) and not all(dense)
             for t, step in enumerate(steps, start=1):
                 check_adds_up(step)
@@ -92,7 +97,7 @@ def test_momentum_and_momentum_dense_are_the_bytes_each_part_packed_and_every_by
                                   for g in groups)
                         for part, is_dense in (("momentum_dense", True), ("momentum", False))}
                 got = {part: step["ledger"][part]["payload"] for part in want}
-                assert got == want, (variant, name, overlap, t)
+                assert got == want, (variant, name, overlap, fused, t)
                 if DTYPES[name] != torch.int8:  # nothing padded: each part is its entries
                     size = torch.empty(0, dtype=DTYPES[name] or torch.float32).element_size()
                     assert got["momentum_dense"] == sum(m for m, d in zip(numels, dense) if d) * size
@@ -103,15 +108,17 @@ def test_momentum_and_momentum_dense_are_the_bytes_each_part_packed_and_every_by
 
 
 def hierarchy_worker(rank, world):
-    return {name: train(rank, hierarchy="node", local_world_size=L, comm_dtype=DTYPES[name], overlap=overlap)
-            for name, overlap in (("fp32", False), ("int8", False), ("fp16", True))}
+    return {(name, overlap, fused): train(rank, hierarchy="node", local_world_size=L, comm_dtype=DTYPES[name],
+                                          overlap=overlap, fused=fused)
+            for name, overlap, fused in (("fp32", False, False), ("int8", False, False), ("fp16", True, False),
+                                         ("int8", False, True))}
 
 
 def test_hierarchical_parts_cross_the_nodes_each_padded_on_its_own():
     res = support.run(hierarchy_worker, 2 * L)
     nodes = 2
     for r in res:
-        for name, (steps, dense, numels) in r.items():
+        for (name, _, _), (steps, dense, numels) in r.items():
             for t, step in enumerate(steps, start=1):
                 check_adds_up(step)
                 selected = counts(step["mask"], numels)
