@@ -46,8 +46,8 @@ def train(rank, steps=STEPS, **settings) -> tuple[list[dict], list[bool], list[i
     return out, [always_averaged(p, T) for p in params], [p.numel() for p in params]
 
 
-# (overlap, fused): the fused step packs the same buffer by layout positions
-PATHS = ((False, False), (True, False), (False, True))
+# (overlap, fused): the fused step packs the same buffer by layout positions, or per bucket when overlapped
+PATHS = ((False, False), (True, False), (False, True), (True, True))
 
 
 def flat_worker(rank, world):
