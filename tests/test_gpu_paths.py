@@ -175,21 +175,21 @@ class Net(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def overlap_setup(overlap: bool):
+def overlap_setup(overlap: bool, fused: bool = False):
     """The same model and SLAMB on every rank, under DDP with small buckets (several exchanges per step)."""
     torch.manual_seed(0)
     model = Net()
     opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, compress_ratio=0.2, sync_interval=3,
-                      overlap=overlap)
+                      overlap=overlap, fused=fused)
     return model, opt, slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
 
 
-def overlap_worker(rank, world, mode, steps=5):
+def overlap_worker(rank, world, mode, fused, steps=5):
     import warnings
 
     out = {}
     for overlap in (False, True):
-        model, opt, ddp = overlap_setup(overlap)
+        model, opt, ddp = overlap_setup(overlap, fused)
         scale = 1024.0
         if mode == "told":
             opt.grad_scale = scale
@@ -219,12 +219,14 @@ def overlap_worker(rank, world, mode, steps=5):
     return out
 
 
-@pytest.mark.parametrize("mode", ["told", "untold", "clip"])
+@pytest.mark.parametrize("mode,fused", [("told", False), ("untold", False), ("clip", False), ("told", True),
+                                        ("clip", True)])
 @pytest.mark.multiprocess
-def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode):
+def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode, fused):
     """A loss scale given as grad_scale is divided out in the hook (the same bits as the plain path);
-    one not given, or clipping, is detected at step() and the step falls back to the plain exchange."""
-    for r in distributed.run(overlap_worker, 2, mode):
+    one not given, or clipping, is detected at step() and the step falls back to the plain exchange. Fused, the
+    hook gathers each bucket by positions and the check reads them back from the flat gradient buffer."""
+    for r in distributed.run(overlap_worker, 2, mode, fused):
         for a, b in zip(r[False]["params"], r[True]["params"]):
             torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
         assert r[False]["warnings"] == []

@@ -38,10 +38,11 @@ def train(rank, steps=STEPS, **settings) -> tuple[list[dict], list[bool], list[i
         before = support.sent_by_op()
         loss.backward()
         buckets = list(opt.exchange.pending)
+        by_positions = sum(e.sent.positions is not None for e in opt.exchange.pending.values())
         opt.step()
         sent = support.sent_by_op()
         out.append({"sent": sum(sent.values()) - sum(before.values()), "ledger": opt.comm_stats()["last_step"],
-                    "mask": opt.last_sync_mask(), "buckets": buckets})
+                    "mask": opt.last_sync_mask(), "buckets": buckets, "by_positions": by_positions})
     params = list(opt._layout.params)
     return out, [always_averaged(p, T) for p in params], [p.numel() for p in params]
 
@@ -93,6 +94,8 @@ def test_momentum_and_momentum_dense_are_the_bytes_each_part_packed_and_every_by
                 assert sorted(i for g in groups for i in g) == list(range(len(numels)))
                 if overlap and t > 1:
                     assert len(groups) > 1
+                    # fused: every bucket's parameters are consecutive in the layout, so each gathers by positions
+                    assert step["by_positions"] == (len(groups) if fused else 0)
                 want = {part: sum(exchange_bytes(DTYPES[name], n, sum(selected[i] for i in g if dense[i] == is_dense))
                                   for g in groups)
                         for part, is_dense in (("momentum_dense", True), ("momentum", False))}

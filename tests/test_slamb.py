@@ -626,13 +626,13 @@ class OverlapNet(torch.nn.Module):
         return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
 
 
-def overlap_worker(rank, world, variant, steps=6):
+def overlap_worker(rank, world, variant, fused=False, steps=6):
     out = {}
     for overlap in (False, True):
         torch.manual_seed(0)
         model = OverlapNet().double()
         opt = slamb.SLAMB(model.parameters(), lr=0.01, weight_decay=0.01, variant=variant, compress_ratio=0.2,
-                          sync_interval=4, overlap=overlap)
+                          sync_interval=4, overlap=overlap, fused=fused)
         ddp = slamb.wrap_model(model, opt, bucket_cap_mb=0.05)  # DDP caps its first bucket at 1 MB: 2 buckets
         launched = []
         for t in range(1, steps + 1):
@@ -649,10 +649,11 @@ def overlap_worker(rank, world, variant, steps=6):
     return out
 
 
-@pytest.mark.parametrize("variant,world", [("v2", 2), ("v1", 4)])
+@pytest.mark.parametrize("variant,world,fused", [("v2", 2, False), ("v1", 4, False), ("v2", 2, True)])
 @pytest.mark.multiprocess
-def test_overlapped_exchange_equals_the_plain_one(variant, world):
-    res = distributed.run(overlap_worker, world, variant)
+def test_overlapped_exchange_equals_the_plain_one(variant, world, fused):
+    """Fused, each bucket is gathered by positions (its parameters are consecutive in the layout)."""
+    res = distributed.run(overlap_worker, world, variant, fused)
     for r in res:
         plain, overlapped = r[False], r[True]
         for a, b in zip(plain["params"], overlapped["params"]):

@@ -18,16 +18,24 @@ back. Each step:
   ``PowerSGDState`` + ``powerSGD_hook``) has already started each bucket's
   share as backward filled it; ``start`` keeps those whose mask and
   gradients are still the step's, falls back to sending the others again
-  (warning once), and starts the rest (:func:`launch`; where the whole
-  exchange is left and the layout is a fused one, :func:`launch_flat`: one
-  gather by layout positions, whatever the number of tensors);
+  (warning once), and starts the rest (:func:`launch`);
 * :meth:`MomentumExchange.finish`, called by the update once step 2 is done,
   waits, writes the averages into the momentum and returns them; it also
   watches the first steps for gradients averaged before SLAMB saw them.
+
+On a fused optimizer's layout (:class:`FlatMomentum`) an exchange gathers and
+scatters by positions in the flat buffers instead of tensor by tensor
+(:func:`launch_flat`), the same packed buffer in a constant number of ops: the
+whole exchange by :meth:`slamb.optim.masks.Selection.layout_positions`, and a
+DDP bucket whose parameters are consecutive in the layout by its share of
+them, its gradients read from the bucket by those positions moved to the
+bucket's own offsets (:func:`bucket_positions`). Other buckets go tensor by
+tensor.
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import warnings
 
 import torch
@@ -43,20 +51,30 @@ ALIKE_STEPS = 3
 @dataclasses.dataclass
 class Sent:
     """One exchange in flight: the parameter places it averages, in packed order (:func:`packing`), and where it
-    gathered by layout positions (:func:`launch_flat`), those positions and the flat gradient it read."""
+    gathered by layout positions (:func:`launch_flat`), those positions in the same order."""
     ids: list[int]
     work: comm.MeanWork
     positions: torch.Tensor | None = None
-    grad: torch.Tensor | None = None
+
+
+@dataclasses.dataclass
+class Pending:
+    """An exchange the DDP hook started: its mask, what it sent, and the norms of the gradients it read (one per
+    tensor, or one for the entries it gathered by positions), for :func:`grads_changed`."""
+    sel: Selection
+    sent: Sent
+    norms: torch.Tensor
 
 
 @dataclasses.dataclass
 class FlatMomentum:
-    """A fused layout's momentum as one buffer, its :class:`LayoutRuns` and its parameter groups' runs
-    (``FlatLayout.groups``): step 4 by layout positions."""
+    """A fused layout's momentum as one buffer, with its :class:`LayoutRuns` and each parameter's offset in it:
+    step 4 by layout positions."""
     momentum: torch.Tensor
     runs: LayoutRuns
-    groups: list[tuple[int, int, int]]
+    offsets: list[int]
+    # a DDP bucket's (first, end, offsets in the bucket) -> its constants (:func:`bucket_positions`)
+    buckets: dict = dataclasses.field(default_factory=dict)
 
 
 class MomentumExchange:
@@ -78,10 +96,10 @@ class MomentumExchange:
         self.index: dict[int, int] | None = None  # id(parameter) -> place in the layout
         self.momenta: list[torch.Tensor] = []  # per-parameter views of the flat momentum
         self.flat: FlatMomentum | None = None  # the flat momentum, where the layout is a fused one
+        self.flat_grad: torch.Tensor | None = None  # the step's flat gradient buffer, where it has one
         self.groups: list[dict] = []  # per parameter, its parameter group (beta1 is read at each launch)
         self.next_sel: Selection | None = None
-        # parameter places -> (selection, exchange, gradient norms seen)
-        self.pending: dict[tuple[int, ...], tuple[Selection, comm.MeanWork, torch.Tensor]] = {}
+        self.pending: dict[tuple[int, ...], Pending] = {}  # by the DDP bucket's parameter places
         self.warned_fallback = False
         self.alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
 
@@ -104,9 +122,10 @@ class MomentumExchange:
         changed since the hook saw them (on any rank), every rank drops them all and sends again.
         ``flat_grad``: the gradients as the fused layout's flat buffer, where there is one.
         """
+        self.flat_grad = flat_grad
         pending, self.pending = self.pending, {}
-        discard({key: e for key, e in pending.items() if e[0] is not sel})
-        pending = {key: e for key, e in pending.items() if e[0] is sel}
+        discard({key: e for key, e in pending.items() if e.sel is not sel})
+        pending = {key: e for key, e in pending.items() if e.sel is sel}
         if pending and grads_changed(self, pending, grads, sel):
             discard(pending)
             pending = {}
@@ -116,10 +135,12 @@ class MomentumExchange:
                               "a loss scale not given as opt.grad_scale); this step and any such later one run "
                               "the plain exchange instead (same numbers, their momentum bytes sent twice)",
                               stacklevel=3)
-        works = [Sent(packing(sel, key)[0], work) for key, (_, work, _) in pending.items()]
+        works = [e.sent for e in pending.values()]
         if comm.world_size(self.process_group) > 1:  # the rest of the selected momentum goes out now
             if not works and self.flat is not None and flat_grad is not None:
-                return [launch_flat(self, sel, flat_grad)]
+                positions = sel.layout_positions(self.flat.runs, with_dense=True)
+                ids = packing(sel, range(len(self.momenta)))[0]
+                return [launch_flat(self, sel, ids, positions, flat_grad.index_select(0, positions))]
             covered = {i for sent in works for i in sent.ids}
             rest = [i for i in range(len(self.momenta)) if i not in covered]
             if rest:
@@ -154,7 +175,7 @@ class MomentumExchange:
         ids = sent.ids
         if sent.positions is not None:
             local = self.flat.momentum.index_select(0, sent.positions)
-            return local if grads is None else step_two_(self, sel, local, sent.grad, sent.positions)
+            return local if grads is None else step_two_(self, sel, ids, local, selected_grads(self, sel, sent, grads))
         ms = sel.take([self.momenta[i] for i in ids], ids)
         if grads is not None:
             ms = [torch.lerp(m, g.to(m.dtype), 1 - self.groups[i]["betas"][0])
@@ -189,8 +210,8 @@ class MomentumExchange:
 
 def discard(pending: dict) -> None:
     """Finish exchanges whose result is not used: every rank ran them, so every rank waits."""
-    for _, work, _ in pending.values():
-        work.wait()
+    for e in pending.values():
+        e.sent.work.wait()
 
 
 def packing(sel: Selection, ids) -> tuple[list[int], tuple[tuple[str, int], ...]]:
@@ -226,47 +247,105 @@ def launch(state: MomentumExchange, sel: Selection, ids: list[int], gs: list[tor
                                  async_op=True, comm_dtype=state.wire_dtype)
 
 
-def step_two_(state: MomentumExchange, sel: Selection, m: torch.Tensor, grad: torch.Tensor,
-              positions: torch.Tensor) -> torch.Tensor:
-    """Step 2 of the momentum entries ``m`` gathered at ``positions`` of the flat layout (in :func:`packing`'s
-    order), in place: m + (1 - b1) (g - m), one lerp as :func:`launch`'s. Where the parameter groups' b1
-    differ, one lerp per group on each of its two slices of the packed order (its always-averaged entries,
-    its sampled ones), found from the host's counts."""
-    g = grad.index_select(0, positions).to(m.dtype)  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
-    runs = state.flat.groups
-    weights = [1 - state.groups[lo]["betas"][0] for _, lo, _ in runs]
+def step_two_(state: MomentumExchange, sel: Selection, ids: list[int], m: torch.Tensor,
+              g: torch.Tensor) -> torch.Tensor:
+    """Step 2 of packed momentum entries ``m`` (of parameters ``ids``, in :func:`packing`'s order) with their
+    gradients ``g``, in place: m + (1 - b1) (g - m), one lerp as :func:`launch`'s; where the parameter groups'
+    b1 differ, one per run of parameters that share it (found from the host's counts)."""
+    g = g.to(m.dtype)  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
+    weights = [1 - state.groups[i]["betas"][0] for i in ids]
     if len(set(weights)) == 1:
         return m.lerp_(g, weights[0])
-    dense_at, sampled_at = 0, sum(sel.counts[i] for i, d in enumerate(sel.dense) if d)
-    for (_, lo, hi), w in zip(runs, weights):
-        for dense, start in ((True, dense_at), (False, sampled_at)):
-            end = start + sum(sel.counts[i] for i in range(lo, hi) if sel.dense[i] == dense)
-            m[start:end].lerp_(g[start:end], w)
-            dense_at, sampled_at = (end, sampled_at) if dense else (dense_at, end)
+    start = 0
+    for w, run in itertools.groupby(zip(ids, weights), key=lambda x: x[1]):
+        end = start + sum(sel.counts[i] for i, _ in run)
+        m[start:end].lerp_(g[start:end], w)
+        start = end
     return m
 
 
-def launch_flat(state: MomentumExchange, sel: Selection, grad: torch.Tensor) -> Sent:
-    """:func:`launch` of every parameter by the fused layout's positions (:meth:`Selection.layout_positions` with
-    the always-averaged entries): one gather of the momentum and one of ``grad`` (the flat gradient buffer),
-    whatever the number of tensors. The packed buffer is :func:`launch`'s (the same entries in the same order),
-    so the bytes sent and the averages are the same."""
-    flat = state.flat
-    positions = sel.layout_positions(flat.runs, with_dense=True)
-    new = step_two_(state, sel, flat.momentum.index_select(0, positions), grad, positions)
-    ids, kinds = packing(sel, range(len(state.momenta)))
-    work = comm.all_reduce_mean_(new, kind=kinds, ledger=state.ledger, group=state.process_group, async_op=True,
-                                 comm_dtype=state.wire_dtype)
-    return Sent(ids, work, positions, grad)
+def launch_flat(state: MomentumExchange, sel: Selection, ids: list[int], positions: torch.Tensor,
+                g: torch.Tensor) -> Sent:
+    """:func:`launch` of parameters ``ids`` (in packed order) by their entries' ``positions`` in the fused layout
+    (in the same order), ``g`` their gradients: one gather of the momentum whatever the number of tensors. The
+    packed buffer is :func:`launch`'s (the same entries in the same order), so are the bytes and the averages."""
+    new = step_two_(state, sel, ids, state.flat.momentum.index_select(0, positions), g)
+    work = comm.all_reduce_mean_(new, kind=packing(sel, ids)[1], ledger=state.ledger, group=state.process_group,
+                                 async_op=True, comm_dtype=state.wire_dtype)
+    return Sent(ids, work, positions)
+
+
+def selected_grads(state: MomentumExchange, sel: Selection, sent: Sent, grads: list[torch.Tensor]) -> torch.Tensor:
+    """The gradients of what ``sent`` gathered by positions, read back at ``step()``: from the flat gradient
+    buffer, or where the step has none (a fused optimizer that fell back to the multi-tensor path) tensor by
+    tensor."""
+    if state.flat_grad is not None:
+        return state.flat_grad.index_select(0, sent.positions)
+    return torch.cat(sel.take([grads[i] for i in sent.ids], sent.ids))
+
+
+def bucket_positions(state: MomentumExchange, sel: Selection, ids: list[int], offsets: list[int]):
+    """The entries of a DDP bucket's parameters ``ids`` (consecutive in the fused layout, ascending) that ``sel``
+    averages: ``(packed order, their layout positions, their positions in the bucket's buffer)``, where each
+    parameter's gradient starts at ``offsets`` (same order as ``ids``).
+
+    The bucket's share of the step's packed positions (:meth:`Selection.layout_positions` with the always-averaged
+    entries) is two slices of them, found from the host's counts: its always-averaged entries, then its drawn
+    ones. The bucket's positions are those moved by each parameter's bucket offset less its layout offset: the
+    running sum of the shifts' steps placed at the runs' starts, as the layout positions are made."""
+    flat, lo, hi = state.flat, ids[0], ids[-1] + 1
+    runs, cut = flat.runs, sel.cut
+    key = (lo, hi, tuple(offsets))
+    const = flat.buckets.get(key)
+    if const is None:
+        dense = [i for i in ids if sel.dense[i] and runs.dense_before[i + 1] > runs.dense_before[i]]
+        sampled = [i for i in ids if not sel.dense[i]]
+        shift = {i: o - flat.offsets[i] for i, o in zip(ids, offsets)}
+        shifts = [shift[i] for i in dense + sampled]
+        steps = [b - a for a, b in zip([0] + shifts, shifts)]
+        device = flat.momentum.device
+        const = flat.buckets[key] = (
+            torch.tensor([runs.dense_before[i] - runs.dense_before[lo] for i in dense], dtype=torch.long,
+                         device=device),
+            torch.tensor([2 * i for i in sampled], dtype=torch.long, device=device),
+            torch.tensor(steps, dtype=torch.long, device=device))
+    dense_starts, sampled_cuts, steps = const
+    packed = sel.layout_positions(runs, with_dense=True)
+    nd = runs.n_dense
+    d0, d1 = runs.dense_before[lo], runs.dense_before[hi]
+    s0, s1 = cut[2 * lo], cut[2 * hi - 1]
+    positions = torch.cat([packed[d0:d1], packed[nd + s0:nd + s1]])
+    n = positions.numel()
+    starts = torch.cat([dense_starts, sel.cuts.index_select(0, sampled_cuts) + (d1 - d0 - s0)])
+    moved = torch.zeros(n + 1, dtype=torch.long, device=positions.device)  # trailing empty runs start at n
+    moved = moved.index_add_(0, starts, steps).cumsum_(0)[:n].add_(positions)
+    return packing(sel, ids)[0], positions, moved
 
 
 def grads_changed(state: MomentumExchange, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
     """Whether, on any rank, the gradients of the overlapped exchanges differ from those backward gave them
     (clipping, an unscaling other than ``grad_scale``): a rank-agreed decision, one host read."""
-    seen = torch.cat([norms for _, _, norms in pending.values()])
-    now = torch.cat([torch.stack(torch._foreach_norm(sel.take([grads[i] for i in ids], ids))) for ids in pending])
+    seen = torch.cat([e.norms for e in pending.values()])
+    now = torch.cat([selected_grads(state, sel, e.sent, grads).norm().reshape(1) if e.sent.positions is not None
+                     else torch.stack(torch._foreach_norm(sel.take([grads[i] for i in key], key)))
+                     for key, e in pending.items()])
     changed = ((seen - now).abs() > 1e-5 * now).any()
     return comm.agree_any(changed, ledger=state.ledger, group=state.process_group)
+
+
+def _flat_bucket(state: MomentumExchange, ids: list[int], grads: list[torch.Tensor], buffer: torch.Tensor):
+    """Each gradient's offset in the bucket's buffer where the bucket's parameters can be gathered by positions
+    (a fused layout, parameters consecutive in it, each gradient a contiguous view of the buffer), else None."""
+    if state.flat is None or sorted(ids) != list(range(min(ids), max(ids) + 1)):
+        return None
+    base, size = buffer.data_ptr(), buffer.element_size()
+    offsets = {}
+    for i, g in zip(ids, grads):
+        at, rest = divmod(g.data_ptr() - base, size)
+        if rest or g.dtype != buffer.dtype or not g.is_contiguous() or at < 0 or at + g.numel() > buffer.numel():
+            return None
+        offsets[i] = at
+    return [offsets[i] for i in sorted(ids)]
 
 
 @in_place  # the gradients stay in the bucket: DDP may keep them there (gradient_as_bucket_view)
@@ -284,11 +363,21 @@ def overlap_hook(state, bucket):  # no annotations: DDP checks them against its 
             if key in state.pending:
                 discard({key: state.pending.pop(key)})
             sel = state.next_sel
-            gs = sel.take(grads, ids)
-            if state.grad_scale != 1.0:
-                gs = torch._foreach_mul(gs, 1.0 / state.grad_scale)  # as unscaling will before step()
-            norms = torch.stack(torch._foreach_norm(gs))
-            state.pending[key] = (sel, launch(state, sel, ids, gs), norms)
+            offsets = _flat_bucket(state, ids, grads, bucket.buffer())
+            if offsets is not None:
+                order, positions, moved = bucket_positions(state, sel, sorted(ids), offsets)
+                g = bucket.buffer().index_select(0, moved)
+                if state.grad_scale != 1.0:
+                    g.mul_(1.0 / state.grad_scale)  # as unscaling will before step()
+                norms = g.norm().reshape(1)
+                sent = launch_flat(state, sel, order, positions, g)
+            else:
+                gs = sel.take(grads, ids)
+                if state.grad_scale != 1.0:
+                    gs = torch._foreach_mul(gs, 1.0 / state.grad_scale)
+                norms = torch.stack(torch._foreach_norm(gs))
+                sent = Sent(packing(sel, ids)[0], launch(state, sel, ids, gs))
+            state.pending[key] = Pending(sel, sent, norms)
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -274,8 +274,9 @@ class Selection:
             bounds = Selection.bounds(layout, dense)
         # drawn positions are in the concatenation of the compressible tensors (those past its end are
         # dropped); the one read to the host of a draw: the per-tensor counts
-        self._cuts = torch.searchsorted(drawn, bounds)
-        self._cut = cut = self._cuts.tolist()
+        # each tensor's run in the draw, [cuts[2 i], cuts[2 i + 1]): on the device, and on the host (``cut``)
+        self.cuts = torch.searchsorted(drawn, bounds)
+        self.cut = cut = self.cuts.tolist()
         self._local: list | None = None
         self._packed: torch.Tensor | None = None  # layout_positions(runs, with_dense=True), kept for the step
         self.counts = [n if d else cut[2 * i + 1] - cut[2 * i] for i, (d, n) in enumerate(zip(dense, layout.numels))]
@@ -285,7 +286,7 @@ class Selection:
     @property
     def local(self) -> list:
         if self._local is None:
-            cut = self._cut
+            cut = self.cut
             self._local = [None if d else self.drawn[cut[2 * i]:cut[2 * i + 1]] - lo
                            for i, (d, (lo, _)) in enumerate(zip(self.dense, Selection.spans(self.layout, self.dense)))]
         return self._local
@@ -312,7 +313,7 @@ class Selection:
         if nd:
             out[1:nd].fill_(1)
             out.index_add_(0, runs.dense_at, runs.dense_steps)
-        out[nd:].index_add_(0, self._cuts[::2], runs.steps_after_dense if nd else runs.steps)
+        out[nd:].index_add_(0, self.cuts[::2], runs.steps_after_dense if nd else runs.steps)
         out = out.cumsum_(0)[:nd + n]
         out[nd:].add_(self.drawn[:n])
         if with_dense:
@@ -388,16 +389,21 @@ class LayoutRuns:
     of whole tensors (no shards): each tensor's shift, its offset in the layout less its start among the drawn
     positions, as steps between consecutive tensors (``steps``), and the always-averaged tensors' entries as
     runs of consecutive positions (``n_dense`` of them, tensor by tensor from ``dense_at`` in the packed order,
-    each run's shift step in ``dense_steps``; ``steps_after_dense``: ``steps`` continuing after those)."""
+    each run's shift step in ``dense_steps``; ``steps_after_dense``: ``steps`` continuing after those;
+    ``dense_before``: on the host, per tensor, how many come before it)."""
 
     def __init__(self, layout, dense: list[bool]):
         starts = [start for start, _ in Selection.spans(layout, dense)]
         shifts = [offset - start for offset, start in zip(layout.offsets, starts)]
         steps = [b - a for a, b in zip([0] + shifts, shifts)]
         dense_ids = [i for i, d in enumerate(dense) if d and layout.numels[i]]
-        at = [sum(layout.numels[j] for j in dense_ids[:k]) for k in range(len(dense_ids))]
+        # per tensor, the always-averaged entries before it in the packed order (one more: all of them)
+        self.dense_before = [0]
+        for d, n in zip(dense, layout.numels):
+            self.dense_before.append(self.dense_before[-1] + (n if d else 0))
+        at = [self.dense_before[i] for i in dense_ids]
         dense_shifts = [layout.offsets[i] - a for i, a in zip(dense_ids, at)]
-        self.n_dense = sum(layout.numels[i] for i in dense_ids)
+        self.n_dense = self.dense_before[-1]
         # every entry but the first steps by one (filled before the sum), a run's first also by its shift's change
         dense_steps = [b - a for a, b in zip([0] + dense_shifts, dense_shifts)]
         after = list(steps)

@@ -106,7 +106,8 @@ class SLAMB(LocalStateOptimizer):
     number of tensors, no scratch buffer, no host read of the trust ratios, the reference
     path's numbers to fp32 rounding, every beta3 in [0, 1); v2's Bernoulli mask is drawn by a
     compiled kernel too (the same positions), and step 4 gathers and scatters the selected
-    momentum by layout positions (the same packed buffer; per DDP bucket with ``overlap``).
+    momentum by layout positions (the same packed buffer; with ``overlap``, per DDP bucket whose
+    parameters are consecutive in the layout, the others tensor by tensor).
     Its layout is aligned (each tensor starts at a
     multiple of ``fused.BLOCK`` entries) and it adopts the parameters into one flat buffer
     (each ``p.data`` becomes a view of it, adopted again at a step where it is not) and points
@@ -342,7 +343,7 @@ class SLAMB(LocalStateOptimizer):
         self._mask_fn = (make_mask(self.mask_policy, compressible, self.seed, layout.device, keep,
                                    self._plan.passes if self.fused else None)
                          if compressible else None)
-        flat = FlatMomentum(self._flat["exp_avg"], self._plan.runs, layout.groups) if self.fused else None
+        flat = FlatMomentum(self._flat["exp_avg"], self._plan.runs, layout.offsets) if self.fused else None
         self.exchange.bind(layout.params, self._views["exp_avg"], [self.param_groups[g] for g in layout.group_of],
                            flat)
         self._drawn = None
