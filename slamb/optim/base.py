@@ -117,9 +117,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
 
         check = self.nonfinite != "ignore" and bool(have)
         screened = self._screened(have, grads) if check else None
-        bad = None
-        if check:
-            bad = nonfinite_candidates(screened, flat=True) if screened else nonfinite_candidates(grads)
+        bad = nonfinite_candidates(grads, screened) if check else None
         decision = decide(bad)
         if decision == NONFINITE:  # rare: tell overflowed norms of finite gradients from NaN and inf, agreed again
             bad = nonfinite_exact(grads, bad, screened) if bad is not None else None

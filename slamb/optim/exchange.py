@@ -25,7 +25,7 @@ back. Each step:
 
 On a fused optimizer's layout (:class:`FlatMomentum`) an exchange gathers and
 scatters by positions in the flat buffers instead of tensor by tensor
-(:func:`launch_flat`), the same packed buffer in a constant number of ops: the
+(:func:`launch`), the same packed buffer in a constant number of ops: the
 whole exchange by :meth:`slamb.optim.masks.Selection.layout_positions`, and a
 DDP bucket whose parameters are consecutive in the layout by its share of
 them, its gradients read from the bucket by those positions moved to the
@@ -42,7 +42,7 @@ import torch
 
 from .. import comm
 from ..ddp import in_place
-from .masks import LayoutRuns, Selection
+from .masks import LayoutRuns, Selection, run_shifts, run_steps
 
 # first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
 ALIKE_STEPS = 3
@@ -51,7 +51,7 @@ ALIKE_STEPS = 3
 @dataclasses.dataclass
 class Sent:
     """One exchange in flight: the parameter places it averages, in packed order (:func:`packing`), and where it
-    gathered by layout positions (:func:`launch_flat`), those positions in the same order."""
+    gathered by layout positions (:func:`launch`), those positions in the same order."""
     ids: list[int]
     work: comm.MeanWork
     positions: torch.Tensor | None = None
@@ -139,13 +139,13 @@ class MomentumExchange:
         if comm.world_size(self.process_group) > 1:  # the rest of the selected momentum goes out now
             if not works and self.flat is not None and flat_grad is not None:
                 positions = sel.layout_positions(self.flat.runs, with_dense=True)
-                ids = packing(sel, range(len(self.momenta)))[0]
-                return [launch_flat(self, sel, ids, positions, flat_grad.index_select(0, positions))]
+                return [launch(self, sel, range(len(self.momenta)), self.flat.momentum.index_select(0, positions),
+                               flat_grad.index_select(0, positions), positions)]
             covered = {i for sent in works for i in sent.ids}
             rest = [i for i in range(len(self.momenta)) if i not in covered]
             if rest:
-                works.append(Sent(packing(sel, rest)[0],
-                                  launch(self, sel, rest, sel.take([grads[i] for i in rest], rest))))
+                order = packing(sel, rest)[0]
+                works.append(launch(self, sel, order, packed(sel, self.momenta, order), packed(sel, grads, order)))
         return works
 
     def finish(self, sel: Selection, works: list[Sent], grads=None) -> list[tuple[list[int], torch.Tensor]]:
@@ -172,15 +172,9 @@ class MomentumExchange:
     def _local(self, sel: Selection, sent: Sent, grads=None) -> torch.Tensor:
         """This rank's momentum entries that ``sent`` averages; with ``grads`` (step 2 not run yet), their step 2
         as the launch computed it."""
-        ids = sent.ids
-        if sent.positions is not None:
-            local = self.flat.momentum.index_select(0, sent.positions)
-            return local if grads is None else step_two_(self, sel, ids, local, selected_grads(self, sel, sent, grads))
-        ms = sel.take([self.momenta[i] for i in ids], ids)
-        if grads is not None:
-            ms = [torch.lerp(m, g.to(m.dtype), 1 - self.groups[i]["betas"][0])
-                  for i, m, g in zip(ids, ms, sel.take([grads[i] for i in ids], ids))]
-        return torch.cat(ms)
+        local = (packed(sel, self.momenta, sent.ids) if sent.positions is None
+                 else self.flat.momentum.index_select(0, sent.positions))
+        return local if grads is None else step_two_(self, sel, sent.ids, local, selected_grads(self, sel, sent, grads))
 
     def _same_as_local(self, local: torch.Tensor, mean: torch.Tensor) -> bool:
         """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
@@ -226,73 +220,62 @@ def packing(sel: Selection, ids) -> tuple[list[int], tuple[tuple[str, int], ...]
                              ("momentum", sum(sel.counts[i] for i in sampled)))
 
 
-def launch(state: MomentumExchange, sel: Selection, ids: list[int], gs: list[torch.Tensor]) -> comm.MeanWork:
-    """Steps 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
-
-    ``gs``: the selected entries of their gradients (``sel.take``). It reads only the old momentum and the
-    gradients, so it can run during backward; the dense momentum update of ``step()`` then recomputes these
-    entries and the average overwrites them. The average comes back in :func:`packing`'s order.
-    """
-    order, kinds = packing(sel, ids)
-    g_of = dict(zip(ids, gs))
-    gs = [g_of[i] for i in order]
-    ms = sel.take([state.momenta[i] for i in order], order)
-    gs = [g.to(m.dtype) for g, m in zip(gs, ms)]  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
-    weights = [1 - state.groups[i]["betas"][0] for i in order]
-    if len(set(weights)) == 1:
-        new = torch._foreach_lerp(ms, gs, weights[0])
-    else:
-        new = [torch.lerp(m, g, w) for m, g, w in zip(ms, gs, weights)]
-    return comm.all_reduce_mean_(torch.cat(new), kind=kinds, ledger=state.ledger, group=state.process_group,
-                                 async_op=True, comm_dtype=state.wire_dtype)
+def packed(sel: Selection, tensors: list[torch.Tensor], order: list[int]) -> torch.Tensor:
+    """The selected entries of ``tensors`` (one per parameter place) of parameters ``order``, packed."""
+    return torch.cat(sel.take([tensors[i] for i in order], order))
 
 
-def step_two_(state: MomentumExchange, sel: Selection, ids: list[int], m: torch.Tensor,
+def step_two_(state: MomentumExchange, sel: Selection, order: list[int], m: torch.Tensor,
               g: torch.Tensor) -> torch.Tensor:
-    """Step 2 of packed momentum entries ``m`` (of parameters ``ids``, in :func:`packing`'s order) with their
-    gradients ``g``, in place: m + (1 - b1) (g - m), one lerp as :func:`launch`'s; where the parameter groups'
-    b1 differ, one per run of parameters that share it (found from the host's counts)."""
+    """Step 2 of packed momentum entries ``m`` (of parameters ``order``, in :func:`packing`'s order) with their
+    gradients ``g``, in place: m + (1 - b1) (g - m), one lerp; where the parameter groups' b1 differ, one per
+    run of parameters that share it (found from the host's counts)."""
     g = g.to(m.dtype)  # bf16 or fp16 gradients: the fp32 momentum's arithmetic
-    weights = [1 - state.groups[i]["betas"][0] for i in ids]
+    weights = [1 - state.groups[i]["betas"][0] for i in order]
     if len(set(weights)) == 1:
         return m.lerp_(g, weights[0])
     start = 0
-    for w, run in itertools.groupby(zip(ids, weights), key=lambda x: x[1]):
+    for w, run in itertools.groupby(zip(order, weights), key=lambda x: x[1]):
         end = start + sum(sel.counts[i] for i, _ in run)
         m[start:end].lerp_(g[start:end], w)
         start = end
     return m
 
 
-def launch_flat(state: MomentumExchange, sel: Selection, ids: list[int], positions: torch.Tensor,
-                g: torch.Tensor) -> Sent:
-    """:func:`launch` of parameters ``ids`` (in packed order) by their entries' ``positions`` in the fused layout
-    (in the same order), ``g`` their gradients: one gather of the momentum whatever the number of tensors. The
-    packed buffer is :func:`launch`'s (the same entries in the same order), so are the bytes and the averages."""
-    new = step_two_(state, sel, ids, state.flat.momentum.index_select(0, positions), g)
-    work = comm.all_reduce_mean_(new, kind=packing(sel, ids)[1], ledger=state.ledger, group=state.process_group,
-                                 async_op=True, comm_dtype=state.wire_dtype)
-    return Sent(ids, work, positions)
+def launch(state: MomentumExchange, sel: Selection, ids, m: torch.Tensor, g: torch.Tensor,
+           positions: torch.Tensor | None = None) -> Sent:
+    """Steps 2 and 4 on the selected entries of parameters ``ids``: their new momentum, all-reduced.
+
+    ``m``, ``g``: those entries of the momentum and of the gradients, in :func:`packing`'s order of ``ids``
+    (:func:`packed`, or gathered by their ``positions`` in a fused layout, in that order, whatever the number of
+    tensors; the same buffer either way, so the same bytes and averages). It reads only the old momentum and
+    the gradients, so it can run during backward; the dense momentum update of ``step()`` then recomputes
+    these entries and the average overwrites them. ``m`` is overwritten.
+    """
+    order, kinds = packing(sel, ids)
+    work = comm.all_reduce_mean_(step_two_(state, sel, order, m, g), kind=kinds, ledger=state.ledger,
+                                 group=state.process_group, async_op=True, comm_dtype=state.wire_dtype)
+    return Sent(order, work, positions)
 
 
 def selected_grads(state: MomentumExchange, sel: Selection, sent: Sent, grads: list[torch.Tensor]) -> torch.Tensor:
-    """The gradients of what ``sent`` gathered by positions, read back at ``step()``: from the flat gradient
-    buffer, or where the step has none (a fused optimizer that fell back to the multi-tensor path) tensor by
-    tensor."""
-    if state.flat_grad is not None:
+    """The gradients of the entries ``sent`` averages, read back at ``step()``: by its positions from the flat
+    gradient buffer, or tensor by tensor (its exchange did so too, or the step has no flat buffer: a fused
+    optimizer that fell back to the multi-tensor path)."""
+    if sent.positions is not None and state.flat_grad is not None:
         return state.flat_grad.index_select(0, sent.positions)
-    return torch.cat(sel.take([grads[i] for i in sent.ids], sent.ids))
+    return packed(sel, grads, sent.ids)
 
 
 def bucket_positions(state: MomentumExchange, sel: Selection, ids: list[int], offsets: list[int]):
     """The entries of a DDP bucket's parameters ``ids`` (consecutive in the fused layout, ascending) that ``sel``
-    averages: ``(packed order, their layout positions, their positions in the bucket's buffer)``, where each
-    parameter's gradient starts at ``offsets`` (same order as ``ids``).
+    averages, in :func:`packing`'s order: ``(their layout positions, their positions in the bucket's buffer)``,
+    where each parameter's gradient starts at ``offsets`` (same order as ``ids``).
 
     The bucket's share of the step's packed positions (:meth:`Selection.layout_positions` with the always-averaged
     entries) is two slices of them, found from the host's counts: its always-averaged entries, then its drawn
-    ones. The bucket's positions are those moved by each parameter's bucket offset less its layout offset: the
-    running sum of the shifts' steps placed at the runs' starts, as the layout positions are made."""
+    ones. The bucket's positions are those moved by each parameter's bucket offset less its layout offset
+    (:func:`slamb.optim.masks.run_shifts`)."""
     flat, lo, hi = state.flat, ids[0], ids[-1] + 1
     runs, cut = flat.runs, sel.cut
     key = (lo, hi, tuple(offsets))
@@ -301,25 +284,20 @@ def bucket_positions(state: MomentumExchange, sel: Selection, ids: list[int], of
         dense = [i for i in ids if sel.dense[i] and runs.dense_before[i + 1] > runs.dense_before[i]]
         sampled = [i for i in ids if not sel.dense[i]]
         shift = {i: o - flat.offsets[i] for i, o in zip(ids, offsets)}
-        shifts = [shift[i] for i in dense + sampled]
-        steps = [b - a for a, b in zip([0] + shifts, shifts)]
         device = flat.momentum.device
         const = flat.buckets[key] = (
             torch.tensor([runs.dense_before[i] - runs.dense_before[lo] for i in dense], dtype=torch.long,
                          device=device),
             torch.tensor([2 * i for i in sampled], dtype=torch.long, device=device),
-            torch.tensor(steps, dtype=torch.long, device=device))
+            run_steps([shift[i] for i in dense + sampled], device))
     dense_starts, sampled_cuts, steps = const
-    packed = sel.layout_positions(runs, with_dense=True)
+    every = sel.layout_positions(runs, with_dense=True)
     nd = runs.n_dense
     d0, d1 = runs.dense_before[lo], runs.dense_before[hi]
     s0, s1 = cut[2 * lo], cut[2 * hi - 1]
-    positions = torch.cat([packed[d0:d1], packed[nd + s0:nd + s1]])
-    n = positions.numel()
+    positions = torch.cat([every[d0:d1], every[nd + s0:nd + s1]])
     starts = torch.cat([dense_starts, sel.cuts.index_select(0, sampled_cuts) + (d1 - d0 - s0)])
-    moved = torch.zeros(n + 1, dtype=torch.long, device=positions.device)  # trailing empty runs start at n
-    moved = moved.index_add_(0, starts, steps).cumsum_(0)[:n].add_(positions)
-    return packing(sel, ids)[0], positions, moved
+    return positions, run_shifts(positions.numel(), starts, steps).add_(positions)
 
 
 def grads_changed(state: MomentumExchange, pending: dict, grads: list[torch.Tensor], sel: Selection) -> bool:
@@ -334,8 +312,9 @@ def grads_changed(state: MomentumExchange, pending: dict, grads: list[torch.Tens
 
 
 def _flat_bucket(state: MomentumExchange, ids: list[int], grads: list[torch.Tensor], buffer: torch.Tensor):
-    """Each gradient's offset in the bucket's buffer where the bucket's parameters can be gathered by positions
-    (a fused layout, parameters consecutive in it, each gradient a contiguous view of the buffer), else None."""
+    """Where the bucket's parameters can be gathered by positions (a fused layout, parameters consecutive in it,
+    each gradient a contiguous view of the buffer): ``(their places ascending, each one's gradient's offset in
+    the bucket's buffer)``, else None."""
     if state.flat is None or sorted(ids) != list(range(min(ids), max(ids) + 1)):
         return None
     base, size = buffer.data_ptr(), buffer.element_size()
@@ -345,7 +324,8 @@ def _flat_bucket(state: MomentumExchange, ids: list[int], grads: list[torch.Tens
         if rest or g.dtype != buffer.dtype or not g.is_contiguous() or at < 0 or at + g.numel() > buffer.numel():
             return None
         offsets[i] = at
-    return [offsets[i] for i in sorted(ids)]
+    ascending = sorted(ids)
+    return ascending, [offsets[i] for i in ascending]
 
 
 @in_place  # the gradients stay in the bucket: DDP may keep them there (gradient_as_bucket_view)
@@ -363,20 +343,23 @@ def overlap_hook(state, bucket):  # no annotations: DDP checks them against its 
             if key in state.pending:
                 discard({key: state.pending.pop(key)})
             sel = state.next_sel
-            offsets = _flat_bucket(state, ids, grads, bucket.buffer())
-            if offsets is not None:
-                order, positions, moved = bucket_positions(state, sel, sorted(ids), offsets)
+            flat = _flat_bucket(state, ids, grads, bucket.buffer())
+            if flat is not None:
+                ascending, offsets = flat
+                positions, moved = bucket_positions(state, sel, ascending, offsets)
                 g = bucket.buffer().index_select(0, moved)
                 if state.grad_scale != 1.0:
                     g.mul_(1.0 / state.grad_scale)  # as unscaling will before step()
                 norms = g.norm().reshape(1)
-                sent = launch_flat(state, sel, order, positions, g)
+                sent = launch(state, sel, ascending, state.flat.momentum.index_select(0, positions), g, positions)
             else:
                 gs = sel.take(grads, ids)
                 if state.grad_scale != 1.0:
                     gs = torch._foreach_mul(gs, 1.0 / state.grad_scale)
                 norms = torch.stack(torch._foreach_norm(gs))
-                sent = Sent(packing(sel, ids)[0], launch(state, sel, ids, gs))
+                order = packing(sel, ids)[0]
+                g_of = dict(zip(ids, gs))
+                sent = launch(state, sel, order, packed(sel, state.momenta, order), torch.cat([g_of[i] for i in order]))
             state.pending[key] = Pending(sel, sent, norms)
     fut = torch.futures.Future()
     fut.set_result(bucket.buffer())

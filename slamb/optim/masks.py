@@ -297,9 +297,8 @@ class Selection:
         packs the momentum (:func:`slamb.optim.exchange.packing`). The draw's positions are sorted, so each
         tensor's are a run as long as its count, starting at its cut of the draw (on the device; an empty run for
         an always-averaged tensor), moved by that tensor's shift (``runs``: the layout's :class:`LayoutRuns`).
-        The shift of every position is the running sum of the shifts' steps placed at the runs' starts (one
-        ``index_add_`` of a value per tensor, exact in int64 on every device, and one ``cumsum_``); an
-        always-averaged tensor's entries are a run of steps of one. A repeat of the shifts by the counts gathers a
+        The shift of every position is :func:`run_shifts` of the tensors' runs; an always-averaged tensor's
+        entries are consecutive positions from its offset. A repeat of the shifts by the counts gathers a
         shift per position through an index as long (BERT-Base: 82 ms against 32 on a 2-core CPU); a search of
         each position among the tensors' spans took 3x as long again.
 
@@ -308,16 +307,13 @@ class Selection:
         if self._packed is not None:
             return self._packed if with_dense else self._packed[runs.n_dense:]
         n = sum(self.counts[i] for i in self.compressed)
-        nd = runs.n_dense if with_dense else 0
-        out = torch.zeros(nd + n + 1, dtype=torch.long, device=runs.steps.device)  # a trailing empty run starts at n
-        if nd:
-            out[1:nd].fill_(1)
-            out.index_add_(0, runs.dense_at, runs.dense_steps)
-        out[nd:].index_add_(0, self.cuts[::2], runs.steps_after_dense if nd else runs.steps)
-        out = out.cumsum_(0)[:nd + n]
+        if not with_dense:
+            return run_shifts(n, self.cuts[::2], runs.steps).add_(self.drawn[:n])
+        nd = runs.n_dense
+        out = run_shifts(nd + n, torch.cat([runs.dense_at, self.cuts[::2] + nd]), runs.packed_steps)
+        out[:nd].add_(torch.arange(nd, device=out.device))
         out[nd:].add_(self.drawn[:n])
-        if with_dense:
-            self._packed = out
+        self._packed = out
         return out
 
     @staticmethod
@@ -384,34 +380,38 @@ class Selection:
         return self.layout.unpadded(mask)
 
 
+def run_shifts(n: int, starts: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The shift of each of ``n`` positions that lie in runs, each run moved by its own shift: the running sum
+    of the shifts' steps (each run's shift less the previous run's) placed at the runs' ``starts``
+    (nondecreasing; an empty run's step adds up with the next one's): one ``index_add_`` of a value per run,
+    exact in int64 on every device, and one ``cumsum_``, whatever the number of runs."""
+    out = torch.zeros(n + 1, dtype=torch.long, device=steps.device)  # an empty run may start at n
+    return out.index_add_(0, starts, steps).cumsum_(0)[:n]
+
+
+def run_steps(shifts: list[int], device) -> torch.Tensor:
+    """The steps :func:`run_shifts` takes for runs of these ``shifts``: each run's shift less the previous one's."""
+    return torch.tensor([b - a for a, b in zip([0] + shifts, shifts)], dtype=torch.long, device=device)
+
+
 class LayoutRuns:
     """What takes a draw's positions to a flat layout's (:meth:`Selection.layout_positions`), made once per layout
-    of whole tensors (no shards): each tensor's shift, its offset in the layout less its start among the drawn
-    positions, as steps between consecutive tensors (``steps``), and the always-averaged tensors' entries as
-    runs of consecutive positions (``n_dense`` of them, tensor by tensor from ``dense_at`` in the packed order,
-    each run's shift step in ``dense_steps``; ``steps_after_dense``: ``steps`` continuing after those;
-    ``dense_before``: on the host, per tensor, how many come before it)."""
+    of whole tensors (no shards), as :func:`run_shifts` takes them: ``steps``, each tensor's shift (its offset in
+    the layout less its start among the drawn positions) less the previous tensor's; and for the packed order,
+    the always-averaged tensors' entries first (``n_dense`` of them; ``dense_before``: on the host, per tensor,
+    how many come before it), each such tensor a run from ``dense_at``, ``packed_steps`` the steps of those
+    runs and then of the drawn ones."""
 
     def __init__(self, layout, dense: list[bool]):
         starts = [start for start, _ in Selection.spans(layout, dense)]
         shifts = [offset - start for offset, start in zip(layout.offsets, starts)]
-        steps = [b - a for a, b in zip([0] + shifts, shifts)]
-        dense_ids = [i for i, d in enumerate(dense) if d and layout.numels[i]]
-        # per tensor, the always-averaged entries before it in the packed order (one more: all of them)
         self.dense_before = [0]
         for d, n in zip(dense, layout.numels):
             self.dense_before.append(self.dense_before[-1] + (n if d else 0))
+        self.n_dense = self.dense_before[-1]
+        dense_ids = [i for i, d in enumerate(dense) if d and layout.numels[i]]
         at = [self.dense_before[i] for i in dense_ids]
         dense_shifts = [layout.offsets[i] - a for i, a in zip(dense_ids, at)]
-        self.n_dense = self.dense_before[-1]
-        # every entry but the first steps by one (filled before the sum), a run's first also by its shift's change
-        dense_steps = [b - a for a, b in zip([0] + dense_shifts, dense_shifts)]
-        after = list(steps)
-        if dense_ids:  # the sampled runs' sum starts again from 0 where the always-averaged ones end
-            after[0] -= (self.n_dense - 1) + dense_shifts[-1]
-
-        def tensor(xs):
-            return torch.tensor(xs, dtype=torch.long, device=layout.device)
-
-        self.steps, self.steps_after_dense = tensor(steps), tensor(after)
-        self.dense_at, self.dense_steps = tensor(at), tensor(dense_steps)
+        self.steps = run_steps(shifts, layout.device)
+        self.packed_steps = run_steps(dense_shifts + shifts, layout.device)
+        self.dense_at = torch.tensor(at, dtype=torch.long, device=layout.device)
