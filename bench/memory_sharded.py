@@ -11,15 +11,19 @@ shard group of S ranks (HSDP's replicas each hold the same; the replica count ch
   :func:`slamb.optim.precision.state_dtype` (fp32) as the parameter's shard, and a 4-byte ``step`` per
   tensor; SLAMB keeps flat ``exp_avg``, ``exp_avg_sq`` (fp32) and the age (int16) over its local entries
   (``FlatLayout.adopt``), 10 bytes, nothing per tensor.
-* SLAMB's scratch: the multi-tensor path's two fp32 update buffers per local entry (sharded parameters
-  take no other path), and the mask's buffers. v2's Bernoulli draw is a run of gaps over the WHOLE model's
-  compressible coordinates on every shard (a run cannot start mid-way), so its hashed counters (int64, one
-  per gap a draw takes: k N of the whole model, plus 12 standard deviations) and its three chunk buffers do
-  not shard: they are counted from the real :class:`~slamb.optim.masks.BernoulliMask` built on the meta
-  device. v1's cyclic cut keeps a shard's own coordinates: int16 gaps, int32 where the shard's
-  coordinates have a hole of 2^15 or more between two of its spans (the gap across it needs it; inside a
-  span a gap of 2^15 has probability (1 - k)^(2^15)), an int64 start per chunk and a float64 buffer of one
-  chunk's positions (its expected size: a chunk of the shard's coordinates).
+* SLAMB's scratch: the multi-tensor path's two fp32 update buffers per local entry, and the mask's buffers.
+  The fused path (``fused=True``) keeps its state over an aligned layout (each tensor's shard padded to
+  ``fused.BLOCK`` entries) and, as scratch, flat copies of the shard's parameters and gradients (fp32, over
+  the same layout: FSDP2's shards are copied in and back at each step), an int64 per block (the block's
+  tensor), the padding's zeros (the largest pad) and no draw scratch (v2's draw is compiled). v2's Bernoulli
+  draw is a run of gaps over the WHOLE model's compressible coordinates on every shard (a run cannot start
+  mid-way), so its hashed counters (int64, one per gap a draw takes: k N of the whole model, plus 12
+  standard deviations) and its three chunk buffers do not shard: they are counted from the real
+  :class:`~slamb.optim.masks.BernoulliMask` built on the meta device. v1's cyclic cut keeps a shard's own
+  coordinates: int16 gaps, int32 where the shard's coordinates have a hole of 2^15 or more between two of
+  its spans (the gap across it needs it; inside a span a gap of 2^15 has probability (1 - k)^(2^15)), an
+  int64 start per chunk and a float64 buffer of one chunk's positions (its expected size: a chunk of the
+  shard's coordinates).
 * FSDP2's transients, per unit (``slamb.shard_model``: one per transformer layer, the root taking the
   embeddings and heads), with ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``: the
   unit being computed and the next one, prefetched, all-gathered in fp16 (2 bytes per entry each), and the
@@ -38,13 +42,17 @@ import re
 import torch
 
 from bench.memory import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
+from slamb.optim.fused import BLOCK
 from slamb.optim.masks import BernoulliMask, num_chunks
 from slamb.optim.slamb import SLAMB, always_averaged
 from slamb.sharding import chunk_rows
 
 SHARD_SIZES = (1, 8, 64)
-# the rows of bench.memory that take FSDP2's sharded parameters, and torch's AdamW beside them
-ROWS = {"slamb_v2": ("slamb", "v2"), "slamb_v1": ("slamb", "v1"), "lamb": ("lamb", None), "adamw": ("adamw", None)}
+# the rows of bench.memory that take FSDP2's sharded parameters (registry name, settings), and torch's AdamW
+ROWS = {"slamb_v2": ("slamb", {"variant": "v2"}), "slamb_v1": ("slamb", {"variant": "v1"}),
+        "slamb_v2_fused": ("slamb", {"variant": "v2", "fused": True}),
+        "slamb_v1_fused": ("slamb", {"variant": "v1", "fused": True}),
+        "lamb": ("lamb", {}), "adamw": ("adamw", {})}
 GATHERED = 2  # bytes per entry of an all-gathered unit: MixedPrecisionPolicy(param_dtype=float16)
 REDUCED = 4  # bytes per entry of a reduce-scatter's input: reduce_dtype=float32
 UNSHARDED_GRAD = GATHERED + REDUCED  # a unit's fp16 gradient and its fp32 copy for the reduce-scatter
@@ -79,12 +87,12 @@ def _meta_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def bernoulli_bytes(compressible: int, k: float) -> int:
+def bernoulli_bytes(compressible: int, k: float, fused: bool = False) -> int:
     """The bytes v2's mask keeps between draws over ``compressible`` coordinates at ratio ``k``: the real
-    mask's buffers, made on the meta device."""
+    mask's buffers, made on the meta device; ``fused``: its compiled draw, which keeps no scratch."""
     mask = BernoulliMask(compressible, 0, torch.device("meta"))
     mask._prepare(k)
-    return _meta_bytes([mask._counters, *mask._scratch, mask._below, mask._above])
+    return _meta_bytes([mask._counters, *([] if fused else mask._scratch), mask._below, mask._above])
 
 
 def _largest_hole(shapes, compressed: list[bool], shards: int, rank: int) -> int:
@@ -112,17 +120,23 @@ def cyclic_bytes(shapes, compressed: list[bool], shards: int, rank: int, k: floa
 
 def optimizer_bytes(row: str, shapes, shards: int, rank: int = 0, settings: dict | None = None) -> dict:
     """State and scratch bytes of ``row`` (:data:`ROWS`) on ``rank`` of a shard group of ``shards``."""
-    name, variant = ROWS[row]
-    numel = sum(local_numels(shapes, shards, rank))
+    name, row_settings = ROWS[row]
+    mine = local_numels(shapes, shards, rank)
+    numel = sum(mine)
     if name != "slamb":  # exp_avg and exp_avg_sq in fp32, a 4-byte step per tensor
         return {"state": 8 * numel + 4 * len(shapes), "scratch": 0}
     settings = {**slamb_defaults(), **(settings or {})}
     k, compressed = settings["compress_ratio"], _compressed(shapes, settings["min_compress_numel"])
-    if variant == "v2":
-        mask = bernoulli_bytes(sum(math.prod(s) for s, c in zip(shapes, compressed) if c), k)
+    fused = row_settings.get("fused", False)
+    if row_settings["variant"] == "v2":
+        mask = bernoulli_bytes(sum(math.prod(s) for s, c in zip(shapes, compressed) if c), k, fused)
     else:
         mask = cyclic_bytes(shapes, compressed, shards, rank, k)
-    return {"state": 10 * numel, "scratch": 8 * numel + mask}
+    if not fused:
+        return {"state": 10 * numel, "scratch": 8 * numel + mask}
+    aligned = [-(-n // BLOCK) * BLOCK for n in mine]
+    entries, pad = sum(aligned), max(a - n for a, n in zip(aligned, mine))
+    return {"state": 10 * entries, "scratch": 2 * WORD * entries + 8 * (entries // BLOCK) + WORD * pad + mask}
 
 
 def units(named_shapes) -> dict[str, int]:
@@ -197,8 +211,11 @@ def render(models: dict[str, dict], fit: dict, micro_batch: int, cut_per_param: 
            "root gathered from forward to its backward), or the root's own backward, whichever is larger; it "
            "does not shrink with the shard size. Activations are not sharded (each rank its own micro-batch; "
            f"micro-batch {micro_batch}, sequence {fit['seq']}, the fit above). Step transients, the CUDA "
-           "context, NCCL's buffers and fragmentation are excluded. 1-bit LAMB and fused SLAMB refuse FSDP2's "
-           "sharded parameters (`slamb.sharding.refuse_sharded`, `SLAMB._check_sharded`): no rows.", "",
+           "context, NCCL's buffers and fragmentation are excluded. Fused SLAMB: its state over the aligned "
+           f"layout (each tensor's shard padded to {BLOCK} entries) and, as scratch, flat fp32 copies of the "
+           "shard's parameters and gradients (FSDP2's shards are copied in and back at each step), an int64 per "
+           f"block of {BLOCK} and no draw scratch. 1-bit LAMB refuses FSDP2's sharded parameters "
+           "(`slamb.sharding.refuse_sharded`): no row.", "",
            f"**Goal: {GOAL['model']} SLAMB at shard size {GOAL['shard']}, at most {GOAL['bytes'] / 1e9:.0f} GB of "
            f"parameters, gradients, state and scratch per GPU: {verdict}** ("
            + ", ".join(f"{row} {v / 1e9:.2f} GB" for row, v in g["resident"].items()) + ").", ""]

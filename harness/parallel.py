@@ -79,7 +79,7 @@ def check_parallelism(cfg: dict, world_size: int, shards: bool) -> None:
     one of its settings) that takes no sharded parameters.
 
     The optimizer decides: it is built from its config on FSDP2 parameters of a one-rank mesh and refuses
-    them as it would in the workers (``fused``, ``overlap``, ``hierarchy``, the optimizers other than SLAMB
+    them as it would in the workers (``foreach=False``, ``overlap``, ``hierarchy``, the optimizers other than SLAMB
     and LAMB)."""
     from .build import build_optimizer
 

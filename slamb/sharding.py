@@ -39,8 +39,8 @@ try:
 except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
-__all__ = ["local", "is_sharded", "sharded_topology", "chunk_rows", "shard_offsets", "reduce_squares", "shard_model",
-           "prepare_fsdp", "reshard", "full_state_dict", "refuse_sharded", "check_state_shapes"]
+__all__ = ["local", "is_sharded", "sharded_topology", "chunk_rows", "shard_offsets", "sum_squares_", "reduce_squares",
+           "shard_model", "prepare_fsdp", "reshard", "full_state_dict", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
 SHARDED_OPTIMIZERS = "SLAMB or LAMB"
@@ -117,13 +117,20 @@ def shard_offsets(p) -> tuple[int, int]:
     return p.numel(), start * (p.numel() // rows if rows else 0)
 
 
+def sum_squares_(sums: torch.Tensor, topology: MeshTopology | None, ledger) -> torch.Tensor:
+    """Whole-tensor sums of squares from per-shard ones, in place: ``sums`` summed over the shard group in ONE
+    all-reduce (kind ``"norms"``, level ``"shard"``). Unsharded: ``sums`` as given."""
+    if topology is not None and topology.n_shards > 1 and sums.numel():
+        comm.all_reduce_sum_(sums, kind="norms", ledger=comm.at_level(ledger, "shard"), group=topology.shard)
+    return sums
+
+
 def reduce_squares(norms: list[torch.Tensor], topology: MeshTopology | None, ledger) -> list[torch.Tensor]:
-    """Whole-tensor norms from per-shard ones: ``norms`` (tensors of per-shard norms), squared, summed over the
-    shard group in ONE all-reduce (kind ``"norms"``, level ``"shard"``), rooted. Unsharded: ``norms`` as given."""
+    """Whole-tensor norms from per-shard ones: ``norms`` (tensors of per-shard norms), squared and summed over
+    the shard group at once (:func:`sum_squares_`), rooted. Unsharded: ``norms`` as given."""
     if topology is None or topology.n_shards == 1 or not norms:
         return norms
-    sq = torch.cat([n.reshape(-1) for n in norms]).square()
-    comm.all_reduce_sum_(sq, kind="norms", ledger=comm.at_level(ledger, "shard"), group=topology.shard)
+    sq = sum_squares_(torch.cat([n.reshape(-1) for n in norms]).square(), topology, ledger)
     return [x.view_as(n) for x, n in zip(sq.sqrt_().split([n.numel() for n in norms]), norms)]
 
 

@@ -17,9 +17,10 @@ from slamb.sharding import chunk_rows
 from tests import distributed
 
 MIN_COMPRESS = 64
-# per tensor, the step's bookkeeping (SLAMB's bounds, flags and indices; LAMB's none): not modelled, and
-# bounded here so that nothing model-sized hides in it
-BOOKKEEPING = 64
+# per tensor, the step's bookkeeping (SLAMB's bounds, flags and indices, the fused path's per-tensor shifts, block
+# counts and table index besides; LAMB's none): not modelled, and bounded here so that nothing model-sized hides
+# in it
+BOOKKEEPING = 96
 
 
 def make_model():
@@ -37,8 +38,9 @@ def held(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     out = {}
-    for row, (name, variant) in ms.ROWS.items():
-        settings = dict(variant=variant, min_compress_numel=MIN_COMPRESS) if variant else {}
+    for row, (name, row_settings) in ms.ROWS.items():
+        variant = row_settings.get("variant")
+        settings = dict(row_settings, min_compress_numel=MIN_COMPRESS) if variant else {}
         model = slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)), blocks=(torch.nn.Linear,))
         opt = slamb.create_optimizer(name, model.parameters(), lr=1e-3, **settings)
         if name != "adamw":  # torch's AdamW takes FSDP's own reduction: no wrap_model

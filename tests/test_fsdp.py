@@ -2,6 +2,8 @@
 
 4 gloo processes: HSDP SLAMB on 2 replicas x 2 shards is SLAMB(hierarchy="node") on 2 nodes x 2 (DDP) and
 flat SLAMB on 2 workers whose gradient is each group's mean; FSDP LAMB on 4 shards is DDP LAMB on 4 ranks.
+The fused paths (``fused=True``) likewise: HSDP fused SLAMB is flat fused SLAMB, FSDP and HSDP fused LAMB are
+DDP fused LAMB, with the multi-tensor paths' masks and bytes.
 The model has an unevenly sharded weight (17 rows over 2 shards), a small 2-D always-averaged weight (3 rows)
 and 1-D tensors. float64 parameters, so that the momentum's rounding to the wire (fp32, fp16) is the same in
 every run; the remaining differences are the order of the norms' sums (a shard's partial sums).
@@ -25,6 +27,9 @@ CONFIGS = {f"{v}-{name}": dict(variant=v, comm_dtype=dtype)
            for v in ("v1", "v2") for name, dtype in (("fp32", torch.float32), ("fp16", torch.float16))}
 # int8 quantises blocks of each rank's packed entries: not the unsharded run's numbers, but its masks
 MASK_ONLY = {f"{v}-int8": dict(variant=v, comm_dtype=torch.int8) for v in ("v1", "v2")}
+# the fused passes, against the flat fused run and the multi-tensor HSDP run of the same settings
+FUSED = {f"{v}-{name}-fused": dict(variant=v, comm_dtype=dtype, fused=True)
+         for v, name, dtype in (("v1", "fp32", torch.float32), ("v2", "fp16", torch.float16))}
 
 
 def make_model():
@@ -111,7 +116,7 @@ def hsdp_slamb(rank, cfg):
     return {"params": full, "averaged": averaged, "stats": stats, "traffic": traffic.bytes, "masks": masks,
             "cut": mask.gaps.numel() if hasattr(mask, "gaps") else None,
             "compressed": sum(n for n, d in zip(opt._layout.numels, opt._dense) if not d),
-            "offsets": opt._layout.global_offsets,
+            "offsets": opt._layout.global_offsets, "compiled": len(opt._plan.passes.compiled) if opt.fused else 0,
             "shapes": [(tuple(p.shape), tuple(p.to_local().shape)) for p in model.parameters()]}
 
 
@@ -146,16 +151,17 @@ def flat_slamb(rank, cfg, peers):
     return params, masks, [p.detach().clone() for p in model.parameters()]
 
 
-def lamb_run(rank, model, steps=STEPS):
+def lamb_run(rank, model, steps=STEPS, fused=False):
     """The whole parameters after ``steps``, the last step's ledger, the run's ledger totals and the bytes
     handed to each collective during the steps."""
-    opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
+    opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0), fused=fused)
     wrapped = slamb.wrap_model(model, opt)
     with Traffic() as traffic:
         for t in range(1, steps + 1):
             opt.zero_grad(set_to_none=True)
             loss_of(wrapped, rank, t).backward()
             opt.step()
+    assert not fused or (opt.fused and opt._fused.passes.compiled and opt._fused.passes.failed is None)
     params = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in model.parameters()]
     return [p.detach().clone() for p in params], opt.comm_stats()["last_step"], opt.comm_stats()["total"], \
         traffic.bytes
@@ -164,11 +170,15 @@ def lamb_run(rank, model, steps=STEPS):
 def lamb_runs(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     blocks = (torch.nn.Linear, torch.nn.LayerNorm)
-    fsdp, stats, _, _ = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)),
-                                                        blocks=blocks))
-    hsdp, _, total, traffic = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks))
-    return {"fsdp": fsdp, "hsdp": hsdp, "ddp": lamb_run(rank, make_model())[0], "norms": stats.get("norms"),
-            "hsdp_total": total, "hsdp_traffic": traffic}
+    out = {}
+    for fused, tag in ((False, ""), (True, "_fused")):
+        fsdp, stats, _, _ = lamb_run(rank, slamb.shard_model(make_model(), init_device_mesh("cpu", (world,)),
+                                                            blocks=blocks), fused=fused)
+        hsdp, _, total, traffic = lamb_run(rank, slamb.shard_model(make_model(), hsdp_mesh(), blocks=blocks),
+                                           fused=fused)
+        out.update({f"fsdp{tag}": fsdp, f"hsdp{tag}": hsdp, f"ddp{tag}": lamb_run(rank, make_model(), fused=fused)[0],
+                    f"norms{tag}": stats.get("norms"), f"hsdp_total{tag}": total, f"hsdp_traffic{tag}": traffic})
+    return out
 
 
 def refusals():
@@ -180,7 +190,7 @@ def refusals():
             slamb.create_optimizer(name, list(model.parameters()), lr=0.1)
         except ValueError as e:
             out[name] = str(e)
-    for kwargs in (dict(fused=True), dict(overlap=True), dict(foreach=False)):
+    for kwargs in (dict(overlap=True), dict(foreach=False)):
         try:
             slamb.SLAMB(model.parameters(), **kwargs)
         except ValueError as e:
@@ -197,6 +207,10 @@ def worker(rank, world):
                               "flat_masks": flat_masks, "flat_averaged": flat_averaged}
     for name, cfg in MASK_ONLY.items():
         out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat_masks": flat_slamb(rank, cfg, peers)[1]}
+    for name, cfg in FUSED.items():
+        flat, flat_masks, flat_averaged = flat_slamb(rank, cfg, peers)
+        out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat": flat, "flat_masks": flat_masks,
+                              "flat_averaged": flat_averaged}
     out["lamb"] = lamb_runs(rank, world)
     out["refusals"] = refusals()
     return out
@@ -229,7 +243,28 @@ def test_hsdp_slamb_equals_hierarchical_and_flat_slamb(runs, config):
     assert shapes[0] == ((17, 6), (8, 6)) and shapes[-2] == ((3, 16), (1, 16))
 
 
-@pytest.mark.parametrize("config", [*CONFIGS, *MASK_ONLY])
+@pytest.mark.parametrize("config", list(FUSED))
+def test_hsdp_fused_slamb_equals_flat_fused_slamb_with_the_multi_tensor_paths_bytes(runs, config):
+    flat = max(max_diff(r["slamb"][config]["hsdp"]["params"], r["slamb"][config]["flat"]) for r in runs)
+    averaged = max(max_diff(r["slamb"][config]["hsdp"]["averaged"], r["slamb"][config]["flat_averaged"])
+                   for r in runs)
+    plain = config.removesuffix("-fused")
+    multi = max(max_diff(r["slamb"][config]["hsdp"]["params"], r["slamb"][plain]["hsdp"]["params"]) for r in runs)
+    print(f"{config}: max |HSDP fused - flat fused| = {flat:.3g}, averaged models {averaged:.3g}; "
+          f"max |HSDP fused - HSDP multi-tensor| = {multi:.3g}")
+    assert flat < 1e-12 and averaged < 1e-12, (flat, averaged)
+    assert all(r["slamb"][config]["hsdp"]["compiled"] >= 3 for r in runs)  # the passes ran compiled, not eagerly
+    assert multi < 1e-6  # the fused passes take their per-tensor scalars in fp32
+    assert not torch.equal(runs[0]["slamb"][config]["hsdp"]["params"][0], runs[S]["slamb"][config]["hsdp"]["params"][0])
+    for r in runs:  # every kind's bytes at every step, at every level: the multi-tensor path's
+        for fused, multi_tensor in zip(r["slamb"][config]["hsdp"]["stats"], r["slamb"][plain]["hsdp"]["stats"]):
+            assert set(fused) == set(multi_tensor)
+            for kind in fused:
+                assert fused[kind]["payload"] == multi_tensor[kind]["payload"] > 0, (kind, fused, multi_tensor)
+                assert fused[kind].get("levels") == multi_tensor[kind].get("levels"), kind
+
+
+@pytest.mark.parametrize("config", [*CONFIGS, *MASK_ONLY, *FUSED])
 def test_a_shard_averages_its_slice_of_the_unsharded_models_mask(runs, config):
     for r in runs:
         res = r["slamb"][config]
@@ -243,12 +278,17 @@ def test_a_shard_averages_its_slice_of_the_unsharded_models_mask(runs, config):
     assert 0 < int(runs[1]["slamb"][config]["hsdp"]["masks"][1][0].sum()) < 8 * 6
 
 
-def test_fsdp_and_hsdp_lamb_equal_ddp_lamb(runs):
-    fsdp = max(max_diff(r["lamb"]["fsdp"], r["lamb"]["ddp"]) for r in runs)
-    hsdp = max(max_diff(r["lamb"]["hsdp"], r["lamb"]["ddp"]) for r in runs)
-    print(f"max |FSDP (4 shards) LAMB - DDP LAMB| = {fsdp:.3g}, max |HSDP (2 x 2) LAMB - DDP LAMB| = {hsdp:.3g}")
+@pytest.mark.parametrize("tag", ["", "_fused"])
+def test_fsdp_and_hsdp_lamb_equal_ddp_lamb(runs, tag):
+    fsdp = max(max_diff(r["lamb"][f"fsdp{tag}"], r["lamb"][f"ddp{tag}"]) for r in runs)
+    hsdp = max(max_diff(r["lamb"][f"hsdp{tag}"], r["lamb"][f"ddp{tag}"]) for r in runs)
+    print(f"max |FSDP (4 shards) LAMB{tag} - DDP LAMB{tag}| = {fsdp:.3g}, "
+          f"max |HSDP (2 x 2) LAMB{tag} - DDP LAMB{tag}| = {hsdp:.3g}")
     assert fsdp < 1e-12 and hsdp < 1e-12
-    assert runs[0]["lamb"]["norms"]["levels"]["shard"]["calls"] == 1  # one all-reduce of the norms per step
+    norms = runs[0]["lamb"][f"norms{tag}"]["levels"]["shard"]
+    assert norms["calls"] == 1 and norms["payload"] == 2 * 8 * 8  # one all-reduce per step: (|p|, |u|) per tensor
+    if tag:  # the fused path's numbers are the multi-tensor path's, to its fp32 per-tensor scalars
+        assert max(max_diff(r["lamb"]["ddp_fused"], r["lamb"]["ddp"]) for r in runs) < 1e-6
 
 
 def test_hsdp_lamb_ledger_holds_fsdps_collectives_by_mesh_dimension(runs):
@@ -312,5 +352,5 @@ def test_other_optimizers_and_paths_refuse_sharded_parameters_in_one_line(runs):
     for name in ("dgc", "onebit_lamb", "powersgd", "jointspar", "diloco"):
         assert "takes no sharded" in refused[name] and "SLAMB or LAMB" in refused[name], refused
         assert "\n" not in refused[name]
-    for kwargs in ("{'fused': True}", "{'overlap': True}", "{'foreach': False}"):
-        assert "takes no sharded" in refused[kwargs] and "multi-tensor path" in refused[kwargs]
+    for kwargs in ("{'overlap': True}", "{'foreach': False}"):
+        assert "takes no sharded" in refused[kwargs] and "multi-tensor and fused paths" in refused[kwargs]

@@ -34,14 +34,14 @@ def mesh_of(replicas, shards):
     return init_device_mesh("cpu", (replicas, shards), mesh_dim_names=("replicate", "shard"))
 
 
-def build(kind, mesh, variant="v2"):
+def build(kind, mesh, variant="v2", fused=False):
     """A fresh sharded model and its optimizer, wrapped (which starts every replica from replica 0's shards:
     a checkpoint loads after it)."""
     model = slamb.shard_model(make_model(), mesh, blocks=BLOCKS)
     if kind == "slamb":
-        opt = slamb.SLAMB(model.parameters(), **slamb_settings(dict(variant=variant)))
+        opt = slamb.SLAMB(model.parameters(), **slamb_settings(dict(variant=variant, fused=fused)))
     else:
-        opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0))
+        opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, trust_clamp=(0.01, 10.0), fused=fused)
     return slamb.wrap_model(model, opt), opt
 
 
@@ -72,34 +72,39 @@ def gathered(model, opt):
     return out
 
 
-def resume(kind, mesh, rank, path, variant="v2"):
+def resume(kind, mesh, rank, path, variant="v2", fused=False):
     """Save at SAVED_AT, go on to STEPS; then fresh objects load the checkpoint and take the same steps."""
-    model, opt = build(kind, mesh, variant)
+    model, opt = build(kind, mesh, variant, fused)
     train(model, opt, rank, range(1, SAVED_AT + 1))
     slamb.save_sharded(model, opt, path)
     saved = gathered(model, opt)
     train(model, opt, rank, range(SAVED_AT + 1, STEPS + 1))
-    model2, opt2 = build(kind, mesh, variant)
+    model2, opt2 = build(kind, mesh, variant, fused)
     slamb.load_sharded(model2, opt2, path)
     train(model2, opt2, rank, range(SAVED_AT + 1, STEPS + 1))
     return {"saved": saved, "uninterrupted": shards(model), "resumed": shards(model2),
             "step": getattr(opt2, "_step", None)}
 
 
-def loaded(kind, mesh, path, variant="v2"):
-    """What loading ``path`` into a fresh run on ``mesh`` gives, gathered; and the warning logged."""
+def loaded(kind, mesh, path, variant="v2", fused=False, rank=None):
+    """What loading ``path`` into a fresh run on ``mesh`` gives, gathered; and the warning logged. ``rank``: the
+    run then takes the steps after SAVED_AT, and its shards are returned too."""
     records = []
     handler = logging.Handler()
     handler.emit = lambda record: records.append(record.getMessage())
     logger = logging.getLogger("slamb.checkpoint")
     logger.addHandler(handler)
     try:
-        model, opt = build(kind, mesh, variant)
+        model, opt = build(kind, mesh, variant, fused)
         slamb.load_sharded(model, opt, path)
     finally:
         logger.removeHandler(handler)
-    return {"state": gathered(model, opt), "log": records, "step": getattr(opt, "_step", None),
-            "replica": opt.shards.replica}
+    out = {"state": gathered(model, opt), "log": records, "step": getattr(opt, "_step", None),
+           "replica": opt.shards.replica}
+    if rank is not None:
+        train(model, opt, rank, range(SAVED_AT + 1, STEPS + 1))
+        out["shards"] = shards(model)
+    return out
 
 
 def errors(rank, world, root):
@@ -136,7 +141,13 @@ def two_by_two(rank, world, root):
     out = {v: resume("slamb", hsdp_mesh(), rank, root / v, v) for v in VARIANTS}
     out["lamb-fsdp"] = resume("lamb", mesh_of(1, world), rank, root / "lamb-fsdp")
     out["lamb-hsdp"] = resume("lamb", hsdp_mesh(), rank, root / "lamb-hsdp")
+    out["v2-fused"] = resume("slamb", hsdp_mesh(), rank, root / "v2-fused", "v2", fused=True)
+    out["lamb-hsdp-fused"] = resume("lamb", hsdp_mesh(), rank, root / "lamb-hsdp-fused", fused=True)
     dist.barrier()
+    # a checkpoint moves between the paths: the multi-tensor run's into the fused one, and back
+    out["v2 -> fused"] = loaded("slamb", hsdp_mesh(), root / "v2", "v2", fused=True, rank=rank)
+    out["v2-fused -> multi-tensor"] = loaded("slamb", hsdp_mesh(), root / "v2-fused", "v2", rank=rank)
+    out["lamb -> fused"] = loaded("lamb", hsdp_mesh(), root / "lamb-hsdp", fused=True, rank=rank)
     out["one->two"] = loaded("slamb", hsdp_mesh(), root / "one")
     out["lamb 2->4 shards"] = loaded("lamb", mesh_of(1, world), root / "lamb-hsdp")
     out["v2 (1, 4)"] = loaded("slamb", mesh_of(1, world), root / "v2")  # 2 x 2 -> 1 x 4: the mean, resharded
@@ -184,12 +195,12 @@ def saved_files(path):
     return replicas, _unblob(whole["slamb"])
 
 
-@pytest.mark.parametrize("config", [*VARIANTS, "lamb-fsdp", "lamb-hsdp"])
+@pytest.mark.parametrize("config", [*VARIANTS, "lamb-fsdp", "lamb-hsdp", "v2-fused", "lamb-hsdp-fused"])
 def test_a_resumed_run_ends_bit_exactly_where_the_uninterrupted_one_ends(runs, config):
     for r in runs["four"]:
         res = r[config]
         assert all(torch.equal(a, b) for a, b in zip(res["resumed"], res["uninterrupted"])), (config, r["rank"])
-        if config in VARIANTS:
+        if not config.startswith("lamb"):
             assert res["step"] == STEPS
     if config in VARIANTS:  # and in new processes, where nothing of the saving run's objects is left
         for r, again in zip(runs["four"], runs["again"]):
@@ -199,10 +210,25 @@ def test_a_resumed_run_ends_bit_exactly_where_the_uninterrupted_one_ends(runs, c
                                runs["four"][2][config]["saved"]["optim.0.weight.exp_avg"])
 
 
-@pytest.mark.parametrize("config", [*VARIANTS, "lamb-hsdp"])
+@pytest.mark.parametrize("loaded, saved", [("v2 -> fused", "v2"), ("v2-fused -> multi-tensor", "v2-fused"),
+                                           ("lamb -> fused", "lamb-hsdp")])
+def test_a_sharded_checkpoint_moves_between_the_fused_and_the_multi_tensor_paths(runs, loaded, saved):
+    """The state loads bit for bit into the other path, whose steps then go on as the saving run's do, to the
+    fused passes' fp32 per-tensor scalars."""
+    worst = 0.0
+    for r in runs["four"]:
+        state, want = r[loaded]["state"], r[saved]["saved"]
+        assert state.keys() == want.keys() and all(torch.equal(state[k], want[k]) for k in want), (loaded, r["rank"])
+        worst = max(worst, max(float((a - b).abs().max()) for a, b in zip(r[loaded]["shards"],
+                                                                         r[saved]["uninterrupted"])))
+    print(f"{loaded}: max |resumed on the other path - uninterrupted| = {worst:.3g}")
+    assert 0 < worst < 1e-6
+
+
+@pytest.mark.parametrize("config", [*VARIANTS, "lamb-hsdp", "v2-fused"])
 def test_the_files_hold_each_replica_whole(runs, config):
     replicas, meta = saved_files(runs["root"] / config)
-    copies = 2 if config in VARIANTS else 1  # LAMB's replicas are the same: written once
+    copies = 1 if config.startswith("lamb") else 2  # LAMB's replicas are the same: written once
     assert sorted(replicas) == list(range(copies)) and meta["copies"] == copies and meta["n_shards"] == 2
     for r in runs["four"]:
         replica = r["rank"] // 2 if copies > 1 else 0

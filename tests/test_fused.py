@@ -466,21 +466,31 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
     # tensor of two entries, which a draw often skips
     [(5,), (30, 20), (7,), (8,), (2, 1), (50, 3), (200,), (3,)],
 ])
-def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes):
+@pytest.mark.parametrize("shard", [None, (0, 2), (1, 2), (2, 3)])
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes, shard):
     """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
     tensor's offset, for both mask policies and several steps: the drawn ones alone (the marks), and after
-    every entry of the always-averaged tensors (the exchange's packed order)."""
+    every entry of the always-averaged tensors (the exchange's packed order). ``shard``: (index, count), the
+    layout of FSDP2's dim-0 shards of those tensors (torch.chunk's cut, some of them empty), whose masks are
+    their slices of the whole model's draw."""
     from slamb.optim.exchange import packing
     from slamb.optim.flat import FlatLayout
     from slamb.optim.fused import BLOCK
     from slamb.optim.masks import LayoutRuns, Selection, make_mask
+    from slamb.sharding import chunk_rows
 
     dense = [len(s) == 1 or s == (9, 9) for s in shapes]
-    layout = FlatLayout([torch.zeros(s) for s in shapes], [0] * len(shapes), align=BLOCK)
+    whole = [torch.zeros(s) for s in shapes]
+    cuts = [chunk_rows(s[0], *reversed(shard)) if shard else (0, s[0]) for s in shapes]
+    layout = FlatLayout([w.narrow(0, start, rows) for w, (start, rows) in zip(whole, cuts)], [0] * len(shapes),
+                        align=BLOCK)
+    layout.global_numels = [w.numel() for w in whole]  # as shard_offsets gives them for a DTensor
+    layout.global_offsets = [start * w[0].numel() for w, (start, _) in zip(whole, cuts)]
     assert all(o % BLOCK == 0 for o in layout.offsets)
-    compressible = sum(layout.numels[i] for i, d in enumerate(dense) if not d)
+    compressible = sum(layout.global_numels[i] for i, d in enumerate(dense) if not d)
+    keep = Selection.bounds(layout, dense) if shard else None
     for policy in ("cyclic", "bernoulli"):
-        mask = make_mask(policy, compressible, 0, layout.device)
+        mask = make_mask(policy, compressible, 0, layout.device, keep)
         for step in range(1, 6):
             sel = Selection(layout, dense, mask(step, 0.3))
             want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])

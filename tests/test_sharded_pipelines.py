@@ -61,7 +61,8 @@ def runs(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
         shutil.copyfile(tiny_data[SEQ1] / "part0_training.hdf5", shards / f"part{i}_training.hdf5")
     # SLAMB's run evaluates held-out shards (here the training ones): the average's and the local models' loss
     bert = {"slamb": [*BERT_ROWS["slamb"], *HSDP, f"validation.dir={shards}"], "lamb": [*BERT_ROWS["lamb"], *HSDP],
-            "lamb_ddp": [*BERT_ROWS["lamb"], f"trainer.nproc_per_node={WORLD}"]}
+            "lamb_ddp": [*BERT_ROWS["lamb"], f"trainer.nproc_per_node={WORLD}"],
+            "slamb_fused": [*BERT_ROWS["slamb"], *HSDP, f"validation.dir={shards}", "optimizer.fused=true"]}
     jobs = [("bert", tiny_cfg(tiny_data, root / name, f"data.dir={shards}", *overrides), str(root / name), None)
             for name, overrides in bert.items()]
     swin = compose_swin(*TINY, "experiment=swin_b/slamb", f"data.dir={imagenet}", *SLAMB_TINY,
@@ -71,7 +72,7 @@ def runs(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
     jobs.append(("bert", jobs[0][1], str(root / "slamb_resumed"), jobs[0][2]))
     jobs.append(("swin", swin, str(root / "swin_resumed"), str(root / "swin")))
     summaries = distributed.run(worker, WORLD, jobs)[0]
-    return {"root": root, "summaries": dict(zip(["slamb", "lamb", "lamb_ddp", "swin", "slamb_resumed",
+    return {"root": root, "summaries": dict(zip(["slamb", "lamb", "lamb_ddp", "slamb_fused", "swin", "slamb_resumed",
                                                  "swin_resumed"], summaries)), "jobs": jobs}
 
 
@@ -131,6 +132,19 @@ def test_a_resumed_hsdp_run_ends_where_the_uninterrupted_one_ends(runs, run, key
 
 
 @pytest.mark.multiprocess
+def test_hsdp_fused_slamb_trains_as_the_multi_tensor_path_with_its_bytes(runs):
+    """optimizer.fused=true on HSDP: the compiled passes on the shards, the same run to their fp32 scalars."""
+    fused, plain = history(runs["root"] / "slamb_fused"), history(runs["root"] / "slamb")
+    assert [r["step"] for r in fused] == [r["step"] for r in plain] == [2, 4, 6]
+    for a, b in zip(fused, plain):
+        for key in ("loss", "val_mlm_loss", "val_mlm_loss_local"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
+        assert {k: v for k, v in a.items() if k.startswith("bytes")} == \
+            {k: v for k, v in b.items() if k.startswith("bytes")}
+    assert (runs["root"] / "slamb_fused" / "model").is_dir()
+
+
+@pytest.mark.multiprocess
 def test_hsdp_lamb_trains_as_ddp_lamb_on_the_same_workers(runs):
     root = runs["root"]
     sharded, ddp = history(root / "lamb"), history(root / "lamb_ddp")
@@ -156,13 +170,10 @@ def test_hsdp_slamb_swin_trains_and_evaluates_the_average(runs):
     (["trainer.parallelism=fsdp", "trainer.nproc_per_node=1"], r"sharding needs 2 or more"),
     (["trainer.parallelism=fsdp", "experiment=bert/phase1_onebit_lamb"],
      r"trainer\.parallelism=fsdp for optimizer=onebit_lamb: OnebitLamb takes no sharded .*fix: trainer\.parallelism=ddp"),
-    (["trainer.parallelism=hsdp", "trainer.shard_size=4", "experiment=bert/phase1_slamb", "optimizer.fused=true"],
-     r"SLAMB\(fused=True\) takes no sharded"),
     (["trainer.parallelism=hsdp", "trainer.shard_size=4", "experiment=bert/phase1_slamb", "optimizer.overlap=true"],
      r"SLAMB\(overlap=True\) takes no sharded"),
     (["trainer.parallelism=fsdp", "experiment=bert/phase1_slamb", "optimizer.hierarchy=node"],
      r"SLAMB\(hierarchy='node'\) takes no sharded"),
-    (["trainer.parallelism=fsdp", "optimizer.fused=true"], r"LAMB\(fused=True\) takes no sharded"),
     (["trainer.parallelism=fsdp", "+init_optimizer_from=/tmp"], r"init_optimizer_from: .*trainer\.parallelism=ddp only"),
 ])
 def test_settings_that_cannot_shard_are_refused_before_any_worker_in_one_line(overrides, match, tmp_path):
@@ -175,7 +186,10 @@ def test_settings_that_cannot_shard_are_refused_before_any_worker_in_one_line(ov
 
 def test_sharded_settings_that_fit_pass_the_checks(tmp_path):
     for overrides in (["trainer.parallelism=hsdp", "trainer.shard_size=4", "experiment=bert/phase1_slamb"],
-                      ["trainer.parallelism=fsdp", "experiment=bert/phase1_lamb"]):
+                      ["trainer.parallelism=hsdp", "trainer.shard_size=4", "experiment=bert/phase1_slamb",
+                       "optimizer.fused=true"],
+                      ["trainer.parallelism=fsdp", "experiment=bert/phase1_lamb"],
+                      ["trainer.parallelism=fsdp", "experiment=bert/phase1_lamb", "optimizer.fused=true"]):
         check_settings(compose_bert("trainer.device=cpu", f"data.dir={tmp_path}", *overrides), shards=True)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .. import comm
-from ..sharding import local, shard_offsets
+from ..sharding import is_sharded, local, shard_offsets
 from .precision import state_dtype
 
 
@@ -51,8 +51,8 @@ def check_layouts_agree(layouts, *, ledger, group, who: str) -> None:
 class FlatLayout:
     """``keys``: the optimizer's parameters (the state's keys); ``params``: the tensors the buffers lay out
     and the step computes on, this rank's shards of sharded (FSDP2) parameters, else the parameters
-    themselves; ``global_numels`` and ``global_offsets``: each whole tensor's size and where the shard
-    starts in it (:func:`slamb.sharding.shard_offsets`).
+    themselves (``sharded``: whether they are shards); ``global_numels`` and ``global_offsets``: each whole
+    tensor's size and where the shard starts in it (:func:`slamb.sharding.shard_offsets`).
 
     ``align``: each tensor starts at a multiple of this many entries (``offsets``: the starts, then the
     buffer's end; ``ends``: where each tensor's entries end). The fused step's layout is aligned to its
@@ -65,6 +65,7 @@ class FlatLayout:
         if not params:
             raise ValueError("no parameter has a gradient: nothing to optimize")
         self.keys = params
+        self.sharded = any(map(is_sharded, params))
         self.global_numels, self.global_offsets = (list(x) for x in zip(*map(shard_offsets, params)))
         params = [local(p) for p in params]
         devices = {p.device for p in params}
@@ -113,8 +114,8 @@ class FlatLayout:
                           dtype=dtype or self.state_dtype, device=device or self.device)
         views = flat.unbind() if per_tensor else self.views(flat)
         for p, view in zip(self.keys, views):
-            if key in state[p]:  # per parameter: a grown layout keeps the state of those it had
-                view.copy_(state[p][key])
+            if key in state[p]:  # per parameter: a grown layout keeps the state of those it had (a shard's: its own)
+                view.copy_(local(state[p][key]))
             state[p][key] = view
         return flat
 

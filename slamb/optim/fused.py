@@ -262,6 +262,13 @@ class FlatStep:
     dtype (:meth:`grads`, one ``torch.cat`` with the padding's zeros) and each ``p.grad`` is pointed at its
     view, unless they are views already: gradients zeroed in place (``zero_grad(set_to_none=False)``)
     accumulate into the views and cost no copy; ``set_to_none=True`` (torch's default) keeps its meaning.
+
+    FSDP2's shards are not adopted: FSDP keeps each shard in storage of its own, which its all-gathers read,
+    and a parameter rebound to a view of this buffer would not be gathered. On a sharded layout
+    :meth:`params` copies the shards in at each step (one ``torch.cat``, as the gradients) and :meth:`store`
+    writes the updated values back (one multi-tensor copy): two words of traffic per parameter each way more
+    than an adopted layout, and nothing the step reads is stale (a parameter sync or a loaded model writes
+    the shards themselves).
     """
 
     def __init__(self, layout):
@@ -273,25 +280,42 @@ class FlatStep:
         self.grad = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
         self._grad_views = layout.views(self.grad)
         self._grad_ptrs = tuple(g.data_ptr() for g in self._grad_views)
-        # the gradients with the padding's zeros between them: one cat into the flat buffer
+        # the gradients (a sharded layout's parameters too) with the padding's zeros between them: one cat
         pads = [start - end for start, end in zip(layout.offsets[1:], layout.ends)]
         zeros = torch.zeros(max(pads, default=0), dtype=layout.dtype, device=layout.device)
         self._pads = [zeros[:n] if n else None for n in pads]
-        self._adopt()
+        self.param = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+        self._param_views = layout.views(self.param)
+        self._param_ptrs = None
+        if not layout.sharded:
+            self._adopt()
 
     def _adopt(self) -> None:
-        layout = self.layout
-        self.param = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-        for p, view in zip(layout.params, layout.views(self.param)):
+        self.param = torch.zeros(self.layout.numel, dtype=self.layout.dtype, device=self.layout.device)
+        self._param_views = self.layout.views(self.param)
+        for p, view in zip(self.layout.params, self._param_views):
             view.copy_(p.detach())
             p.data = view
-        self._param_ptrs = tuple(p.data_ptr() for p in layout.params)
+        self._param_ptrs = tuple(p.data_ptr() for p in self.layout.params)
+
+    def _cat(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        pieces = [x for t, pad in zip(tensors, self._pads) for x in (t.reshape(-1), pad) if x is not None]
+        return torch.cat(pieces, out=out)
 
     def params(self) -> torch.Tensor:
-        """The flat parameter buffer; the parameters adopted again where one no longer is its view."""
+        """The flat parameter buffer; the parameters adopted again where one no longer is its view, a sharded
+        layout's shards copied in."""
+        if self.layout.sharded:
+            return self._cat([p.detach() for p in self.layout.params], self.param)
         if tuple(p.data_ptr() for p in self.layout.params) != self._param_ptrs:
             self._adopt()
         return self.param
+
+    def store(self) -> None:
+        """After the update: a sharded layout's parameters written back into their shards (adopted ones are
+        views of the buffer already)."""
+        if self.layout.sharded:
+            torch._foreach_copy_(self.layout.params, self._param_views)
 
     def grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
         """The flat gradient buffer holding ``grads`` (the layout's gradients, a missing one as zeros)."""
@@ -302,8 +326,7 @@ class FlatStep:
             torch._foreach_copy_([v for v, o in zip(self._grad_views, own) if not o],
                                  [g for g, o in zip(grads, own) if not o])
         else:
-            pieces = [x for g, pad in zip(grads, self._pads) for x in (g.reshape(-1), pad) if x is not None]
-            torch.cat(pieces, out=self.grad)
+            self._cat(grads, self.grad)
         for p, view in zip(self.layout.params, self._grad_views):
             if p.grad is not None:
                 p.grad = view

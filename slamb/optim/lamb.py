@@ -16,7 +16,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
-from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology
+from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
 from .flat import FlatLayout
@@ -115,7 +115,7 @@ class FusedBuckets:
             bucket = self.buckets.get(key)
             if bucket is None or bucket[0] != tuple(id(p) for _, p in ps):
                 bucket = self.buckets[key] = self._bucket(ps)
-            bucket[1].grads([p.grad for _, p in ps])
+            bucket[1].grads([local(p.grad) for _, p in ps])
             buckets.append(bucket)
         return buckets
 
@@ -146,15 +146,17 @@ class FusedBuckets:
         zeros = torch.zeros_like(cols[0])
         moment_table = torch.stack([*cols[:6], zeros, zeros], 1)  # no age: the dense and written columns unread
         p = flat.view(flat.params())
-        g = flat.view(flat.grads([q.grad for q in layout.params]))
+        g = flat.view(flat.grads([local(q.grad) for q in layout.keys]))
         m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
         sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
+        sums = sum_squares_(sums, opt.shards, opt.ledger)  # a shard's sums: the whole tensors' (one collective)
         steps.add_(1)
         p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
         trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
         inf = torch.full_like(trust, math.inf)
         table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
         passes(fused_passes.update_pass, p, m, v, None, flat.per_block(table))
+        flat.store()
 
 
 class LAMB(ContractDefaults, Optimizer):
@@ -169,14 +171,15 @@ class LAMB(ContractDefaults, Optimizer):
     over flat buffers (:mod:`slamb.optim.fused`, ``torch.compile``; a constant number of kernels whatever
     the number of tensors): the same numbers to rounding, no scratch kept between steps. It adopts the
     parameters with gradients into one flat buffer per device and dtype (each ``p.data`` becomes a view of
-    it, adopted again at a step where it is not) and points their ``p.grad`` at views of a flat gradient
-    buffer (:class:`slamb.optim.fused.FlatStep`); it warns once and runs the multi-tensor path where
+    it, adopted again at a step where it is not; FSDP2's shards are copied in and back at each step
+    instead) and points their ``p.grad`` at views of a flat gradient buffer
+    (:class:`slamb.optim.fused.FlatStep`); it warns once and runs the multi-tensor path where
     ``torch.compile`` fails.
 
-    FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or an HSDP mesh; the multi-tensor
-    path): the moments are sharded as the parameters, the step runs on the local shards, and the trust
-    ratios are the whole tensors', each shard's norms summed over the shard group in one all-reduce per
-    step (kind ``"norms"``, :mod:`slamb.sharding`); FSDP averages the gradients.
+    FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or an HSDP mesh; the multi-tensor and
+    fused paths): the moments are sharded as the parameters, the step runs on the local shards, and the trust
+    ratios are the whole tensors', each shard's sums of squares summed over the shard group in one all-reduce
+    per step (kind ``"norms"``, :mod:`slamb.sharding`); FSDP averages the gradients.
     """
 
     takes_sharded = True
@@ -200,9 +203,9 @@ class LAMB(ContractDefaults, Optimizer):
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
         self.shards = sharded_topology([p for g in self.param_groups for p in g["params"]], process_group)
-        if self.shards is not None and (fused or foreach is False):
-            raise ValueError(f"LAMB({'fused=True' if fused else 'foreach=False'}) takes no sharded (FSDP2 DTensor) "
-                             "parameters; the multi-tensor path (fused=False, foreach=None) does")
+        if self.shards is not None and foreach is False:
+            raise ValueError("LAMB(foreach=False) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor and "
+                             "fused paths (foreach=None) do")
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -307,14 +307,33 @@ class Selection:
         if self._packed is not None:
             return self._packed if with_dense else self._packed[runs.n_dense:]
         n = sum(self.counts[i] for i in self.compressed)
+        drawn, starts = self._own_runs()
         if not with_dense:
-            return run_shifts(n, self.cuts[::2], runs.steps).add_(self.drawn[:n])
+            return run_shifts(n, starts, runs.steps).add_(drawn[:n])
         nd = runs.n_dense
-        out = run_shifts(nd + n, torch.cat([runs.dense_at, self.cuts[::2] + nd]), runs.packed_steps)
+        out = run_shifts(nd + n, torch.cat([runs.dense_at, starts + nd]), runs.packed_steps)
         out[:nd].add_(torch.arange(nd, device=out.device))
-        out[nd:].add_(self.drawn[:n])
+        out[nd:].add_(drawn[:n])
         self._packed = out
         return out
+
+    def _own_runs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drawn positions of the layout's tensors end to end, and where each tensor's run starts among them.
+        A shard's Bernoulli draw is the whole model's (:func:`make_mask`): the other shards' positions lie
+        between its tensors' runs, and one gather drops them, its index the positions moved by their run's
+        shift (:func:`run_shifts`; the shifts from the cuts on the host)."""
+        cut = self.cut
+        starts, ends = cut[0::2], cut[1::2]
+        if starts[0] == 0 and starts[1:] == ends[:-1]:  # the runs are end to end: a whole model's draw
+            return self.drawn, self.cuts[::2]
+        packed = [0]
+        for s, e in zip(starts, ends):
+            packed.append(packed[-1] + e - s)
+        shifts = [s - t for s, t in zip(starts, packed)]
+        where = torch.tensor(packed[:-1], dtype=torch.long, device=self.drawn.device)
+        n = packed[-1]
+        index = run_shifts(n, where, run_steps(shifts, where.device)).add_(torch.arange(n, device=where.device))
+        return self.drawn.index_select(0, index), where
 
     @staticmethod
     def spans(layout, dense: list[bool]) -> list[tuple[int, int]]:
@@ -396,7 +415,8 @@ def run_steps(shifts: list[int], device) -> torch.Tensor:
 
 class LayoutRuns:
     """What takes a draw's positions to a flat layout's (:meth:`Selection.layout_positions`), made once per layout
-    of whole tensors (no shards), as :func:`run_shifts` takes them: ``steps``, each tensor's shift (its offset in
+    (a shard's tensors at their places in the whole model's draw, :meth:`Selection.spans`), as :func:`run_shifts`
+    takes them: ``steps``, each tensor's shift (its offset in
     the layout less its start among the drawn positions) less the previous tensor's; and for the packed order,
     the always-averaged tensors' entries first (``n_dense`` of them; ``dense_before``: on the host, per tensor,
     how many come before it), each such tensor a run from ``dense_at``, ``packed_steps`` the steps of those

@@ -33,7 +33,7 @@ import torch
 from .. import comm
 from ..averaging import average_tensors_
 from ..schedules import check_compression_warmup, compression_ratio
-from ..sharding import local, reduce_squares, sharded_topology
+from ..sharding import local, sharded_topology
 from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from . import fused as fused_passes
@@ -73,7 +73,7 @@ class SLAMB(LocalStateOptimizer):
     draws the unsharded model's mask and keeps its slice, exchanges and syncs with the ranks holding its
     shard, and takes the trust ratios of the whole tensors (one all-reduce of the norms over the shard
     group per step, kind ``"norms"``). :func:`slamb.wrap_model` drops FSDP's gradient all-reduce across
-    the replicas. The multi-tensor path only (not ``fused``, ``foreach=False``, ``overlap``, ``hierarchy``).
+    the replicas. The multi-tensor and fused paths (not ``foreach=False``, ``overlap``, ``hierarchy``).
 
     ``compress_ratio`` may change between steps: assign ``opt.compress_ratio``;
     the next step's mask uses it, and a cyclic mask re-cuts its permutation
@@ -110,7 +110,8 @@ class SLAMB(LocalStateOptimizer):
     parameters are consecutive in the layout, the others tensor by tensor).
     Its layout is aligned (each tensor starts at a
     multiple of ``fused.BLOCK`` entries) and it adopts the parameters into one flat buffer
-    (each ``p.data`` becomes a view of it, adopted again at a step where it is not) and points
+    (each ``p.data`` becomes a view of it, adopted again at a step where it is not; FSDP2's shards
+    are copied in and back at each step instead) and points
     their ``p.grad`` at views of a flat gradient buffer (:class:`slamb.optim.fused.FlatStep`).
     ``torch.compile(opt.step)`` runs the step
     eagerly (it decides on the host and communicates between its kernels): use
@@ -222,11 +223,11 @@ class SLAMB(LocalStateOptimizer):
         self.exchange = MomentumExchange(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype)
 
     def _check_sharded(self, *, hierarchy, foreach, overlap) -> None:
-        for bad, what in ((self.fused, "fused=True"), (foreach is False, "foreach=False"), (overlap, "overlap=True"),
+        for bad, what in ((foreach is False, "foreach=False"), (overlap, "overlap=True"),
                           (hierarchy is not None, f"hierarchy={hierarchy!r}")):
             if bad:
-                raise ValueError(f"SLAMB({what}) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor path "
-                                 "(fused=False, foreach=None, overlap=False, hierarchy=None) does")
+                raise ValueError(f"SLAMB({what}) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor and "
+                                 "fused paths (foreach=None, overlap=False, hierarchy=None) do")
 
     # -- settings -----------------------------------------------------------------
 
@@ -465,17 +466,12 @@ class SLAMB(LocalStateOptimizer):
             slamb_update_(self._plan, sel, grads, self._flat["exp_avg"], self._flat["exp_avg_sq"], self._age, groups,
                           variant=self.variant, n=comm.world_size(self.process_group), exchange=exchange,
                           work=self._work, impl="fused" if self.fused else "foreach" if self.foreach else "reference",
-                          norms=self._whole_norms)
+                          shards=self.shards, ledger=self.ledger)
         try:
             update()
         except fused_passes.CompileFailed:  # warned; nothing changed but the marks, which step 6 makes 0
             self._leave_fused()
             update()
-
-    def _whole_norms(self, norms: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Trust ratios of the whole tensors: sharded, each shard's norms summed over the shard group (one
-        all-reduce per step, kind "norms")."""
-        return reduce_squares(norms, self.shards, self.ledger)
 
     def _end_step(self, t: int) -> None:
         self._last_draw = (t, self.compress_ratio)

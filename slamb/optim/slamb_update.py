@@ -54,6 +54,7 @@ import math
 
 import torch
 
+from ..sharding import reduce_squares, sum_squares_
 from . import fused as fused_passes
 from .flat import FlatLayout
 from .lamb_math import adam_direction_, adam_moments_, bias_folding, safe_ratio
@@ -266,15 +267,15 @@ def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
     return norms, scalars
 
 
-def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, norms):
+def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
     """Steps 2 and 4-7 with multi-tensor ops on flat buffers (the rewrites of the module docstring); ``work``:
-    the scratch buffers; ``norms``: the whole tensors' norms from this rank's (one collective for all groups)."""
+    the scratch buffers."""
     _moments(plan, grads, m, v, groups, foreach=True)
     exchange()
     _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
     prepared = [flat(plan, sel, lo, hi, params, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
-    whole = norms([x for x, _ in prepared])
+    whole = reduce_squares([x for x, _ in prepared], shards, ledger)  # a shard's norms: one collective for all groups
     deferred = [scalars(x) for (_, scalars), x in zip(prepared, whole)]
     # every group's scalars in one host read: a group's update changes nothing another reads
     values = torch.cat([s.reshape(-1) for s, _ in deferred]).tolist()
@@ -284,12 +285,14 @@ def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant,
         update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
 
-def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
+def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
     """Steps 2 and 4-7 as the compiled passes of :mod:`slamb.optim.fused` over the flat buffers: step 4
     ends first (the ranks' averages written into m), then the moments and the norms, split at the marks,
     in the first pass, the age in its own, and the update in the second. The drawn entries are marked by their layout
     positions (:meth:`Selection.layout_positions`), an always-averaged tensor by its dense column. A step is a
-    constant number of ops whatever the number of tensors: no scratch, no host read. Raises
+    constant number of ops whatever the number of tensors: no scratch, no host read. On FSDP2 shards the
+    per-tensor sums are summed over the shard group before the trust ratios, and the shards copied in and
+    back (:class:`slamb.optim.fused.FlatStep`). Raises
     ``fused.CompileFailed`` where the first graph failed to compile: nothing has changed but the averages in
     m, which the exchange writes again on any path, and the marks, which step 6 makes 0 on any path
     (-1 + 1)."""
@@ -306,7 +309,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
 
     passes.begin_step()
     moment_rows = flat.per_block(moment_table)
-    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, moment_rows))
+    sums = sum_squares_(flat.sums(passes(fused_passes.moments_pass, p, g, m, v, bits, moment_rows)), shards, ledger)
     passes(fused_passes.age_pass, bits, moment_rows)
     p_s, p_l, u_s, u_l = sums.clamp_min(0).sqrt().unbind(1)
 
@@ -328,6 +331,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
         lo, hi, e0, e1 = -inf, inf, torch.ones_like(lr), torch.zeros_like(lr)
     update_table = torch.stack([cols["c"], cols["eps"], cols["wd"], cols["log2_b3"], a, b, lo, hi, e0, e1], 1)
     passes(fused_passes.update_pass, p, m, v, bits, flat.per_block(update_table))
+    flat.store()
 
 
 # the per-group numbers of the fused passes, staged to the device in one copy per step
@@ -344,12 +348,8 @@ def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list
 _IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
 
 
-def _unsharded(norms: list[torch.Tensor]) -> list[torch.Tensor]:
-    return norms
-
-
 def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
-                  exchange, work: list[torch.Tensor], impl: str, norms=_unsharded) -> None:
+                  exchange, work: list[torch.Tensor], impl: str, shards=None, ledger=None) -> None:
     """Steps 2 and 4-7 of every parameter group, in place on ``plan.params`` and the flat buffers.
 
     ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
@@ -359,9 +359,9 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     returns them as (parameter ids, packed averages); ``groups``: (first, end,
     hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
     scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
-    or ``"reference"``; ``norms``: on the multi-tensor path, the whole tensors' norms from this rank's per-tensor
-    (selected, other) norms of p and the direction, a list of (4, tensors) per group: the identity on whole
-    tensors, a sum of squares over the shard group on FSDP2 shards (:func:`slamb.sharding.reduce_squares`).
+    or ``"reference"``; ``shards``: on FSDP2 shards, their topology, over whose shard group each shard's sums of
+    squares are summed into the whole tensor's (:func:`slamb.sharding.sum_squares_`, one all-reduce per step,
+    recorded in ``ledger``; the multi-tensor and fused paths).
 
     Under bf16 or fp16 parameters the moments are fp32 and the update is computed in fp32 and rounded
     once: the reference and multi-tensor paths on fp32 copies of the parameters and gradients, the
@@ -369,7 +369,7 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     """
     copies = impl != "fused"  # the fused passes convert inside their graphs
     params = working_copies(plan.params) if copies else plan.params
-    extra = {"norms": norms} if impl == "foreach" else {}
+    extra = {"shards": shards, "ledger": ledger} if impl != "reference" else {}
     _IMPLS[impl](plan, sel, params, working_copies(grads) if copies else grads, m, v, age, groups,
                  variant=variant, n=n, exchange=exchange, work=work, **extra)
     write_back_(plan.params, params)
