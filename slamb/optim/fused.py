@@ -284,10 +284,11 @@ class FlatStep:
         pads = [start - end for start, end in zip(layout.offsets[1:], layout.ends)]
         zeros = torch.zeros(max(pads, default=0), dtype=layout.dtype, device=layout.device)
         self._pads = [zeros[:n] if n else None for n in pads]
-        self.param = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
-        self._param_views = layout.views(self.param)
         self._param_ptrs = None
-        if not layout.sharded:
+        if layout.sharded:
+            self.param = torch.zeros(layout.numel, dtype=layout.dtype, device=layout.device)
+            self._param_views = layout.views(self.param)
+        else:
             self._adopt()
 
     def _adopt(self) -> None:
