@@ -103,7 +103,7 @@ class SLAMB(LocalStateOptimizer):
 
     ``fused=True`` runs steps 2 and 4-7 as three passes compiled by ``torch.compile``
     over flat buffers (:mod:`slamb.optim.fused`): a constant number of kernels whatever the
-    number of tensors, no scratch buffer, no host read of the trust ratios, the reference
+    number of tensors, no update buffer, no host read of the trust ratios, the reference
     path's numbers to fp32 rounding, every beta3 in [0, 1); v2's Bernoulli mask is drawn by a
     compiled kernel too (the same positions), and step 4 gathers and scatters the selected
     momentum by layout positions (the same packed buffer; with ``overlap``, per DDP bucket whose

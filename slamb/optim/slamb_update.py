@@ -290,7 +290,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     ends first (the ranks' averages written into m), then the moments and the norms, split at the marks,
     in the first pass, the age in its own, and the update in the second. The drawn entries are marked by their layout
     positions (:meth:`Selection.layout_positions`), an always-averaged tensor by its dense column. A step is a
-    constant number of ops whatever the number of tensors: no scratch, no host read. On FSDP2 shards the
+    constant number of ops whatever the number of tensors: no update buffer, no host read. On FSDP2 shards the
     per-tensor sums are summed over the shard group before the trust ratios, and the shards copied in and
     back (:class:`slamb.optim.fused.FlatStep`). Raises
     ``fused.CompileFailed`` where the first graph failed to compile: nothing has changed but the averages in
