@@ -22,8 +22,7 @@ shard group of S ranks (HSDP's replicas each hold the same; the replica count ch
   :class:`~slamb.optim.masks.BernoulliMask` built on the meta device. v1's cyclic cut keeps a shard's own
   coordinates: int16 gaps, int32 where the shard's coordinates have a hole of 2^15 or more between two of
   its spans (the gap across it needs it; inside a span a gap of 2^15 has probability (1 - k)^(2^15)), an
-  int64 start per chunk and an int64 buffer of one chunk's positions (its expected size: a chunk of the
-  shard's coordinates).
+  int64 start per chunk (a draw's positions are made afresh in the step).
 * FSDP2's transients, per unit (``slamb.shard_model``: one per transformer layer, the root taking the
   embeddings and heads), with ``MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)``: the
   unit being computed and the next one, prefetched, all-gathered in fp16 (2 bytes per entry each), and the
@@ -89,18 +88,10 @@ def _meta_bytes(tensors) -> int:
 
 def bernoulli_bytes(compressible: int, k: float, fused: bool = False) -> int:
     """The bytes v2's mask keeps between draws over ``compressible`` coordinates at ratio ``k``: the real
-    mask's buffers, made on the meta device by a draw as the optimizer draws (its positions in the kept
-    buffer); ``fused``: its compiled draw, which keeps no scratch."""
-    mask = BernoulliMask(compressible, 0, torch.device("meta"), passes=_EagerPasses() if fused else None)
-    mask(1, k, reuse=True)
-    return _meta_bytes([mask._counters, *mask._scratch, mask._below, mask._above, mask._buf])
-
-
-class _EagerPasses:
-    """A fused optimizer's passes as far as a mask on the meta device sees them: each graph run eagerly."""
-
-    def __call__(self, fn, *args):
-        return fn(*args)
+    mask's buffers, made on the meta device; ``fused``: its compiled draw, which keeps no scratch."""
+    mask = BernoulliMask(compressible, 0, torch.device("meta"))
+    mask._prepare(k)
+    return _meta_bytes([mask._counters, *([] if fused else mask._scratch), mask._below, mask._above])
 
 
 def _largest_hole(shapes, compressed: list[bool], shards: int, rank: int) -> int:
@@ -117,13 +108,13 @@ def _largest_hole(shapes, compressed: list[bool], shards: int, rank: int) -> int
 
 
 def cyclic_bytes(shapes, compressed: list[bool], shards: int, rank: int, k: float) -> int:
-    """The bytes v1's mask keeps on ``rank``: its cut of the shard's own coordinates (gaps), a start per
-    chunk and the chunk buffer."""
+    """The bytes v1's mask keeps on ``rank``: its cut of the shard's own coordinates (gaps) and a start per
+    chunk."""
     whole = sum(math.prod(s) for s, c in zip(shapes, compressed) if c)
     mine = sum(n for n, c in zip(local_numels(shapes, shards, rank), compressed) if c)
     chunks = num_chunks(whole, k)[1]
     gap = 2 if _largest_hole(shapes, compressed, shards, rank) < 2**15 else 4
-    return gap * mine + 8 * chunks + 8 * math.ceil(mine / chunks)
+    return gap * mine + 8 * chunks
 
 
 def optimizer_bytes(row: str, shapes, shards: int, rank: int = 0, settings: dict | None = None) -> dict:
@@ -210,8 +201,8 @@ def render(models: dict[str, dict], fit: dict, micro_batch: int, cut_per_param: 
            "LAMB and AdamW 8 bytes per local entry and 4 per tensor, SLAMB 10 (m, v fp32, int16 age); SLAMB's "
            "scratch: two fp32 update buffers per local entry and the mask's buffers "
            f"(k = {k['compress_ratio']}, min_compress_numel = {k['min_compress_numel']}, the defaults). v2's "
-           "Bernoulli counters and its kept positions are drawn over the whole model on every shard: about "
-           f"{16 * k['compress_ratio']:.1f} bytes per parameter of the WHOLE model, which do not shard. v1 keeps "
+           "Bernoulli counters are drawn over the whole model on every shard: about "
+           f"{8 * k['compress_ratio']:.1f} bytes per parameter of the WHOLE model, which do not shard. v1 keeps "
            "only its shard's cut, int32 gaps once the shard's coordinates have holes of 2^15. FSDP2 with "
            "`MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)`: the transient is a layer being "
            f"computed and the prefetched next one all-gathered in fp16 and the layer's unsharded gradient (fp16 "

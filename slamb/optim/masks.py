@@ -102,26 +102,7 @@ def _draw_graph(tensors, key: torch.Tensor, dtype: torch.dtype, inv_log_q: float
     return _draw_(x, counters, key, scratch, below, above, inv_log_q, shift)
 
 
-class _Policy:
-    """Where a draw's positions go. ``reuse=True`` (the optimizer's draws, each used before its next): an int64
-    buffer kept between draws and overwritten by the next, since on the CPU a fresh buffer of k N positions
-    costs more in page faults than the draw itself (BERT-Base's v1 positions, 11M: 20 ms in a kept buffer,
-    85 ms converted into a fresh one, 2-core CPU); else (a draw to keep, an inspection's) a buffer of its own."""
-
-    def __init__(self, numel: int, seed: int, device: torch.device):
-        self.numel, self.seed, self.device = numel, seed, device
-        self._buf: torch.Tensor | None = None
-
-    def _positions(self, n: int, reuse: bool) -> torch.Tensor:
-        if not reuse:
-            return torch.empty(n, dtype=torch.int64, device=self.device)
-        if self._buf is None or self._buf.numel() < n:
-            self._buf = None  # the old buffer goes before the larger one is made
-            self._buf = torch.empty(n, dtype=torch.int64, device=self.device)
-        return self._buf[:n]
-
-
-class CyclicMask(_Policy):
+class CyclicMask:
     """v1: one fixed random permutation of all coordinates, drawn from the seed
     on the CPU (the same on every device type), cut into ``int(1/k)`` chunks;
     step t averages chunk ``t mod C``, so every coordinate is averaged exactly
@@ -129,12 +110,14 @@ class CyclicMask(_Policy):
 
     Each chunk is kept sorted, as the gaps between its positions in int16
     (int32 when a gap does not fit): half a word per coordinate, where the
-    permutation itself would take one, and a step's positions are one cumsum.
+    permutation itself would take one, and a step's positions are one cumsum, in place in int64 (exact;
+    a float64 buffer kept between draws and converted after took 1.5x as long on a 2-core CPU, and held
+    k N doubles between steps, when activations peak).
     ``keep`` (sorted ``[lo, hi, lo, hi, ...]`` spans: a shard's coordinates in the whole model's) keeps
     only the positions inside them: a shard holds half a word per coordinate of its own, not of the model."""
 
     def __init__(self, numel: int, seed: int, device: torch.device, keep: torch.Tensor | None = None):
-        super().__init__(numel, seed, device)
+        self.numel, self.seed, self.device = numel, seed, device
         self.keep = keep
         self._cut: tuple[int, int] | None = None
 
@@ -156,16 +139,16 @@ class CyclicMask(_Policy):
         self.starts = torch.tensor(starts, dtype=torch.int64, device=self.device)
         self._cut = (size, chunks)
 
-    def __call__(self, step: int, compress_ratio: float, reuse: bool = False) -> torch.Tensor:
+    def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
         size, chunks = num_chunks(self.numel, compress_ratio)
         if self._cut != (size, chunks):
             self._recut(size, chunks)
         j = step % chunks
         gaps = self.gaps[self.cuts[j]:self.cuts[j + 1]]
-        return self._positions(gaps.numel(), reuse).copy_(gaps).cumsum_(0).add_(self.starts[j])
+        return gaps.to(torch.int64).cumsum_(0).add_(self.starts[j])
 
 
-class BernoulliMask(_Policy):
+class BernoulliMask:
     """v2: each coordinate independently with probability k, a pure function of
     (seed, step, k, position): the same positions on every device type and model.
 
@@ -192,8 +175,7 @@ class BernoulliMask(_Policy):
     """
 
     def __init__(self, numel: int, seed: int, device: torch.device, passes=None):
-        super().__init__(numel, seed, device)
-        self.passes = passes
+        self.numel, self.seed, self.device, self.passes = numel, seed, device, passes
         self._k: float | None = None
         self._counters = torch.empty(0, dtype=torch.int64, device=device)  # the hash of i, for i < 2^32
         self._scratch: list[torch.Tensor] = []
@@ -231,11 +213,11 @@ class BernoulliMask(_Policy):
         """x, hashes uniform on [0, 2^32), replaced by their gaps #{j : T_j > x}."""
         return _gaps_(x, [s[:x.numel()] for s in self._scratch], *self._table)
 
-    def __call__(self, step: int, compress_ratio: float, reuse: bool = False) -> torch.Tensor:
+    def __call__(self, step: int, compress_ratio: float) -> torch.Tensor:
         if compress_ratio >= 1.0:
             return torch.arange(self.numel, device=self.device)
         batch = self._prepare(compress_ratio)
-        out = self._positions(batch, reuse)
+        out = torch.empty(batch, dtype=torch.int64, device=self.device)
         seed = step_seed(self.seed, step)
         for lo in range(0, batch, _CHUNK):  # chunks never straddle a multiple of 2^32
             hi = min(lo + _CHUNK, batch)
@@ -307,18 +289,15 @@ class Selection:
         each position among the tensors' spans took 3x as long again.
 
         The positions with the always-averaged entries are kept for the step (the exchange's gather and scatter
-        and the marks read them); without them they are made for the one call. Either way they are written into
-        the layout's kept buffer (:meth:`LayoutRuns.kept`), which the next selection's positions overwrite: one
-        selection's per step."""
+        and the marks read them); without them they are made for the one call."""
         if self._packed is not None:
             return self._packed if with_dense else self._packed[runs.n_dense:]
         n = sum(self.counts[i] for i in self.compressed)
         drawn, starts = self._own_runs()
         if not with_dense:
-            return run_shifts(n, starts, runs.steps, runs.kept(drawn.numel())).add_(drawn[:n])
+            return run_shifts(n, starts, runs.steps).add_(drawn[:n])
         nd = runs.n_dense
-        out = run_shifts(nd + n, torch.cat([runs.dense_at, starts + nd]), runs.packed_steps,
-                         runs.kept(nd + drawn.numel()))
+        out = run_shifts(nd + n, torch.cat([runs.dense_at, starts + nd]), runs.packed_steps)
         out[:nd].add_(torch.arange(nd, device=out.device))
         out[nd:].add_(drawn[:n])
         self._packed = out
@@ -406,15 +385,12 @@ class Selection:
         return self.layout.unpadded(mask)
 
 
-def run_shifts(n: int, starts: torch.Tensor, steps: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+def run_shifts(n: int, starts: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
     """The shift of each of ``n`` positions that lie in runs, each run moved by its own shift: the running sum
     of the shifts' steps (each run's shift less the previous run's) placed at the runs' ``starts``
     (nondecreasing; an empty run's step adds up with the next one's): one ``index_add_`` of a value per run,
-    exact in int64 on every device, and one ``cumsum_``, whatever the number of runs. ``out``: an int64 buffer
-    of at least ``n + 1`` entries to compute in, else a fresh one."""
-    if out is None:
-        out = torch.empty(n + 1, dtype=torch.long, device=steps.device)
-    out = out[:n + 1].zero_()  # an empty run may start at n
+    exact in int64 on every device, and one ``cumsum_``, whatever the number of runs."""
+    out = torch.zeros(n + 1, dtype=torch.long, device=steps.device)  # an empty run may start at n
     return out.index_add_(0, starts, steps).cumsum_(0)[:n]
 
 
@@ -445,19 +421,3 @@ class LayoutRuns:
         self.steps = run_steps(shifts, layout.device)
         self.packed_steps = run_steps(dense_shifts + shifts, layout.device)
         self.dense_at = torch.tensor(at, dtype=torch.long, device=layout.device)
-        self.sharded = layout.sharded
-        self._buf: torch.Tensor | None = None
-
-    def kept(self, n: int) -> torch.Tensor | None:
-        """An int64 buffer of ``n + 1`` entries kept between steps for the layout positions, ``n`` bounding them
-        (the draw's length, the same at every step of one compression ratio: the buffer is made once): on the
-        CPU a fresh buffer of the k N positions costs more in page faults than computing them (BERT-Base, 8.5M
-        positions: 18 ms fresh, 6 ms kept, 2-core CPU). None (a fresh buffer each step) on a sharded layout,
-        whose compacted draw is as long as the step's count, and which keeps nothing the size of the whole
-        model's draw per shard."""
-        if self.sharded:
-            return None
-        if self._buf is None or self._buf.numel() < n + 1:
-            self._buf = None  # the old buffer goes before the larger one is made
-            self._buf = torch.empty(n + 1, dtype=torch.long, device=self.dense_at.device)
-        return self._buf[:n + 1]

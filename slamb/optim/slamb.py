@@ -279,26 +279,23 @@ class SLAMB(LocalStateOptimizer):
         """
         return None if self._last_draw is None else self._draw(*self._last_draw).bool_mask()
 
-    def _draw(self, step: int, k: float, reuse: bool = False) -> Selection:
-        """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others. ``reuse``: the
-        positions in the mask's kept buffer, which its next such draw overwrites (the step's own draw)."""
+    def _draw(self, step: int, k: float) -> Selection:
+        """M_t (step 3): the policy's draw over the compressible tensors, plus all of the others."""
         layout = self._layout
         drawn = torch.empty(0, dtype=torch.long, device=layout.device)
         if self._mask_fn is not None:
             try:
-                drawn = self._mask_fn(step, k, reuse)
+                drawn = self._mask_fn(step, k)
             except fused_passes.CompileFailed:  # the fused path's first graph, v2's draw: warned, nothing changed
                 self._leave_fused()
-                drawn = self._mask_fn(step, k, reuse)
+                drawn = self._mask_fn(step, k)
         return Selection(layout, self._dense, drawn, self._bounds)
 
     def _selection(self, step: int) -> Selection:
-        """M_t at the current compression ratio, drawn once per (step, k): the one selection alive at a time
-        that holds the mask's kept buffer (:meth:`last_sync_mask` draws into a buffer of its own)."""
+        """M_t at the current compression ratio, drawn once per (step, k)."""
         k = self.compress_ratio
         if self._drawn is None or self._drawn[:2] != (step, k):
-            self._drawn = None
-            self._drawn = (step, k, self._draw(step, k, reuse=True))
+            self._drawn = (step, k, self._draw(step, k))
         return self._drawn[2]
 
     def _draw_next(self) -> None:
