@@ -354,3 +354,51 @@ def test_other_optimizers_and_paths_refuse_sharded_parameters_in_one_line(runs):
         assert "\n" not in refused[name]
     for kwargs in ("{'overlap': True}", "{'foreach': False}"):
         assert "takes no sharded" in refused[kwargs] and "multi-tensor and fused paths" in refused[kwargs]
+
+
+def gathers_per_step(rank, world):
+    """What each fused step copies into its flat buffers (the gradients, a shard's parameters), by buffer, on
+    FSDP2 shards and on a DDP replica, both non-finite settings, gradients set to None between steps."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from slamb.optim.fused import FlatStep
+
+    copied = []
+    real = FlatStep._cat
+
+    def spied(self, tensors, out):
+        copied.append("grad" if out is self.grad else "param")
+        return real(self, tensors, out)
+
+    FlatStep._cat = spied
+    builds = {"slamb": lambda ps, check: slamb.SLAMB(ps, lr=0.02, min_compress_numel=64, fused=True, nonfinite=check),
+              "lamb": lambda ps, check: slamb.LAMB(ps, lr=0.02, fused=True, nonfinite=check)}
+    out = {}
+    for name, build in builds.items():
+        for check in ("raise", "ignore"):
+            for sharded in (True, False):
+                model = make_model()
+                if sharded:
+                    model = slamb.shard_model(model, init_device_mesh("cpu", (world,)),
+                                              blocks=(torch.nn.Linear, torch.nn.LayerNorm))
+                opt = build(model.parameters(), check)
+                wrapped = slamb.wrap_model(model, opt)
+                steps = []
+                for t in range(1, 4):
+                    opt.zero_grad(set_to_none=True)
+                    loss_of(wrapped, rank, t).backward()
+                    copied.clear()
+                    opt.step()
+                    steps.append(sorted(copied))
+                out[name, check, sharded] = steps
+    FlatStep._cat = real
+    return out
+
+
+def test_a_fused_step_gathers_its_gradients_once():
+    """The non-finite screen, the exchange and the update read one gather of the gradients: FSDP2's gradient
+    shards stay FSDP's tensors (not views of the flat buffer), and each gather of them would copy a word per
+    parameter again (SLAMB copied them 3 times a step, LAMB twice). A shard's parameters are copied in once."""
+    for rank_out in distributed.run(gathers_per_step, 2):
+        for (name, check, sharded), steps in rank_out.items():
+            assert steps == [["grad", "param"] if sharded else ["grad"]] * 3, (name, check, sharded, steps)

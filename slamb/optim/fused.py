@@ -318,8 +318,15 @@ class FlatStep:
         if self.layout.sharded:
             torch._foreach_copy_(self.layout.params, self._param_views)
 
+    @property
+    def grad_views(self) -> list[torch.Tensor]:
+        """The per-parameter views of the flat gradient buffer, shaped as the layout's tensors."""
+        return self._grad_views
+
     def grads(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """The flat gradient buffer holding ``grads`` (the layout's gradients, a missing one as zeros)."""
+        """The flat gradient buffer holding ``grads`` (the layout's gradients, a missing one as zeros). A step
+        gathers once and reads the buffer (or :attr:`grad_views`) after: an adopted layout's gradients become
+        the views, but a sharded layout's stay FSDP2's, so each call copies them again."""
         if tuple(g.data_ptr() for g in grads) == self._grad_ptrs:
             return self.grad
         own = [g.data_ptr() == ptr for g, ptr in zip(grads, self._grad_ptrs)]

@@ -146,7 +146,7 @@ class FusedBuckets:
         zeros = torch.zeros_like(cols[0])
         moment_table = torch.stack([*cols[:6], zeros, zeros], 1)  # no age: the dense and written columns unread
         p = flat.view(flat.params())
-        g = flat.view(flat.grads([local(q.grad) for q in layout.keys]))
+        g = flat.view(flat.grad)  # gathered by prepare()
         m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
         sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
         sums = sum_squares_(sums, opt.shards, opt.ledger)  # a shard's sums: the whole tensors' (one collective)
