@@ -219,7 +219,7 @@ class SLAMB(LocalStateOptimizer):
         self.foreach = True if foreach is None else foreach
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
-        self._gathered: torch.Tensor | None = None  # the fused path's flat gradients, once the step has gathered them
+        self._gathered = False  # whether the fused path's flat gradient buffer holds this step's gradients
         # step 4: with ``overlap`` DDP's comm hook starts it during backward
         self.exchange = MomentumExchange(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype)
 
@@ -421,7 +421,7 @@ class SLAMB(LocalStateOptimizer):
     @eager_under_compile
     @torch.no_grad()
     def step(self, closure=None):
-        self._gathered = None
+        self._gathered = False
         loss, grads = self._local_gradients(closure)  # step 1: the local gradients (base.py)
         if grads is None:  # skipped on every rank
             return loss
@@ -429,8 +429,9 @@ class SLAMB(LocalStateOptimizer):
         sel = self._selection(t)  # step 3: the mask M_t (masks.py)
         flat_grad = None
         if self.fused:  # the step reads its gradients from the flat buffer, gathered once (a shard's are copies)
-            flat_grad = self._plan.flat.grads(grads) if self._gathered is None else self._gathered
-            grads = self._plan.flat.grad_views
+            flat = self._plan.flat
+            flat_grad = flat.grad if self._gathered else flat.grads(grads)
+            grads = flat.grad_views
         sent = self.exchange.start(sel, grads, flat_grad)  # step 4 starts: the selected momentum goes out (exchange.py)
         # steps 2 and 5-7, step 4 ending between them: the averages written into m (slamb_update.py)
         self._update(t, sel, grads, functools.partial(self.exchange.finish, sel, sent))
@@ -456,8 +457,8 @@ class SLAMB(LocalStateOptimizer):
         the decision still precedes every change of state."""
         if not self.fused or self._layout_ids != have:
             return None
-        self._gathered = self._plan.flat.grads(grads)
-        return [self._gathered]
+        self._gathered = True
+        return [self._plan.flat.grads(grads)]
 
     def _update(self, t: int, sel: Selection, grads, exchange) -> None:
         """Steps 2 and 4-7 (:func:`slamb_update_`); where ``torch.compile`` fails, on the multi-tensor path."""

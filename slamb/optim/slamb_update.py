@@ -297,7 +297,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     m, which the exchange writes again on any path, and the marks, which step 6 makes 0 on any path
     (-1 + 1)."""
     layout, passes, flat = plan.layout, plan.passes, plan.flat
-    p, g = flat.view(flat.params()), flat.view(flat.grads(grads))
+    p, g = flat.view(flat.params()), flat.view(flat.grad)  # ``grads``: views of it, gathered by the step
     age.index_fill_(0, sel.layout_positions(plan.runs), fused_passes.SELECTED)
     written = 1.0 if exchange(grads=grads) else 0.0  # step 4 ended: nothing written at world size 1
     rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
