@@ -321,8 +321,15 @@ def test_a_launch_takes_the_configured_timeout_and_leaves_no_launcher_folder_beh
 
 
 def _count_the_start_and_fail(cfg, run_dir):
+    start = os.environ['TORCHELASTIC_RESTART_COUNT']
     with open(Path(run_dir) / f"starts.rank{os.environ['RANK']}", "a") as f:
-        f.write(f"{os.environ['TORCHELASTIC_RESTART_COUNT']}\n")
+        f.write(f"{start}\n")
+    # the first rank to fail tears the group down: under load the other rank may not have recorded its start yet,
+    # so each rank fails only once every rank's start of this round is on disk (what the tests assert)
+    deadline = time.monotonic() + 120
+    while sum(p.read_text().split().count(start) for p in Path(run_dir).glob("starts.rank*")) < int(
+            os.environ["WORLD_SIZE"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise {"missing": FileNotFoundError, "setting": ValueError, "fault": RuntimeError}[cfg["error"]](
         f"{cfg['error']} on this rank\nsecond line")
 

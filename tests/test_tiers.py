@@ -124,3 +124,41 @@ def test_the_check_fails_exactly_the_tests_that_use_an_unmarked_tier(pytester):
                        ("test_namespace_unmarked", "netns"), ("test_worker_fixture_unmarked", "multiprocess"),
                        ("test_cuda_unmarked", "gpu")):
         assert f"{name} uses the tier(s) {tier} without the mark" in text, name
+
+
+COMPILES = '''
+import multiprocessing
+import os
+
+import torch
+
+
+def test_compiles_cold_unmarked():
+    f = torch.compile(lambda x: (x * 2).sin().sum())
+    assert f(torch.ones(8)).item() == torch.ones(8).mul(2).sin().sum().item()
+
+
+def test_compiles_then_spawns_unmarked():
+    torch.compile(lambda x: x + 1)(torch.ones(3))
+    p = multiprocessing.Process(target=os.getpid)
+    p.start()
+    p.join()
+'''
+
+
+@pytest.mark.multiprocess  # runs the synthetic tests in a fresh interpreter, as a fresh machine's first run is
+def test_a_cold_compile_is_no_worker_of_the_test(pytester, tmp_path, monkeypatch):
+    # before: with an empty inductor cache, the vector-ISA probe that torch.compile runs as a Python subprocess
+    # (and its compile-worker pool) counted as the test starting workers, so a quick-tier test failed on a fresh
+    # machine only
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "empty-inductor-cache"))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makeconftest("from tests.conftest import *  # noqa: F401,F403\n")
+    pytester.makeini("[pytest]\nmarkers =\n" + "".join(f"    {t}: tier\n" for t in TIERS))
+    pytester.makepyfile(test_compiles=COMPILES)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:logging")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "test_compiles_then_spawns_unmarked uses the tier(s) multiprocess without the mark" in text
+    assert "test_compiles_cold_unmarked uses" not in text
+    assert (tmp_path / "empty-inductor-cache").is_dir()  # the synthetic run compiled into the empty cache

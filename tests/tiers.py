@@ -3,7 +3,7 @@
 * ``multiprocess``: starts worker processes: a ``multiprocessing`` process (the local gloo
   launcher's ``mp.spawn``, the pipelines' elastic launcher, a process pool) or a subprocess that
   runs Python (the interpreter, ``torchrun``); a helper command such as ``git`` or ``ip`` is no worker,
-  nor is ``torch.compile``'s pool of compile workers;
+  nor is a process that ``torch.compile`` starts itself (its compile workers, the probe a cold cache runs);
 * ``e2e``: runs a whole pipeline (a pipeline's training loop, :class:`harness.loop.Loop`) or a
   bench's ``main`` in the test's own process;
 * ``netns``: builds network namespaces (``ip netns add``; root only, skipped with the reason elsewhere);
@@ -41,10 +41,21 @@ def _argv(args) -> list[str]:
     return [os.fsdecode(a) for a in args]
 
 
+# torch.compile's own processes (its compile-worker pool, the vector-ISA probe a cold cache runs) are part of
+# compiling, not workers the test starts: a process started from a frame of these packages is not counted
+_COMPILER_PACKAGES = ("torch._inductor", "torch._dynamo")
+
+
+def _started_by_the_compiler() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_COMPILER_PACKAGES):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _runs_python(argv: list[str]) -> bool:
-    # torch.compile's own pool of compile workers is part of compiling, not workers the test starts
-    if any("compile_worker" in a for a in argv):
-        return False
     # a program named anywhere in the command line (``ip netns exec NS python ...``), not an option's path
     return any(a == sys.executable or not a.startswith("-") and re.fullmatch(r"python[\d.]*|torchrun",
                                                                             os.path.basename(a)) for a in argv)
@@ -72,7 +83,7 @@ def _record(tier: str) -> None:
 def _popen(init):
     def popen(self, args, *a, **k):
         argv = _argv(args)
-        if _runs_python(argv):
+        if _runs_python(argv) and not _started_by_the_compiler():
             _record("multiprocess")
         if _builds_netns(argv):
             _record("netns")
@@ -89,10 +100,18 @@ def _recorded(tier: str, function):
     return recorded
 
 
+def _process_start(start):
+    def started(*a, **k):
+        if not _started_by_the_compiler():
+            _record("multiprocess")
+        return start(*a, **k)
+
+    return started
+
+
 def _patches() -> list[tuple[object, str, object]]:
     patches = [(subprocess.Popen, "__init__", _popen(subprocess.Popen.__init__)),
-               (multiprocessing.process.BaseProcess, "start",
-                _recorded("multiprocess", multiprocessing.process.BaseProcess.start)),
+               (multiprocessing.process.BaseProcess, "start", _process_start(multiprocessing.process.BaseProcess.start)),
                (Loop, "__init__", _recorded("e2e", Loop.__init__))]
     for name in BENCH_ENTRIES:  # imported here: a test's own import of main then gets the recorded one
         module = importlib.import_module(name)
