@@ -270,9 +270,11 @@ def test_run_directory_is_named_by_the_overrides():
 
 
 def documented_commands() -> list[tuple[str, list[str]]]:
-    """(root, overrides) of every ``-m <pipeline>.train`` command in the README and the train.py docstrings."""
+    """(root, overrides) of every ``-m <pipeline>.train`` command in the README, the docs and the train.py
+    docstrings."""
     modules = {module: root for root, module in PIPELINES.values()}
-    texts = [(ROOT / "README.md").read_text()] + [(ROOT / m / "train.py").read_text().split('"""')[1] for m in modules]
+    texts = ([(ROOT / "README.md").read_text()] + [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
+             + [(ROOT / m / "train.py").read_text().split('"""')[1] for m in modules])
     commands = []
     for text in texts:
         for line in re.sub(r"\\\n\s*", " ", text).splitlines():
