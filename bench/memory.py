@@ -60,14 +60,12 @@ import torch.utils._pytree
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from bench.memory_model import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
+from bench.memory_sharded import BERT_7B, render as render_sharded
 from bench.shapes import CONFIGS, MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "bench" / "memory.md"
-GPU_BYTES = 80e9  # an 80 GB A100 or H100 (81,920 MiB; the rest is left for the context and fragmentation)
-GPUS_PER_NODE = 8
-WORD = 4
-AUTOCAST_COPY = 2  # bytes per parameter: autocast's fp16 copy of each fp32 weight, forward to end of backward
 # first/later/resume: the step's device transient; rebuild: DDP's bucket rebuild; eval: the averaged model's;
 # clone: what averaged_model keeps (counted); *_host: host memory (v1's cut, the loaded checkpoint)
 PHASES = ("state", "scratch", "first", "later", "resume", "rebuild", "eval", "clone", "first_host",
@@ -371,12 +369,6 @@ def activation_bytes(config: dict, batch: int, seq: int = SEQ) -> dict:
     return {"peak": live.peak, "saved": sum(saved.values()), "numel": sum(p.numel() for p in params)}
 
 
-def dropout_mask_bytes(hidden: int, layers: int) -> int:
-    """Per token: CUDA's fused dropout keeps a one-byte mask per element, after the embeddings and after each
-    layer's attention and feed-forward outputs (attention's own dropout is a seed in the flash kernel)."""
-    return (2 * layers + 1) * hidden
-
-
 def activation_fit(sizes=ACT_SIZES, batches=ACT_BATCHES, seq: int = SEQ, vocab_size: int = 30528) -> dict:
     """Bytes per token of the activations, L (a h + c) + (f h + g) for L layers of hidden size h (64-dim
     heads), through the per-sequence slopes measured at ``sizes`` x ``batches`` (two hidden sizes, one and
@@ -397,17 +389,6 @@ def activation_fit(sizes=ACT_SIZES, batches=ACT_BATCHES, seq: int = SEQ, vocab_s
     a = (layer[h1] - layer[h0]) / (h1 - h0)
     f = (head[h1] - head[h0]) / (h1 - h0)
     return {"a": a, "c": layer[h0] - a * h0, "f": f, "g": head[h0] - f * h0, "seq": seq, "points": points}
-
-
-def per_token_bytes(fit: dict, hidden: int, layers: int, cuda_dropout: bool = True) -> float:
-    """The fit's bytes per token, with CUDA's dropout masks unless ``cuda_dropout`` is False (as measured)."""
-    return (layers * (fit["a"] * hidden + fit["c"]) + fit["f"] * hidden + fit["g"]
-            + (dropout_mask_bytes(hidden, layers) if cuda_dropout else 0))
-
-
-def activations(fit: dict, hidden: int, layers: int, micro_batch: int) -> float:
-    """Activation bytes of a micro-batch of sequences of the fit's length."""
-    return micro_batch * fit["seq"] * per_token_bytes(fit, hidden, layers)
 
 
 def configured_micro_batch() -> int:
@@ -591,9 +572,8 @@ def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, 
             "and the loaded optimizer state, per rank (they never overlap: `slamb.load_optimizer` drops the file "
             "before the step that cuts). Sharded parameters, gradients and state: the next section.", ""]
     if sharded:
-        from bench import memory_sharded
 
-        out += memory_sharded.render(sharded, fit, micro_batch, per_row["slamb_v1"]["first_host"])
+        out += render_sharded(sharded, fit, micro_batch, per_row["slamb_v1"]["first_host"])
     return "\n".join(out)
 
 
@@ -622,7 +602,6 @@ def held_out_point(hidden: int, layers: int, batches=ACT_BATCHES, seq: int = SEQ
 def sharded_models() -> dict[str, dict]:
     """The models of the sharded section: BERT-Large, BERT-XL and a 7B-parameter BERT
     (:data:`bench.memory_sharded.BERT_7B`), each with its named parameter shapes."""
-    from bench.memory_sharded import BERT_7B
     from bench.shapes import bert_model_config, bert_named_shapes
 
     out = {}

@@ -40,7 +40,7 @@ import re
 
 import torch
 
-from bench.memory import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
+from bench.memory_model import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
 from slamb.optim.fused import BLOCK
 from slamb.optim.masks import BernoulliMask, num_chunks
 from slamb.optim.slamb import SLAMB, always_averaged

@@ -107,13 +107,12 @@ def test_per_gpu_bytes_and_fit():
     assert "no (" in page.split("## BERT-XL")[1] and "yes (" in page.split("## BERT-XL")[0]
 
 
-def test_activation_fit_goes_through_its_points_and_predicts_a_third_size():
+def test_activation_fit_predicts_a_size_it_was_not_made_from():
     """At small sizes (hidden 64 and 128, sequence 64, BERT's vocabulary, whose logits make the peak at the
-    start of backward, as at full size): the fit reproduces the per-token bytes it was made from, and
-    predicts a size it was not made from, measured the same way, to 0.1%."""
+    start of backward, as at full size): the fit of four sizes predicts a held-out fifth (hidden 192, three
+    layers), measured the same way, to 0.1%. (The four sizes determine the fit's four terms: it goes through
+    them by construction, so only a held-out size tests it.)"""
     fit = memory.activation_fit(sizes=((64, 1), (64, 2), (128, 1), (128, 2)), batches=(4, 8), seq=64)
-    for q in fit["points"]:
-        assert memory.per_token_bytes(fit, q["hidden"], q["layers"], cuda_dropout=False) == pytest.approx(q["per_token"])
     got = [memory.activation_bytes(memory._bert_config(192, 3), b, 64) for b in (4, 8)]
     per_token = (got[1]["peak"] - got[0]["peak"]) / (4 * 64)
     assert memory.per_token_bytes(fit, 192, 3, cuda_dropout=False) == pytest.approx(per_token, rel=1e-3)
