@@ -325,16 +325,23 @@ def published(members: list[dict], runs: list[dict], what: str) -> tuple[bool, l
 
 
 def recipe(settings: dict) -> tuple:
-    """A configuration apart from its optimizer block and name (a group key): LAMB's reference for a row or a
-    sweep cell shares all of it (model, data, length, schedule, precision, workers, ...)."""
+    """A configuration apart from its optimizer block and name (a group key): LAMB's reference for a sweep cell
+    shares all of it (model, data, length, schedule, precision, workers, ...)."""
     return _key({k: v for k, v in settings.items() if k != "name" and not k.startswith("optimizer.")})
 
 
+def volume(settings: dict) -> tuple:
+    """The settings that fix how much a run communicates apart from its optimizer (model, data, length, workers):
+    a row's bytes compare with LAMB's where these agree, whatever else (schedule, clipping) differs."""
+    return _key({k: v for k, v in settings.items()
+                 if k in ("epochs", "steps", "workers") or k.startswith(("model.", "data."))})
+
+
 def add_bytes_vs_lamb(rows: list[dict]) -> list[dict]:
-    """Each row's bytes over those of the LAMB row of the same configuration apart from the optimizer."""
-    lamb = {recipe(r["settings"]): r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"}
+    """Each row's bytes over those of the LAMB row with the same model, data, length and workers."""
+    lamb = {volume(r["settings"]): r["bytes_per_worker"] for r in rows if r["optimizer"] == "LAMB"}
     for r in rows:
-        ref = lamb.get(recipe(r["settings"]))
+        ref = lamb.get(volume(r["settings"]))
         r["bytes_vs_lamb"] = r["bytes_per_worker"] / ref if ref else math.nan
     return rows
 
