@@ -3,8 +3,8 @@
 Written by rank 0 only::
 
     config.yaml      the resolved config of the job
-    meta.json        git revision (and whether the tree was dirty), command, world size, the hardware the
-                     workers ran on, versions
+    meta.json        git revision (and whether the tree was dirty), command, world size, the hardware
+                     of rank 0's host (:func:`hardware`), versions
     metrics.jsonl    one line per epoch (appended; truncated to the resumed epoch on resume)
     metrics.json     the final summary (last epoch, best top-1, totals, wall time); removed when a
                      run starts writing, so that it exists only when the last writer finished

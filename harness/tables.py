@@ -711,7 +711,8 @@ def line_section(name: str, key: str, runs: list[dict], all_runs: list[dict], ou
                  f"Final top-1 (%) of the averaged model by {short}, mean ± standard deviation over the n runs of a "
                  "value; bytes each worker sent over the run" + (f"; configuration: {label}" if label else "") + ". "
                  + EFFECTIVE_K, "",
-                 f"| {short} | top-1 | n | bytes / worker | effective k |" + (" within 1 point of LAMB |" if lamb else ""),
+                 f"| {short} | top-1 | n | bytes / worker | effective k |"
+                 + (" within 1 point of LAMB |" if lamb else ""),
                  "|---|---|---|---|---|" + ("---|" if lamb else "")]
         for (v,), cell in sorted(grid.items()):
             ok = "" if lamb is None else (" yes |" if cell["top1"][0] >= lamb["top1"][0] - WITHIN else " no |")
