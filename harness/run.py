@@ -3,7 +3,8 @@
 Written by rank 0 only::
 
     config.yaml      the resolved config of the job
-    meta.json        git revision (and whether the tree was dirty), command, world size, versions
+    meta.json        git revision (and whether the tree was dirty), command, world size, the hardware
+                     of rank 0's host (:func:`hardware`), versions
     metrics.jsonl    one line per epoch (appended; truncated to the resumed epoch on resume)
     metrics.json     the final summary (last epoch, best top-1, totals, wall time); removed when a
                      run starts writing, so that it exists only when the last writer finished
@@ -145,6 +146,21 @@ def git_revision(repo: Path | None = None) -> dict:
         return {"commit": "unknown", "dirty": None}
 
 
+def hardware(device: torch.device) -> str:
+    """What a worker on this host computes on: the accelerator's name, else the CPU's model and its core count
+    (the tables name it beside each run, since a number moves with the machine that produced it)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type != "cpu":
+        return device.type
+    try:
+        model = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                     if line.startswith("model name"))
+    except (OSError, StopIteration):  # not Linux, or no model name there (some ARM kernels)
+        model = platform.processor() or platform.machine() or "unknown model"
+    return f"CPU ({model}, {os.cpu_count()} cores)"
+
+
 def comm_totals(optimizer) -> dict[str, int]:
     """Cumulative payload bytes this rank handed to collectives, by kind and ``all``."""
     return {k: int(v["payload"]) for k, v in optimizer.comm_stats()["total"].items()}
@@ -203,6 +219,7 @@ class RunLogger:
         (self.dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
         atomic_write_json({
             "git": git_revision(), "command": sys.argv, "world_size": env.world_size, "device": str(env.device),
+            "hardware": hardware(env.device),
             "torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
         }, self.dir / "meta.json")
         self._truncate_metrics(resume_epoch)

@@ -5,6 +5,7 @@ import math
 
 import torch
 
+from slamb.optim.checks import check_range
 from slamb.schedules import MultiStep, WarmupCosine, WarmupExpDecay, WarmupPolyDecay
 
 SCHEDULES = ("constant", "multistep", "warmup_poly", "warmup_exp", "warmup_cosine")
@@ -34,6 +35,23 @@ def lr_multiplier(cfg, steps_per_epoch: int, total_steps: int):
     raise ValueError(f"invalid schedule.name={name!r}: must be one of {list(SCHEDULES)}")
 
 
+class Offset:
+    """``multiplier(step) + offset / base_lr``: an absolute ``offset`` added to the scheduled LR, DeepSpeed bing_bert's
+    ``--lr_offset`` (its 1-bit LAMB scripts: 1e-3 on the EE schedule), as a multiplier of one group's base LR."""
+
+    def __init__(self, multiplier, offset: float, base_lr: float):
+        self.multiplier, self.ratio = multiplier, offset / base_lr
+
+    def __call__(self, step: int) -> float:
+        return self.multiplier(step) + self.ratio
+
+
 def build_lr_scheduler(optimizer, cfg, steps_per_epoch: int, total_steps: int):
-    """A per-step :class:`LambdaLR` for the schedule config ``cfg``."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(cfg, steps_per_epoch, total_steps))
+    """A per-step :class:`LambdaLR` for the schedule config ``cfg`` (``lr_offset``: an absolute LR added to
+    every step's, 0 when not given)."""
+    multiplier = lr_multiplier(cfg, steps_per_epoch, total_steps)
+    offset = cfg.get("lr_offset") or 0.0
+    check_range("schedule.lr_offset", offset, 0.0)
+    if offset:
+        multiplier = [Offset(multiplier, offset, group["lr"]) for group in optimizer.param_groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, multiplier)

@@ -2,13 +2,19 @@
 
     python scripts/make_tables.py [--runs runs] [--out results]
 
-Comparison tables (one per ``paper.table`` of the experiment configs): one row
-per optimizer and configuration (all settings but the seed and the operational
-ones), mean ± standard deviation over its seeds and their number, bytes per
-worker, ratio to LAMB, wall time; the paper's numbers in a table of their own.
-Also the training curves (accuracy vs epoch and vs bytes sent) and, for
-sweeps, the beta3 x k grid and heat map. Runs with a NaN summary or no epoch
-are left out with a message. See :mod:`harness.tables`.
+Every page first says what ran, from the runs' own records (config, summary,
+meta.json): model, data set, workers, epochs or steps, precision, hardware and
+commit. Comparison tables (one per ``paper.table`` of the experiment configs):
+one row per optimizer and configuration (all settings but the seed and the
+operational ones), mean ± standard deviation over its seeds (each counted once)
+and their number, bytes per worker, ratio to LAMB, wall time. Published numbers
+stand beside ours only where every run has their setting (``paper.setting``);
+otherwise the page says so and gives them apart, under their source
+(``paper.source``). Also the training curves (accuracy vs epoch and vs bytes
+sent) and, for sweeps, the beta3 x k grid and heat maps, the H line, top-1
+against bytes, each cell's effective compression ratio and a warning where the
+compression warm-up decided it. Runs with a NaN summary or no epoch are left
+out with a message. See :mod:`harness.tables`.
 """
 from __future__ import annotations
 

@@ -197,6 +197,25 @@ def test_slamb_settings_can_be_overridden(override, attr, value):
     assert getattr(opt, attr) == value and opt.variant == "v1"
 
 
+# ------------------------------------------------------------------------------- docs/recipes.md
+
+# settings docs/recipes.md states as the recipes' (pipeline, experiment, setting, the value as written there)
+RECIPE_CLAIMS = [("cifar10", "cifar10/sgd", "optimizer.decay_all", "true"),
+                 ("swin", "swin_b/slamb", "trainer.precision", "fp16"),
+                 ("bert", "bert/phase1_lamb", "data.pattern", '"*training*.hdf5"'),
+                 ("bert", "bert/phase1_onebit_lamb", "clip_grad", "1.0")]
+
+
+@pytest.mark.parametrize("root, experiment, key, text", RECIPE_CLAIMS)
+def test_recipes_page_states_the_configs_settings(root, experiment, key, text):
+    page = (ROOT / "docs" / "recipes.md").read_text()
+    assert f"`{key}: {text}`" in page and "`configs` branch" not in page
+    value = compose_root(root, f"experiment={experiment}")
+    for part in key.split("."):
+        value = value[part]
+    assert value == yaml.safe_load(text)
+
+
 # ------------------------------------------------------------------------------- the CIFAR-10 rows
 
 

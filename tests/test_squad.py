@@ -331,7 +331,7 @@ def test_default_config_is_the_standard_recipe():
             cfg["eval"]["max_answer_length"]) == (384, 128, 20, 30)
     rows = {r: compose_squad(f"experiment=squad/{r}") for r in ("lamb", "onebit_lamb", "slamb")}
     assert {c["paper"]["row"] for c in rows.values()} == {"LAMB", "1-bit LAMB", "SLAMB"}
-    assert rows["lamb"]["paper"]["f1"] == pytest.approx(91.345)
+    assert rows["lamb"]["paper"]["f1"] == pytest.approx(90.584)  # the LAMB paper's at 64k/32k
     assert {c["model"]["dir"] for c in rows.values()} == {f"runs/bert_phase2_{r}/model" for r in rows}
     tiny = compose_squad("experiment=squad/tiny")
     assert tiny["data"]["name"] == "squad_tiny" and tiny["trainer"]["nproc_per_node"] == 2
@@ -393,4 +393,6 @@ def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, cap
 
     files = build_tables(load_runs(tmp_path), tmp_path / "tables")
     table = files["squad_tiny"][0].read_text()
-    assert f"| LAMB | 91.345 | - | {summary['f1']:.2f} | {summary['exact_match']:.2f} |" in table
+    # a tiny BERT on a tiny set: ours in the table, the published number apart
+    assert f"| LAMB | {summary['f1']:.2f} | {summary['exact_match']:.2f} |" in table
+    assert "| Pre-training optimizer | published F1 | published EM |\n|---|---|---|\n| LAMB | 91.345 | - |" in table

@@ -154,6 +154,7 @@ def test_every_swin_config_composes_with_the_reference_recipe(experiment):
     assert (cfg["epochs"], cfg["schedule"]["warmup_epochs"], cfg["data"]["micro_batch"]) == (300, 20, 128)
     assert cfg["optimizer"]["lr"] == pytest.approx(5e-4 / 8 * 2.828, rel=1e-4)
     assert cfg["optimizer"]["weight_decay"] == 0.05 and cfg["clip_grad"] == 1.0
+    assert cfg["trainer"]["precision"] == "fp16"  # the reference runs' AMP: fp16 with a dynamic loss scale
     assert cfg["model"]["arch"] == "swin_base_patch4_window7_224" and cfg["model"]["drop_path_rate"] == 0.5
     assert cfg["data"]["aug"]["auto_augment"] == "rand-m9-mstd0.5-inc1" and cfg["data"]["mixup"]["cutmix_alpha"] == 1.0
     with torch.device("meta"):
