@@ -361,3 +361,10 @@ def test_cuda_math_defaults_are_nvidias(root):
     t = compose_root(root)["trainer"]
     assert t["tf32"] is True and t["cudnn_benchmark"] is (root in ("cifar10", "swin"))
     check_trainer(t)
+
+
+@pytest.mark.parametrize("row", ["bert_lamb", "bert_onebit_lamb", "bert_slamb"])
+def test_the_study_bert_rows_do_not_clip_as_their_page_ran(row):
+    # the paper rows' LAMB and 1-bit LAMB clip at 1.0; the study (results/study/) compares the optimizers alone,
+    # and its committed page ran every row unclipped
+    assert compose_root("bert", f"experiment=study/{row}")["clip_grad"] is None
