@@ -11,7 +11,8 @@ Two figures are kept per rank:
 * wire: the bytes this rank puts on the network when the collective runs the
   bandwidth-optimal ring algorithm: all-reduce ``2 (n-1)/n * payload``,
   reduce-scatter and all-to-all ``(n-1)/n * payload``, all-gather
-  ``(n-1) * payload``, broadcast ``payload``.
+  ``(n-1) * payload``, broadcast ``payload``, a point-to-point send (a
+  joining replica's state, kind ``"heal"``) ``payload``.
 
 Nothing is recorded when the world has one rank: no collective runs then.
 
@@ -23,6 +24,10 @@ kept beside the totals as ``levels`` in :meth:`CommLedger.summary`.
 
 A :class:`slamb.topology.MeshTopology` (FSDP2's sharded parameters) is accepted likewise: a worker is
 a replica, and each rank reduces with the ranks holding its shard (level ``"replicate"``).
+
+A :class:`Collectives` group runs every collective itself: torchft's manager
+(:mod:`slamb.integrations.torchft`), whose members change between steps and
+whose failed collectives return instead of hanging.
 
 ``comm_dtype=torch.int8`` in :func:`all_reduce_mean_`: a quantised
 reduce-scatter then all-gather, one float32 scale per block of 256 entries
@@ -36,6 +41,7 @@ belongs to the run it pads (:func:`_over_nodes`, :func:`all_reduce_mean_`).
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections import defaultdict
@@ -61,6 +67,7 @@ def _reduce_scatter_single(*args, **kwargs):
 
 __all__ = [
     "CommLedger",
+    "Collectives",
     "world_size",
     "rank",
     "wire_factor",
@@ -78,8 +85,43 @@ __all__ = [
 ]
 
 
-def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | None = None) -> int:
+class Collectives(abc.ABC):
+    """A group that runs its own collectives; the functions of this module hand it each one over it.
+
+    Its size and rank may change between steps (the members of a fault-tolerant job), never within one.
+    ``op`` is a ``torch.distributed.ReduceOp``; with ``async_op`` a call returns a handle whose ``wait()``
+    completes it, else it returns once done.
+    """
+
+    @abc.abstractmethod
+    def size(self) -> int: ...
+
+    @abc.abstractmethod
+    def rank(self) -> int: ...
+
+    @abc.abstractmethod
+    def all_reduce(self, tensor: torch.Tensor, op, async_op: bool = False): ...
+
+    @abc.abstractmethod
+    def all_gather_into_tensor(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
+
+    @abc.abstractmethod
+    def all_to_all_single(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False): ...
+
+    @abc.abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
+
+
+def _all_reduce(tensor, op, group, async_op=False):
+    if isinstance(group, Collectives):
+        return group.all_reduce(tensor, op, async_op)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | Collectives | None = None) -> int:
     """Ranks of ``group``; nodes of a :class:`NodeTopology`, replicas of a :class:`MeshTopology`."""
+    if isinstance(group, Collectives):
+        return group.size()
     if isinstance(group, NodeTopology):
         return group.n_nodes
     if isinstance(group, MeshTopology):
@@ -89,8 +131,10 @@ def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | None = N
     return dist.get_world_size(group)
 
 
-def rank(group: dist.ProcessGroup | NodeTopology | MeshTopology | None = None) -> int:
+def rank(group: dist.ProcessGroup | NodeTopology | MeshTopology | Collectives | None = None) -> int:
     """This rank in ``group``; its node in a :class:`NodeTopology`, its replica in a :class:`MeshTopology`."""
+    if isinstance(group, Collectives):
+        return group.rank()
     if isinstance(group, NodeTopology):
         return group.node
     if isinstance(group, MeshTopology):
@@ -110,6 +154,7 @@ def wire_factor(op: str, n: int) -> float:
         "all_to_all": (n - 1) / n,
         "all_gather": float(n - 1),
         "broadcast": 1.0,
+        "send": 1.0,
     }
     if op not in factors:
         raise ValueError(f"unknown collective {op!r}; known: {sorted(factors)}")
@@ -264,7 +309,7 @@ def all_reduce_sum_(tensor, *, kind: Kind, ledger: CommLedger | None, group=None
         return None
     group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_reduce", tensor, n)
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)
+    return _all_reduce(tensor, dist.ReduceOp.SUM, group, async_op)
 
 
 class _Works:
@@ -455,7 +500,7 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: Kind, ledger: CommLedger | N
             peak = tensor.abs().amax().to(torch.float32).reshape(1)
             if ledger is not None:
                 ledger.record("control", "all_reduce", _nbytes(peak), n)
-            dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)  # the ranks agree on one scale
+            _all_reduce(peak, dist.ReduceOp.MAX, group)  # the ranks agree on one scale
             scale = fp16_scale(peak, n)
             wire, unscale = (tensor * scale).to(comm_dtype), scale.reciprocal_()
         else:
@@ -486,7 +531,10 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: K
         return output
     group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_gather", input, n)
-    _all_gather_single(output, input, group=group)
+    if isinstance(group, Collectives):
+        group.all_gather_into_tensor(output, input)
+    else:
+        _all_gather_single(output, input, group=group)
     return output
 
 
@@ -502,18 +550,25 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, 
         return MeanWork(output) if async_op else output
     group, ledger = _replicas(group, ledger)
     _record(ledger, kind, "all_to_all", input, n)
-    work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+    if isinstance(group, Collectives):
+        work = group.all_to_all_single(output, input, async_op)
+    else:
+        work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
     return work if async_op else output
 
 
 def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: Kind, ledger, group=None):
-    """``src``'s ``tensor`` on every rank (every rank of a topology; ``src`` a global rank)."""
+    """``src``'s ``tensor`` on every rank (every rank of a topology; ``src`` a global rank, a :class:`Collectives`
+    group's own rank)."""
     group, ledger = _plain(group, ledger)
     n = world_size(group)
     if n == 1:
         return tensor
     _record(ledger, kind, "broadcast", tensor, n)
-    dist.broadcast(tensor, src=src, group=group)
+    if isinstance(group, Collectives):
+        group.broadcast(tensor, src)
+    else:
+        dist.broadcast(tensor, src=src, group=group)
     return tensor
 
 
@@ -529,7 +584,7 @@ def agree_max(values: torch.Tensor, *, ledger, group=None) -> torch.Tensor:
     if n > 1:
         if ledger is not None:
             ledger.record("control", "all_reduce", _nbytes(x), n)
-        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+        _all_reduce(x, dist.ReduceOp.MAX, group)
     return x
 
 

@@ -49,8 +49,9 @@ def test_wheel_declares_what_the_library_imports(wheel):
     required = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if "extra ==" not in r]
     assert {r.split("=")[0].split(">")[0].strip() for r in required} == {"torch", "numpy"}
     # the library imports nothing beyond those, except each framework integration its framework, which the
-    # `integrations` extra declares
-    extras = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist") if 'extra == "integrations"' in r]
+    # `integrations` extra declares (torchft: the `ft` extra)
+    extras = [r.split(";")[0].strip() for r in meta.get_all("Requires-Dist")
+              if 'extra == "integrations"' in r or 'extra == "ft"' in r]
     declared = {re.split(r"[<>=!~ \[]", r)[0] for r in extras}
     stdlib = set(sys.stdlib_module_names) | {"__future__", "slamb", ""}
     for name in zf.namelist():
@@ -63,7 +64,7 @@ def test_wheel_declares_what_the_library_imports(wheel):
                 imported.add(words[1].split(".")[0])
         allowed = {"torch", "numpy"} | (declared if name.startswith("slamb/integrations/") else set())
         assert imported - stdlib <= allowed, (name, imported - stdlib - allowed)
-    assert {"transformers", "accelerate", "lightning"} <= declared
+    assert {"transformers", "accelerate", "lightning", "torchft"} <= declared
 
 
 def test_the_library_requires_a_torch_range_not_a_pin(wheel):

@@ -80,6 +80,31 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
     def _all_params(self) -> list[torch.Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
 
+    @property
+    def steps(self) -> int:
+        """Steps taken; the next is step ``steps + 1`` (SLAMB draws its mask from that number).
+
+        A step changes the parameters, the tensors of ``self.state`` and this count; nothing else it changes
+        alters what a later step computes (caches keyed by the step, the ledger's records, warnings). Those
+        three are what undoing a step, or handing a replica's state to another, carries
+        (:mod:`slamb.integrations.torchft`).
+        """
+        return self._step
+
+    @steps.setter
+    def steps(self, t: int) -> None:
+        self._step = int(t)
+
+    def fix_layout(self) -> None:
+        """Fix the flat layout now, over every parameter that requires a gradient, rather than at the first step.
+
+        Its checks that the ranks agree run over the process group as it is now (none while it has one rank).
+        A fault-tolerant job fixes it before its first quorum, so that a replica joining later runs the
+        same collectives as the others from its first step (:mod:`slamb.integrations.torchft`).
+        """
+        if self._layout_ids is None:
+            self._build([i for i, p in enumerate(self._all_params()) if p.requires_grad])
+
     def _layout_params(self) -> list[torch.Tensor]:
         """The layout's parameters, in the order of the step's gradients."""
         everything = self._all_params()

@@ -1,0 +1,446 @@
+"""Replica groups that die and rejoin a running torchft job, on the CPU: the job runner of the fault tests and
+of the heal-policy measurement.
+
+    python -m bench.fault_tolerance --policies        # the heal policies compared (digits MLP), a table on stdout
+    python -m bench.fault_tolerance --undo-cost resnet110   # the commit-safe step against the plain one
+
+:func:`run_job` starts a lighthouse and one process per replica group (forked: no interpreter start per
+replica), each training the same model under :class:`slamb.integrations.torchft.FaultTolerant`;
+:class:`Fault` kills a replica's process with SIGKILL at a chosen point (in a step's collective, in a
+parameter sync, as it sends its state to a joining replica), and the runner relaunches it, as a job
+scheduler would. Each replica writes a line per step it tried (``replica<i>.jsonl``: the step, the loss,
+whether it committed, the quorum's size, the ledger's bytes of the step by kind) and, at the end, its
+parameters and ledger (``replica<i>.pt``).
+
+Tasks: ``tiny`` (a 2-layer MLP on a synthetic teacher's labels, the tests') and ``digits`` (a 2-layer MLP
+on scikit-learn's 8x8 digits, 1,500 training and 297 test images: the heal-policy measurement; the
+digits/ResNet-8 recipe's forward and backward take 0.25 s per replica and step on one thread, which would
+add about half an hour of compute on 2 shared cores to the comparison's 20 minutes).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import signal
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+KILLED = -signal.SIGKILL
+WHERE = ("step", "sync", "send")  # the collective of the step, SLAMB's parameter sync, sending a joining replica's state
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """Replica ``replica`` (-1: whichever gets there first, in any attempt) dies by SIGKILL during step ``step`` ``where``
+    (:data:`WHERE`: SLAMB's momentum exchange or a data-parallel optimizer's gradient all-reduce; SLAMB's
+    parameter sync; or, any step from ``step`` on, as it sends its state to a joining replica), in its
+    ``attempt``-th process; ``relaunch``: whether the runner starts it again."""
+    replica: int
+    step: int
+    where: str = "step"
+    attempt: int = 0
+    relaunch: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    optimizer: str = "slamb"  # slamb | lamb | adamw
+    heal: str = "peer"
+    replicas: int = 3
+    steps: int = 13
+    sync_interval: int = 4
+    variant: str = "v1"
+    task: str = "tiny"  # tiny | digits
+    seed: int = 0
+    batch: int = 32
+    lr: float = 0.02
+    faults: tuple[Fault, ...] = ()
+    late: tuple[tuple[int, int], ...] = ()  # (replica, committed steps of the others before it starts)
+    relaunch_after: int = 2  # steps the others commit between a replica's death and its relaunch
+    timeout: float = 10.0  # seconds a collective, commit or heal may take
+    heartbeat_ms: int = 1500  # the lighthouse drops a replica silent this long
+    join_ms: int = 3000  # how long a quorum waits for a replica that is up but has not asked to join
+
+    def __post_init__(self):
+        for f in self.faults:
+            if f.where not in WHERE:
+                raise ValueError(f"invalid Fault.where={f.where!r}: must be one of {WHERE}")
+
+
+# -- the task ---------------------------------------------------------------------------------------------
+
+def _digits():
+    from sklearn.datasets import load_digits
+
+    d = load_digits()
+    x = torch.from_numpy(d.data).float() / 16.0
+    y = torch.from_numpy(d.target).long()
+    order = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))
+    test, train = order[:297], order[297:]
+    return (x[train], y[train]), (x[test], y[test])
+
+
+class Task:
+    def __init__(self, job: Job):
+        self.job = job
+        if job.task == "digits":
+            self.train, self.test = _digits()
+            dims = (64, 128, 10)
+        else:
+            g = torch.Generator().manual_seed(99)
+            self.teacher = torch.randn(32, 4, generator=g)
+            dims = (32, 64, 4)
+        torch.manual_seed(job.seed)
+        self.model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.ReLU(),
+                                         torch.nn.Linear(dims[1], dims[2]))
+
+    def batch(self, step: int, replica: int):
+        """The batch of ``step`` on ``replica``: a function of (seed, step, replica) only."""
+        g = torch.Generator().manual_seed(self.job.seed * 1_000_003 + step * 101 + replica)
+        if self.job.task == "digits":
+            x, y = self.train
+            idx = torch.randint(len(x), (self.job.batch,), generator=g)
+            return x[idx], y[idx]
+        x = torch.randn(self.job.batch, 32, generator=g)
+        return x, (x @ self.teacher).argmax(1)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """The test loss and accuracy of this replica's model (digits; nothing for the synthetic task)."""
+        if self.job.task != "digits":
+            return {}
+        x, y = self.test
+        out = self.model(x)
+        return {"test_loss": float(F.cross_entropy(out, y)), "accuracy": float((out.argmax(1) == y).float().mean())}
+
+
+def make_optimizer(job: Job, params, group):
+    import slamb
+
+    if job.optimizer == "slamb":
+        return slamb.SLAMB(params, lr=job.lr, weight_decay=0.01, compress_ratio=0.1, variant=job.variant,
+                           sync_interval=job.sync_interval, min_compress_numel=1000, seed=job.seed,
+                           process_group=group)
+    if job.optimizer == "lamb":
+        return slamb.LAMB(params, lr=job.lr, weight_decay=0.01)
+    if job.optimizer == "adamw":
+        return slamb.adopt(torch.optim.AdamW(params, lr=job.lr / 10, weight_decay=0.01))
+    raise ValueError(f"invalid optimizer={job.optimizer!r}: must be slamb, lamb or adamw")
+
+
+# -- a replica's process ------------------------------------------------------------------------------------
+
+def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> None:
+    from slamb.integrations.torchft import FaultTolerant, ManagedGroup, connect
+
+    faults = [f for f in job.faults if f.replica == -1 or (f.replica == index and f.attempt == attempt)]
+    state = {}  # the model's size, once it is built
+
+    def die(where: str, step: int) -> bool:
+        for f in faults:
+            if f.where == where and (step == f.step or (where == "send" and step >= f.step)):
+                if f.replica == -1:  # the first replica to get there; the others go on
+                    try:
+                        os.close(os.open(out / f"fault-{job.faults.index(f)}", os.O_CREAT | os.O_EXCL))
+                    except FileExistsError:
+                        continue
+                return True
+        return False
+
+    class Dying(ManagedGroup):
+        def all_reduce(self, tensor, op, async_op=False):
+            # SLAMB's exchange is its step's one asynchronous all-reduce; its parameter sync, like a
+            # data-parallel optimizer's gradient all-reduce, carries the whole model
+            whole = tensor.numel() == state["numel"]
+            at = "step" if (async_op if job.optimizer == "slamb" else whole) else "sync" if whole else None
+            if at is not None and die(at, self.manager.current_step() + 1):
+                os.kill(os.getpid(), signal.SIGKILL)  # in the collective, before its bytes leave: no peer completes it
+            return super().all_reduce(tensor, op, async_op)
+
+    class Sending(FaultTolerant):
+        def _state(self):
+            if die("send", self.committed_steps + 1):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return super()._state()
+
+    torch.set_num_threads(1)
+    g = connect(address, replica_id=str(index), timeout=job.timeout, host="127.0.0.1", init_sync=False)
+    group = Dying(g.manager, g.pg, g.transport, g.store)
+    first = [r for r in range(job.replicas) if r not in dict(job.late)]
+    if attempt == 0 and index in first:  # the first quorum holds every replica that starts with the job
+        (out / f"up{index}").touch()
+        while not all((out / f"up{r}").exists() for r in first):
+            time.sleep(0.01)
+    task = Task(job)
+    model = task.model
+    state["numel"] = sum(p.numel() for p in model.parameters())
+    opt = make_optimizer(job, model.parameters(), group)
+    ft = Sending(group, model, opt, heal=job.heal)
+    with open(out / f"replica{index}.jsonl", "a") as log:
+        while ft.committed_steps < job.steps:
+            (out / f"joining{index}").unlink(missing_ok=True)  # at once it asks to join: the others go on
+            # a replica the runner starts once the others committed this many steps joins at the next one
+            while any(int(f.read_text() or 0) <= ft.committed_steps for f in out.glob("joining*")):
+                time.sleep(0.01)
+            began = time.time()
+            ft.start_step()
+            t = ft.committed_steps + 1
+            x, y = task.batch(t, index)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            committed = ft.step()
+            opt.zero_grad()
+            record = {"attempt": attempt, "step": t, "loss": float(loss.detach()), "committed": committed,
+                      **(task.evaluate() if committed else {}),
+                      "replicas": group.size(), "began": began, "ended": time.time(), "heals": ft.heals,
+                      "bytes": {k: v["payload"] for k, v in opt.ledger.summary()["last_step"].items()}}
+            log.write(json.dumps(record) + "\n")
+            log.flush()
+    torch.save({"model": model.state_dict(), "ledger": opt.ledger.summary(), "heals": ft.heals,
+                "steps": getattr(opt, "steps", None), "committed": ft.committed_steps, **task.evaluate(),
+                "attempt": attempt}, out / f"replica{index}.pt")
+    group.shutdown()
+
+
+def _child(target, args, log: Path) -> None:
+    """A forked process's body: its output to ``log``, its end by ``os._exit`` (the parent's exit handlers,
+    a test runner's among them, are not its own)."""
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    code = 0
+    try:
+        target(*args)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _lighthouse(job: Job, out: Path) -> None:
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=job.join_ms,
+                              heartbeat_timeout_ms=job.heartbeat_ms)
+    (out / "lighthouse.tmp").write_text(server.address())
+    os.replace(out / "lighthouse.tmp", out / "lighthouse")
+    while True:
+        time.sleep(3600)
+
+
+def read_log(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
+    """Run ``job`` in ``out``; returns per replica its step log and its end state (see the module's doc).
+
+    Raises if a replica fails other than by an injected fault, or the job outlasts ``limit`` seconds."""
+    import torch._dynamo  # noqa: F401  (the step's first call imports it: once here, not in every replica)
+
+    import slamb.integrations.torchft  # noqa: F401
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # the replicas inherit the imports; the parent never starts torchft's runtime (its servers and clients run
+    # in the children), so forking it is safe
+    fork = multiprocessing.get_context("fork")
+    started: list = []
+
+    def start(target, args, name):
+        p = fork.Process(target=_child, args=(target, args, out / f"{name}.log"), daemon=True)
+        p.start()
+        started.append(p)
+        return p
+
+    try:
+        start(_lighthouse, (job, out), "lighthouse")
+        deadline = time.time() + limit
+        while not (out / "lighthouse").exists():
+            if time.time() > deadline or not started[0].is_alive():
+                raise RuntimeError(f"the lighthouse did not start: {(out / 'lighthouse.log').read_text()}")
+            time.sleep(0.02)
+        address = (out / "lighthouse").read_text()
+        waiting = {}  # replica -> the others' committed steps before it starts
+        attempts = {r: 0 for r in range(job.replicas)}
+        running: dict[int, object] = {}
+
+        def later(r, after):
+            waiting[r] = after
+            (out / f"joining{r}").write_text(str(after))
+
+        def committed(r) -> int:
+            return max((e["step"] for e in read_log(out / f"replica{r}.jsonl") if e["committed"]), default=0)
+
+        for r, after in job.late:
+            later(r, after)
+        for r in range(job.replicas):
+            if r not in waiting:
+                running[r] = start(_replica, (r, 0, address, job, out), f"replica{r}.0")
+        while any(not (out / f"replica{r}.pt").exists() for r in range(job.replicas)):
+            if time.time() > deadline:
+                raise TimeoutError(f"the job outlasted {limit} s: " + "; ".join(
+                    f"replica {r}: {read_log(out / f'replica{r}.jsonl')[-1:]}" for r in range(job.replicas)))
+            for r, p in list(running.items()):
+                if p.exitcode is None or (out / f"replica{r}.pt").exists():
+                    continue
+                fault = [f for f in job.faults if f.replica == -1 or (f.replica == r and f.attempt == attempts[r])]
+                if p.exitcode != KILLED or not fault:
+                    raise RuntimeError(f"replica {r} (attempt {attempts[r]}) exited with {p.exitcode}:\n"
+                                       + (out / f"replica{r}.{attempts[r]}.log").read_text()[-4000:])
+                del running[r]
+                attempts[r] += 1
+                if any(f.relaunch for f in fault):  # as a scheduler would, once the others went on without it
+                    later(r, max(map(committed, running), default=0) + job.relaunch_after)
+                else:
+                    (out / f"replica{r}.pt").touch()
+            for r, after in list(waiting.items()):
+                if running and max(map(committed, running)) >= after:
+                    del waiting[r]
+                    running[r] = start(_replica, (r, attempts[r], address, job, out), f"replica{r}.{attempts[r]}")
+            time.sleep(0.05)
+        for p in running.values():
+            p.join(timeout=max(1.0, deadline - time.time()))
+    finally:
+        for p in started:
+            if p.is_alive():
+                os.kill(p.pid, signal.SIGKILL)
+            p.join()
+    results = {}
+    for r in range(job.replicas):
+        path = out / f"replica{r}.pt"
+        results[r] = {"log": read_log(out / f"replica{r}.jsonl"),
+                      "end": torch.load(path, weights_only=False) if path.stat().st_size else None}
+    return results
+
+
+# -- the cost of the commit-safe step ---------------------------------------------------------------------
+
+def undo_cost(shapes, steps: int = 20, fused: bool = False) -> dict:
+    """SLAMB's commit-safe step (:class:`slamb.integrations.torchft.Undo`'s copy, then the step) against its
+    plain step, paired: one optimizer in one process takes them in turn, so both see the same state and the
+    same machine; the median over the pairs of their ratio. Also the restore (taken after a failed commit
+    only) and the copy's bytes against the optimizer's own (parameters, gradients, state, scratch)."""
+    import slamb
+    from bench.memory import counted_bytes
+    from bench.optimizer_step import _model_params, _timed
+    from slamb.integrations.torchft import Undo
+
+    cpu = torch.device("cpu")
+    params = _model_params(shapes, cpu)
+    opt = slamb.SLAMB(params, lr=1e-3, weight_decay=0.01, sync_interval=10**9, fused=fused)
+    opt.fix_layout()
+    undo = Undo(opt)
+
+    def safe():
+        undo.take()
+        opt.step()
+
+    for _ in range(3):
+        safe()
+        opt.step()
+    plain_s, safe_s, restore_s = [], [], []
+    for i in range(steps):
+        order = (("plain", opt.step), ("safe", safe)) if i % 2 else (("safe", safe), ("plain", opt.step))
+        for name, fn in order:
+            (plain_s if name == "plain" else safe_s).append(_timed(fn, cpu))
+        restore_s.append(_timed(undo.restore, cpu))
+    numel = sum(p.numel() for p in params)
+    counted = counted_bytes(opt, params)
+    own = counted["state"] + counted["scratch"] + 2 * 4 * numel  # and the parameters and their gradients
+    return {"numel": numel, "plain_ms": 1e3 * statistics.median(plain_s), "safe_ms": 1e3 * statistics.median(safe_s),
+            "ratio": statistics.median(s / p for s, p in zip(safe_s, plain_s)),
+            "restore_ms": 1e3 * statistics.median(restore_s), "copy_bytes": undo.nbytes(), "own_bytes": own}
+
+
+# -- the heal policies compared ----------------------------------------------------------------------------
+
+def policy_row(job: Job, out: Path) -> dict:
+    """One job: the final test accuracy and loss (every replica holds the same parameters after the last step, a
+    sync) and, with a replica killed at step ``k`` and relaunched, the join: ``excess``, how much higher the
+    joining replica's test loss is than the others' over its first 10 steps (mean), and ``spike``, the highest
+    test loss of any replica over those steps less the replicas' mean test loss at step ``k - 1``."""
+    res = run_job(job, out, limit=1800.0)
+    row = {"heal": job.heal if job.faults else "uninterrupted", "seed": job.seed,
+           "accuracy": res[0]["end"]["accuracy"], "test_loss": res[0]["end"]["test_loss"],
+           "heal_bytes": sum(e["bytes"].get("heal", 0) for q in res for e in res[q]["log"])}
+    if not job.faults:
+        return row
+    kill, r = job.faults[0].step, job.faults[0].replica
+    logs = {q: [e for e in res[q]["log"] if e["committed"]] for q in res}
+    join = next(e["step"] for e in logs[r] if e["attempt"] > 0)
+    window = range(join, join + 10)
+    joiner = [e["test_loss"] for e in logs[r] if e["step"] in window]
+    others = [e["test_loss"] for q in logs if q != r for e in logs[q] if e["step"] in window]
+    before = statistics.mean(e["test_loss"] for q in logs for e in logs[q] if e["step"] == kill - 1)
+    return {**row, "join": join, "excess": statistics.mean(joiner) - statistics.mean(others),
+            "spike": max(joiner + others) - before}
+
+
+def compare_policies(seeds=(0, 1, 2), steps: int = 301, kill: int = 125) -> list[dict]:
+    """Each heal policy, and the uninterrupted run, per seed: a replica killed mid-interval between two
+    parameter syncs (H = 50), so that the replicas' parameters differ when it joins."""
+    from slamb.integrations.torchft import HEAL_POLICIES
+
+    rows = []
+    for heal in (None, *HEAL_POLICIES):
+        for seed in seeds:
+            job = Job(heal=heal or "peer", seed=seed, task="digits", steps=steps, sync_interval=50, variant="v2",
+                      lr=0.01, faults=(Fault(replica=2, step=kill),) if heal else ())
+            with tempfile.TemporaryDirectory() as out:
+                rows.append(policy_row(job, Path(out)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def policy_table(rows: list[dict]) -> str:
+    """Mean and sample standard deviation over the seeds, per row kind."""
+    def pm(values, scale=1.0, digits=3):
+        values = [scale * v for v in values]
+        sd = statistics.stdev(values) if len(values) > 1 else 0.0
+        return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+
+    lines = ["| heal | final accuracy (%) | final test loss | joiner's excess test loss, first 10 steps | "
+             "spike | heal bytes | seeds |", "|---|---|---|---|---|---|---|"]
+    for heal in dict.fromkeys(r["heal"] for r in rows):
+        group = [r for r in rows if r["heal"] == heal]
+        joined = "excess" in group[0]
+        lines.append(f"| {heal} | {pm([r['accuracy'] for r in group], 100, 1)} | "
+                     f"{pm([r['test_loss'] for r in group])} | "
+                     f"{pm([r['excess'] for r in group]) if joined else '-'} | "
+                     f"{pm([r['spike'] for r in group]) if joined else '-'} | {group[0]['heal_bytes']:,} | "
+                     f"{len(group)} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--policies", action="store_true", help="compare the heal policies (digits MLP)")
+    parser.add_argument("--undo-cost", nargs="*", metavar="MODEL",
+                        help="the commit-safe step against the plain one (bench.shapes models; default resnet110)")
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args(argv)
+    if args.policies:
+        print(policy_table(compare_policies(seeds=tuple(range(args.seeds)))))
+    if args.undo_cost is not None:
+        from bench.shapes import MODELS
+
+        torch.set_num_threads(1)
+        for model in args.undo_cost or ["resnet110"]:
+            print(json.dumps({"model": model, **undo_cost(MODELS[model]())}), flush=True)
+
+
+if __name__ == "__main__":
+    main()

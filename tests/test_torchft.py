@@ -1,0 +1,201 @@
+"""SLAMB, LAMB and AdamW under torchft on the CPU: replica groups killed with SIGKILL in a step's collective, in a
+parameter sync and while sending their state, relaunched, joining late; a lighthouse and one gloo process per
+replica group, started by the tests (:func:`bench.fault_tolerance.run_job`)."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import slamb
+from bench.fault_tolerance import Fault, Job, Task, make_optimizer, run_job
+from slamb.integrations.torchft import FaultTolerant, ManagedGroup, Undo
+
+# the tests' model (bench.fault_tolerance.Task, "tiny"): Linear(32, 64), ReLU, Linear(64, 4)
+PARAMS = 32 * 64 + 64 + 64 * 4 + 4
+DENSE = 64 + 64 * 4 + 4  # always averaged: the biases, and the second weight (under min_compress_numel=1000)
+
+
+def sampled_bytes(job: Job) -> dict[int, int]:
+    """Per step, the bytes of the sampled momentum entries SLAMB's mask draws from (seed, step): those of one
+    process stepping alone, whose masks are the replicas'."""
+    task = Task(job)
+    opt = make_optimizer(job, task.model.parameters(), None)
+    out = {}
+    for t in range(1, job.steps + 1):
+        x, y = task.batch(t, 0)
+        torch.nn.functional.cross_entropy(task.model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        out[t] = 4 * (int(opt.last_sync_mask().sum()) - DENSE)
+    return out
+
+
+def run(job: Job, tmp_path) -> dict:
+    res = run_job(job, tmp_path, limit=120.0)
+    check_common(job, res)
+    return res
+
+
+def check_common(job: Job, res: dict) -> None:
+    # the replicas agree to the bit at the end: the last step is a parameter sync (data-parallel: every step)
+    models = [res[r]["end"]["model"] for r in res]
+    for m in models[1:]:
+        assert all(torch.equal(m[k], models[0][k]) for k in m)
+    for r, v in res.items():
+        # SLAMB draws its masks from its step count: the committed steps on every replica
+        assert v["end"]["committed"] == job.steps and v["end"]["steps"] in (job.steps, None)
+        log = v["log"]
+        for attempt in sorted({e["attempt"] for e in log}):
+            steps = [e["step"] for e in log if e["attempt"] == attempt and e["committed"]]
+            # an attempt's committed steps follow each other, a relaunched one's from where the others were
+            assert steps == list(range(steps[0], steps[0] + len(steps))), (r, attempt, steps)
+        assert [e["step"] for e in log if e["committed"]][-1] == job.steps
+        for failed, retry in zip(log, log[1:]):
+            if not failed["committed"] and retry["attempt"] == failed["attempt"]:
+                # a failed step is seen at once and the next one commits without waiting out a timeout
+                assert retry["ended"] - failed["began"] < job.timeout, (r, failed, retry)
+
+
+def survivor(res, r, steps) -> list[dict]:
+    """A replica never killed: every step committed once, in order, with a finite loss."""
+    log = [e for e in res[r]["log"] if e["committed"]]
+    assert [e["step"] for e in log] == list(range(1, steps + 1))
+    assert all(torch.isfinite(torch.tensor(e["loss"])) for e in log)
+    return log
+
+
+def heal_bytes(res) -> tuple[int, int]:
+    """(bytes the senders recorded as kind "heal", successful heals)."""
+    sent = sum(e["bytes"].get("heal", 0) for v in res.values() for e in v["log"])
+    heals = sum(max(e["heals"] for e in v["log"] if e["attempt"] == a)
+                for v in res.values() for a in {e["attempt"] for e in v["log"]})
+    return sent, heals
+
+
+@pytest.mark.multiprocess
+def test_slamb_survives_a_kill_in_the_exchange_and_in_a_sync_with_a_late_joiner(tmp_path):
+    job = Job(steps=17, sync_interval=4, late=((2, 2),),
+              faults=(Fault(replica=2, step=5, where="step"), Fault(replica=1, step=13, where="sync")))
+    res = run(job, tmp_path)
+    log = survivor(res, 0, job.steps)
+    sampled = sampled_bytes(job)
+    # replica 2 joins late; each kill, the others go on without the killed replica until it is back
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(e["replicas"] for e in log)]
+    assert [n for n, _ in runs] == [2, 3, 2, 3, 2, 3], runs
+    assert runs[2][1] >= job.relaunch_after and runs[4][1] >= job.relaunch_after, runs
+    for e in log:  # the ledger's bytes of each committed step, by kind
+        b = e["bytes"]
+        assert (b["control"], b["momentum_dense"], b["momentum"]) == (4, 4 * DENSE, sampled[e["step"]])
+        assert b.get("params", 0) == (4 * PARAMS if (e["step"] - 1) % job.sync_interval == 0 else 0)
+    sent, heals = heal_bytes(res)
+    assert heals == 3  # the late replica, and each relaunched one
+    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2)  # parameters, m, v (fp32) and the ages (int16)
+    assert [e["heals"] for e in res[2]["log"] if e["committed"]][0] == 1
+
+
+@pytest.mark.multiprocess
+def test_slamb_survives_two_kills_at_once_and_a_kill_while_healing(tmp_path):
+    job = Job(steps=17, sync_interval=4,
+              faults=(Fault(replica=1, step=4), Fault(replica=2, step=4),  # replica 0 goes on alone
+                      Fault(replica=2, step=10, attempt=1),
+                      Fault(replica=-1, step=12, where="send")))  # the replica sending 2 its state dies
+    res = run(job, tmp_path)
+    alone = [e["step"] for e in res[0]["log"] if e["attempt"] == 0 and e["committed"] and e["replicas"] == 1]
+    assert len(alone) >= job.relaunch_after and alone == list(range(alone[0], alone[0] + len(alone)))
+    # the heal that failed: replica 2's third process got no state at its first try, and took it at the next
+    third = [e for e in res[2]["log"] if e["attempt"] == 2]
+    assert third[0]["heals"] == 0 and not third[0]["committed"] and third[1]["heals"] == 1
+    sent, heals = heal_bytes(res)
+    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["lamb", "adamw"])
+def test_data_parallel_optimizers_survive_a_kill_in_the_gradient_all_reduce(tmp_path, optimizer):
+    job = Job(optimizer=optimizer, steps=8, late=((2, 2),), faults=(Fault(replica=1, step=4),))
+    res = run(job, tmp_path)
+    for e in survivor(res, 0, job.steps):
+        assert e["bytes"]["grads"] == 4 * PARAMS and set(e["bytes"]) <= {"grads", "heal", "all"}
+    sent, heals = heal_bytes(res)
+    assert heals == 2  # the parameters, m and v, and a 4-byte step count per tensor
+    assert sent == heals * (3 * 4 * PARAMS + 4 * 4)
+
+
+# -- in one process ---------------------------------------------------------------------------------------
+
+def tiny(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+
+
+def backward(model, step):
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(16, 32, generator=g)
+    torch.nn.functional.cross_entropy(model(x), (x[:, :4]).argmax(1)).backward()
+
+
+def snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            {(i, k): t.clone() for i, p in enumerate(model.parameters()) for k, t in opt.state[p].items()},
+            opt.steps)
+
+
+def same(a, b) -> bool:
+    return (all(torch.equal(x, y) for x, y in zip(a[0], b[0])) and a[1].keys() == b[1].keys()
+            and all(torch.equal(a[1][k], b[1][k]) for k in a[1]) and a[2] == b[2])
+
+
+def test_undo_puts_back_the_parameters_the_moments_the_ages_and_the_step():
+    model, twin = tiny(), tiny()
+    opts = [slamb.SLAMB(m.parameters(), lr=0.01, compress_ratio=0.1, min_compress_numel=1000, sync_interval=2)
+            for m in (model, twin)]
+    for opt, m in zip(opts, (model, twin)):
+        opt.fix_layout()
+        for t in (1, 2):
+            backward(m, t)
+            opt.step()
+            opt.zero_grad()
+    undo = Undo(opts[0])
+    before = snapshot(model, opts[0])
+    undo.take()
+    for t in (3, 4):  # two steps undone at once: the copy is of the state before the first
+        backward(model, t)
+        opts[0].step()
+        opts[0].zero_grad()
+    assert not same(snapshot(model, opts[0]), before)
+    undo.restore()
+    assert same(snapshot(model, opts[0]), before)
+    for opt, m in zip(opts, (model, twin)):  # and the step taken again is the step never undone
+        backward(m, 3)
+        opt.step()
+    assert same(snapshot(model, opts[0]), snapshot(twin, opts[1]))
+
+
+def test_undo_of_a_first_step_leaves_fresh_state():
+    model = tiny()
+    opt = slamb.SLAMB(model.parameters(), lr=0.01, min_compress_numel=1000)
+    undo = Undo(opt)
+    params = [p.detach().clone() for p in model.parameters()]
+    undo.take()  # no layout yet: the step builds it and its moments
+    backward(model, 1)
+    opt.step()
+    undo.restore()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), params)) and opt.steps == 0
+    assert all(not t.any() for s in opt.state.values() for t in s.values())
+
+
+def test_settings_torchft_cannot_run_are_refused_before_anything_starts():
+    group = ManagedGroup(manager=None, pg=None)  # nothing reaches a manager before these checks
+    model = tiny()
+    with pytest.raises(ValueError, match="build it with process_group=group"):
+        FaultTolerant(group, model, slamb.SLAMB(model.parameters()))
+    with pytest.raises(ValueError, match="without overlap=True"):
+        FaultTolerant(group, model, slamb.SLAMB(model.parameters(), overlap=True, process_group=group))
+    with pytest.raises(ValueError, match=r"invalid heal='copy': must be one of \('peer', 'mean', 'reset'\)"):
+        FaultTolerant(group, model, slamb.SLAMB(model.parameters(), process_group=group), heal="copy")
+    with pytest.raises(ValueError, match="a data-parallel optimizer's state is the same on every replica"):
+        FaultTolerant(group, model, slamb.LAMB(model.parameters()), heal="reset")
+    with pytest.raises(ValueError, match="DGC under torchft"):
+        FaultTolerant(group, model, slamb.DGC(model.parameters()))
