@@ -15,12 +15,13 @@ import slamb
 from cifar10.data import load_cifar10, normalize
 from cifar10.model import build_model as build_resnet
 from harness import check_counts
+from swin.tiny import write_tiny_imagenet
 from tests import distributed
 from tests.test_bert_pretrain import tiny_cfg as bert_cfg, tiny_data  # noqa: F401 (fixture)
 from tests.test_cifar10 import TINY as CIFAR_TINY, TWO_EPOCHS, tiny_dir  # noqa: F401 (fixture)
 from tests.test_configs import compose_cfg
 from tests.test_squad import bert_dir, compose_squad, squad_json, write_json  # noqa: F401 (fixture)
-from tests.test_swin import TINY as SWIN_TINY, compose_swin, write_tiny_imagenet
+from tests.test_swin import TINY as SWIN_TINY, compose_swin
 
 NAMES = sorted(slamb.OPTIMIZERS)
 SLAMB_TINY = ["optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
