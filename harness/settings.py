@@ -80,26 +80,28 @@ def check_schedule(cfg) -> None:
 
 
 def check_warmup(cfg) -> None:
-    """The LR warm-up of ``schedule`` ends within the run: ``warmup_fraction`` in [0, 1), and, where the run counts
-    optimizer steps (BERT's ``steps``), ``warmup_steps`` (or the fraction's steps) below ``steps``. The schedule
-    itself refuses these, but only in the workers, once the data is loaded."""
-    schedule, steps = cfg.get("schedule") or {}, cfg.get("steps")
-    fraction = schedule.get("warmup_fraction")
+    """The LR warm-up of ``schedule`` ends within the run: ``warmup_fraction`` in [0, 1); where the run counts
+    optimizer steps (BERT's ``steps``), ``warmup_steps`` (or the fraction's steps) below them; Swin's
+    ``warmup_epochs`` below ``epochs``. The schedules refuse these too, but in the workers, once the data is
+    loaded: an epoch-counted run's steps are known only then, and its ``warmup_steps`` are checked there."""
+    schedule, steps, epochs = cfg.get("schedule") or {}, cfg.get("steps"), cfg.get("epochs")
+    name, fraction, warmup = schedule.get("name"), schedule.get("warmup_fraction"), schedule.get("warmup_steps")
     if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
                                  or not 0 <= fraction < 1):
         raise ValueError(f"invalid schedule.warmup_fraction={fraction!r}: must be a share of the steps in [0, 1); "
                          "set schedule.warmup_fraction=0.1, say")
-    warmup = schedule.get("warmup_steps")
     if warmup is not None:
         check_count("schedule.warmup_steps", warmup, minimum=0)
-    if steps is None or schedule.get("name") not in ("warmup_poly", "warmup_exp"):
-        return  # a run counted in epochs: its steps are known once the data is loaded
-    planned = warmup_steps(schedule, steps)
-    if planned >= steps:
+    if name in ("warmup_poly", "warmup_exp") and steps is not None and warmup_steps(schedule, steps) >= steps:
         setting = (f"schedule.warmup_steps={warmup}" if warmup is not None
-                   else f"schedule.warmup_fraction={fraction} ({planned} steps)")
+                   else f"schedule.warmup_fraction={fraction} ({warmup_steps(schedule, steps)} steps)")
         raise ValueError(f"invalid {setting}: the warm-up must end before the run's steps={steps} do; set "
                          f"schedule.warmup_steps to at most {steps - 1}")
+    warmup = schedule.get("warmup_epochs")
+    if name == "warmup_cosine" and epochs is not None and not (
+            isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and 0 <= warmup < epochs):
+        raise ValueError(f"invalid schedule.warmup_epochs={warmup!r}: the warm-up must end before the run's "
+                         f"epochs={epochs} do; set schedule.warmup_epochs to at most {epochs - 1}")
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:

@@ -19,6 +19,7 @@ from bert.model import build_model
 from bert.tiny import write_tiny
 from harness.build import check_data, check_trainer
 from harness.checkpoint import Checkpointer
+from swin.tiny import write_tiny_imagenet
 from tests.test_configs import ROOTS, compose_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,6 +142,16 @@ def test_a_warmup_the_run_never_finishes_is_refused_before_any_worker(tmp_path, 
     args = [*overrides, "model=bert_tiny", f"data.dir={data[32]}", "data.seq_len=32", "data.global_batch=8",
             "data.micro_batch=4", "steps=5", "trainer.nproc_per_node=2", f"init_from={phase1}"]
     assert refused("bert.train", args, tmp_path / "run").startswith(line)
+
+
+def test_a_swin_warmup_the_run_never_finishes_is_refused_before_any_worker(tmp_path):
+    """Before, timm's cosine schedule refused it in the workers, once they had built the data loaders: exit 65."""
+    data = write_tiny_imagenet(tmp_path / "imagenet")
+    args = ["experiment=swin_b/slamb", "model=swin_tiny_test", f"data.dir={data}", "data.micro_batch=4",
+            "data.workers=0", "epochs=2", "trainer.nproc_per_node=2"]
+    assert refused("swin.train", args, tmp_path / "run").startswith(
+        "error: invalid schedule.warmup_epochs=20: the warm-up must end before the run's epochs=2 do; set "
+        "schedule.warmup_epochs to at most 1")
 
 
 def test_a_required_setting_left_unset_is_one_line(tmp_path):
