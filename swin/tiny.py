@@ -23,7 +23,7 @@ def write_tiny_imagenet(root, classes: int = 4, train: int = 8, val: int = 2, se
     for split, n in (("train", train), ("val", val)):
         for c in range(classes):
             folder = root / split / f"n{c:08d}"
-            folder.mkdir(parents=True)
+            folder.mkdir(parents=True, exist_ok=True)
             for i in range(n):
                 pixels = rng.integers(0, 40, (40, 40, 3)) + np.array([60 * c, 200 - 60 * c, 100])
                 Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"img{i}.JPEG", quality=90)

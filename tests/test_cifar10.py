@@ -19,6 +19,7 @@ import torch
 from cifar10 import data as cdata
 from cifar10.model import ResNetCifar
 from cifar10.train import train
+from harness.loop import summary_line
 from harness.tables import build_tables, load_runs
 from tests import distributed
 from tests.test_configs import compose_cfg
@@ -247,6 +248,15 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     common = [*TINY, *TWO_EPOCHS, *SLAMB_TINY, f"data.dir={tiny_dir}"]
     plain = cli([*common, f"hydra.run.dir={tmp_path / 'plain'}"])
     assert plain.returncode == 0, plain.stderr[-3000:]
+    # the console ends with the run's summary line, and train.log holds the console (the workers' lines too)
+    line = summary_line(json.loads((tmp_path / "plain" / "metrics.json").read_text()))
+    assert plain.stdout.splitlines()[-1] == line
+    assert re.fullmatch(rf"run {tmp_path / 'plain'}: final_test_top1=\S+ final_test_loss=\S+; \S+ [KM]B sent per "
+                        r"worker; \d+\.\d s", line)
+    log = (tmp_path / "plain" / "train.log").read_text().splitlines()
+    epochs = [text for text in log if text.startswith("epoch=")]
+    assert len(epochs) == 2 and epochs == [text for text in plain.stdout.splitlines() if text.startswith("epoch=")]
+    assert log[-1] == line
 
     # rank 1 dies before step 8 (mid epoch 2); torchrun restarts both workers, which resume from epoch 1
     restarted = cli([*common, f"hydra.run.dir={tmp_path / 'restarted'}"],
@@ -257,6 +267,8 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     summary = json.loads((tmp_path / "restarted" / "metrics.json").read_text())
     assert summary["resumed_from"] == [1] and summary["steps"] == 10
     assert_same_run(history(tmp_path / "restarted"), history(tmp_path / "plain"))
+    # under torchrun, rank 0 keeps the console of each of its attempts
+    assert (tmp_path / "restarted" / "train.log").read_text().splitlines()[-1] == summary_line(summary)
 
 
 @pytest.mark.multiprocess
