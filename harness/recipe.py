@@ -4,8 +4,8 @@
 
 ``ROOT`` is the pipeline's config (``cifar10``, ``swin``, ``bert``, ``squad``). Prints nothing when, with the
 overrides, every experiment computes what its recipe computes: the run's settings less the operational ones,
-the labels and the inputs (:data:`harness.settings.NOT_COMPUTED`: ``data.dir``, ``model.dir``,
-``trainer.resume``, ...) are the experiment's own. Otherwise the run is at another size (a smoke run: a smaller
+the labels, the inputs (:data:`harness.settings.NOT_COMPUTED`: ``data.dir``, ``model.dir``,
+``trainer.resume``, ...) and the run's ``name`` are the experiment's own. Otherwise the run is at another size (a smoke run: a smaller
 model, fewer epochs or steps, other workers, less data, ...): it prints ``smoke-<digest>``, the digest of the
 settings that differ, and lists them on stderr in one line. The scripts put such a run's directories under
 that name and its tables outside ``results/`` (scripts/cifar10_resnet110.sh and the others), so that it never
@@ -23,7 +23,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def departures(root: str, experiment: str, overrides) -> dict[str, tuple]:
-    """``{setting: (recipe's value, this run's)}`` for every computed setting the overrides change."""
+    """``{setting: (recipe's value, this run's)}`` for every computed setting the overrides change (the ``name``
+    derived from them names the run, it computes nothing)."""
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
 
@@ -31,7 +32,7 @@ def departures(root: str, experiment: str, overrides) -> dict[str, tuple]:
     overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         recipe, run = (effective_config(OmegaConf.to_container(compose(root, [f"experiment={experiment}", *extra]),
-                                                               resolve=True), drop=INPUT_KEYS)
+                                                               resolve=True), drop=(*INPUT_KEYS, "name"))
                        for extra in ([], overrides))
     return {k: (recipe.get(k), run.get(k)) for k in sorted(recipe.keys() | run.keys()) if recipe.get(k) != run.get(k)}
 

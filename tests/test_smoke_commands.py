@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from harness.loop import summary_line
+from harness.recipe import size_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## Smoke-test each script"
@@ -58,3 +59,21 @@ def test_each_smoke_command_runs_as_documented(command):
     assert list((ROOT / "smoke" / "tables").glob("*.md"))
     assert git_status("results") == results
     assert git_status() == before  # nothing else written outside smoke/ either
+
+
+@pytest.mark.parametrize("root, experiments, overrides", [
+    ("cifar10", ["cifar10/sgd", "cifar10/slamb"], ["data.dir=/elsewhere", "trainer.nproc_per_node=4",
+                                                   "trainer.progress=false", "hydra.run.dir=/x"]),
+    ("bert", ["bert/phase1_lamb", "bert/phase2_lamb"], ["trainer.nproc_per_node=8", "init_from=/x/model",
+                                                        "trainer.checkpoint.every=50"]),
+])
+def test_inputs_and_operational_settings_keep_the_recipes_size(root, experiments, overrides):
+    assert size_name(root, experiments, overrides) == ("", {})
+
+
+def test_another_size_is_named_by_the_settings_it_changes():
+    name, changed = size_name("cifar10", ["cifar10/sgd", "cifar10/slamb"], ["model=resnet8", "epochs=1"])
+    assert re.fullmatch(r"smoke-[0-9a-f]{8}", name)
+    assert changed["epochs"] == (200, 1) and changed["model.depth"] == (110, 8)
+    assert size_name("cifar10", ["cifar10/lamb"], ["epochs=1", "model=resnet8", "trainer.progress=false"])[0] == name
+    assert size_name("cifar10", ["cifar10/lamb"], ["model=resnet8", "epochs=2"])[0] != name
