@@ -17,7 +17,6 @@ from bert.data import IGNORE_INDEX, PretrainingStream, find_shards
 from bert.model import build_model, parameter_count
 from bert.tiny import write_tiny
 from bert.train import initial_model, train
-from bert.vocab import train_vocab
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
