@@ -27,7 +27,7 @@ study: $(STAMP)
 SWEEPS := RUNS=runs/sweeps TABLES=results/sweeps EXPERIMENT=study/digits_slamb_v1
 SWEEP_DATA := data.dir=runs/sweeps/data/digits-cifar10-layout
 sweeps: $(STAMP)
-	$(PY) -c "from cifar10.demo import write_digits_dataset; write_digits_dataset('runs/sweeps/data/digits-cifar10-layout')"
+	$(PY) -m cifar10.data --write-digits runs/sweeps/data/digits-cifar10-layout
 	$(PY) -m cifar10.train --multirun experiment=study/digits_lamb seed=0,1 $(SWEEP_DATA)
 	$(SWEEPS) GRID=1 scripts/sweep_compress_ratio.sh seed=0,1 $(SWEEP_DATA)
 	$(SWEEPS) scripts/sweep_sync_interval.sh seed=0,1 $(SWEEP_DATA)

@@ -26,7 +26,7 @@ held-out shards (``val_mlm_loss``: mean over their masked tokens, the paper's
 Table 2 metric) of the ranks' averaged model, and of the local models beside it
 (``val_mlm_loss_local``) where the ranks' parameters differ. At the end
 the model is the ranks' average (:func:`slamb.average_model`: SLAMB's ranks
-differ between model syncs) and rank 0 writes it in Hugging Face format to
+differ between model syncs; :meth:`harness.Loop.export`) and rank 0 writes it in Hugging Face format to
 ``<run_dir>/model``, with the data's ``vocab.txt``: phase 2's ``init_from``
 and SQuAD fine-tuning load it from there.
 """
@@ -42,12 +42,10 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-import slamb
 import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
-from slamb.sharding import full_state_dict
 
 from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards, load_shard, to_batch
 from .model import build_model, load_pretrained, shard_blocks
@@ -117,18 +115,14 @@ def validation_metrics(model, batches: list[dict], amp) -> dict:
     return {"val_mlm_loss": loss / max(count, 1), "val_mlm_acc": 100.0 * hits / max(count, 1)}
 
 
-@torch.no_grad()
-def export_model(model, optimizer, env, out_dir: Path, vocab: Path | None) -> None:
-    """Rank 0 saves the ranks' average model in Hugging Face format (with the vocabulary when known); a sharded
-    model's average is over its replicas, gathered to whole tensors."""
-    if optimizer.params_differ:
-        slamb.average_model(model)  # the run's model: one model's bytes once, outside the training ledger
-    state = full_state_dict(harness.unwrap(model))  # collective under FSDP/HSDP
-    if env.is_main:
-        harness.unwrap(model).save_pretrained(str(out_dir), state_dict=state)
+def save_pretrained(vocab: Path | None):
+    """The :meth:`harness.Loop.export` ``save`` of BERT: Hugging Face format, with the vocabulary when known."""
+    def save(model, state: dict, folder: Path) -> None:
+        model.save_pretrained(str(folder), state_dict=state)
         if vocab is not None and vocab.is_file():
-            shutil.copyfile(vocab, out_dir / "vocab.txt")
-    harness.barrier()
+            shutil.copyfile(vocab, folder / "vocab.txt")
+
+    return save
 
 
 def data_vocab(data_dir) -> Path | None:
@@ -193,14 +187,16 @@ def train(cfg: dict, run_dir: str) -> dict:
             period_start = step + 1
         run.save_if_due(step + 1)
     micro_batches.close()
-    export_model(model, optimizer, env, Path(run_dir) / "model", data_vocab(d.dir))
+    model_dir = run.export(save_pretrained(data_vocab(d.dir)))
 
-    return run.finish(phase=d.phase, micro_batch=d.micro_batch, accumulation_steps=accum, seq_len=d.seq_len,
-                      steps_per_epoch=steps_per_epoch, precision=t.precision, skipped_steps=amp.skipped_steps,
-                      final_loss=run.last("loss"), final_mlm_acc=run.last("mlm_acc"),
+    # the averaged model's validation where there is one, else the training batches' (the local models')
+    headline = ("final_val_mlm_loss", "final_val_mlm_acc") if valid is not None else ("final_loss", "final_mlm_acc")
+    return run.finish(headline=headline, phase=d.phase, micro_batch=d.micro_batch, accumulation_steps=accum,
+                      seq_len=d.seq_len, steps_per_epoch=steps_per_epoch, precision=t.precision,
+                      skipped_steps=amp.skipped_steps, final_loss=run.last("loss"), final_mlm_acc=run.last("mlm_acc"),
                       final_nsp_acc=run.last("nsp_acc"), final_val_mlm_loss=run.last("val_mlm_loss"),
-                      init_from=cfg.get("init_from"),
-                      model_dir=str(Path(run_dir) / "model"))
+                      final_val_mlm_acc=run.last("val_mlm_acc"), init_from=cfg.get("init_from"),
+                      model_dir=model_dir)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")

@@ -5,7 +5,8 @@ extracted from https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz:
 ``data_batch_1`` .. ``data_batch_5``, ``test_batch`` (pickled dicts with
 ``b"data"``: uint8 N x 3072, channel-major R, G, B planes of 32 x 32, and
 ``b"labels"``) and ``batches.meta`` (``b"label_names"``). Nothing is
-downloaded at run time.
+downloaded at run time. For smoke runs and tests, ``python -m cifar10.data --write-digits DIR``
+writes scikit-learn's 8x8 digits (shipped with the package) in this layout.
 
 The whole split is held as one uint8 tensor on the training device;
 augmentation (random 32 x 32 crop of the 4-pixel zero-padded image, random
@@ -16,7 +17,9 @@ every device) and reach the device once per epoch (``augment_draws``).
 """
 from __future__ import annotations
 
+import argparse
 import pickle
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +34,7 @@ URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 PAD = 4
+DIGITS_TEST = 297  # the digits' test split; the other 1500 images are the training split
 
 WHERE = (f"Get CIFAR-10 (python version) from {URL}, extract it (tar xzf) and set data.dir to the "
          f"'{FOLDER}' folder it creates; it must hold {', '.join(FILES)}.")
@@ -112,6 +116,25 @@ def write_cifar10(path, train: tuple, test: tuple, classes) -> Path:
     return path
 
 
+def write_digits(path, n_train: int | None = None, n_test: int = DIGITS_TEST, seed: int = 0) -> Path:
+    """scikit-learn's digits as CIFAR-10 batches (bilinear 8x8 -> 32x32, grey -> RGB, 0..16 -> 0..255): a test
+    split of ``n_test`` images drawn with ``seed``, a training split of ``n_train`` of the others (all: None)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    if n_test + (n_train or 1) > len(digits.images):
+        raise ValueError(f"the digits are {len(digits.images)} images: n_train={n_train} and n_test={n_test} ask "
+                         "for more")
+    images = torch.from_numpy(digits.images).float().unsqueeze(1)  # N x 1 x 8 x 8, values 0..16
+    images = torch.nn.functional.interpolate(images, size=32, mode="bilinear", align_corners=False)
+    images = (images / 16.0 * 255.0).round().clamp(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).numpy()
+    order = np.random.default_rng(seed).permutation(len(images))
+    test, train = order[:n_test], order[n_test:][:n_train]
+    labels = digits.target.astype(np.int64)
+    return write_cifar10(path, (images[train], labels[train]), (images[test], labels[test]),
+                         [str(c) for c in digits.target_names])
+
+
 def channel_stats(device) -> tuple[torch.Tensor, torch.Tensor]:
     """The CIFAR-10 channel means and standard deviations on ``device``, made once per run (a tensor made
     from host data each step is a copy from the host)."""
@@ -151,3 +174,21 @@ def augment(x: torch.Tensor, generator: torch.Generator | torch.Tensor) -> torch
 def augment_generator(seed: int, rank: int, step: int) -> torch.Generator:
     """The augmentation stream of one step of one rank (independent of everything else)."""
     return torch.Generator().manual_seed((seed * 1_000_003 + rank) * 1_000_003 + step)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="write a small image set in the CIFAR-10 python-pickle layout")
+    parser.add_argument("--write-digits", metavar="DIR", required=True,
+                        help="scikit-learn's digits, upsampled to 32 x 32 x 3")
+    parser.add_argument("--train", type=int, default=None, help="training images (default: the 1500 left)")
+    parser.add_argument("--test", type=int, default=DIGITS_TEST, help="test images")
+    args = parser.parse_args(argv)
+    path = write_digits(args.write_digits, args.train, args.test)
+    x = load_cifar10(path)
+    print(f"{path}: {len(x['train'][1])} training and {len(x['test'][1])} test images of the digits in the "
+          "CIFAR-10 layout")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -19,37 +19,18 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, fmt_bytes, load_runs
 
-from .data import write_cifar10
+from .data import write_digits
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = ("cifar10/demo_sgd", "cifar10/demo_lamb", "cifar10/demo_slamb")
 TABLE = "demo_digits_resnet8"  # the rows' paper.table
 SEEDS = (0, 1, 2)
-TEST_SIZE = 297
 # the ledger's kinds as the demo reports them, in its columns; SLAMB's exchange records its sampled entries and
 # the always-averaged tensors it packs beside them as kinds of their own
 KINDS = (("grads", "gradients"), ("momentum", "momentum, sampled"),
          ("momentum_dense", "momentum, always-averaged tensors"), ("params", "parameter sync"), ("control", "control"))
-
-
-def write_digits_dataset(path: Path, seed: int = 0) -> Path:
-    """Digits as CIFAR-10 batches: bilinear 8x8 -> 32x32, grey -> RGB, 0..16 -> 0..255; a fixed test split."""
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = torch.from_numpy(digits.images).float().unsqueeze(1)  # N x 1 x 8 x 8, values 0..16
-    images = torch.nn.functional.interpolate(images, size=32, mode="bilinear", align_corners=False)
-    images = (images / 16.0 * 255.0).round().clamp(0, 255).to(torch.uint8).expand(-1, 3, -1, -1).numpy()
-    order = np.random.default_rng(seed).permutation(len(images))
-    test, train = order[:TEST_SIZE], order[TEST_SIZE:]
-    labels = digits.target.astype(np.int64)
-    return write_cifar10(path, (images[train], labels[train]), (images[test], labels[test]),
-                         [str(c) for c in digits.target_names])
 
 
 def kind_columns(row: dict) -> dict[str, float]:
@@ -145,7 +126,7 @@ def main(argv=None) -> int:
         print(report(select(args.runs, args.seeds), Path(args.out)))
         return 0
 
-    write_digits_dataset(Path(args.data))
+    write_digits(Path(args.data))
     tic = time.perf_counter()
     cmd = [sys.executable, "-m", "cifar10.train", "--multirun", f"experiment={','.join(ROWS)}",
            f"seed={','.join(str(s) for s in args.seeds)}", f"data.dir={args.data}", f"hydra.sweep.dir={args.runs}",

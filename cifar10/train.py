@@ -14,7 +14,9 @@ average with its BatchNorm statistics averaged too (each rank's statistics
 describe only its own shard); training continues from the local models.
 Under SLAMB, whose ranks' parameters differ between model syncs, the local
 models' scores are logged beside it (``test_top1_local``: each rank's own
-model on its shard of the test set).
+model on its shard of the test set). At the end that average is the run's
+model in ``<run_dir>/model``: ``model.pt`` (the state dict) and ``config.json``
+(the ``model`` config), ``build_model(config)`` then ``load_state_dict(strict=True)``.
 """
 from __future__ import annotations
 
@@ -102,7 +104,10 @@ def train(cfg: dict, run_dir: str) -> dict:
         run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
                       steps=steps_per_epoch)
 
-    return run.finish(final_test_top1=run.last("test_top1"), best_test_top1=run.best("test_top1"))
+    model_dir = run.export(harness.save_state_dict(plain["model"]))
+    return run.finish(headline=("final_test_top1", "final_test_loss"), final_test_top1=run.last("test_top1"),
+                      final_test_loss=run.last("test_loss"), best_test_top1=run.best("test_top1"),
+                      model_dir=model_dir)
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")

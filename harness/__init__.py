@@ -23,7 +23,7 @@
 from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import Checkpointer, open_run, restore_training, save_training, unwrap
 from .data import ShardedBatches, eval_shard
-from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums
+from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums, save_state_dict, summary_line
 from .parallel import distribute
 from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
 from .run import RunLogger, comm_metrics, comm_totals, git_revision
@@ -36,5 +36,6 @@ __all__ = [
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",
-    "seed_everything", "distribute", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums",
+    "seed_everything", "distribute", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums", "save_state_dict",
+    "summary_line",
 ]

@@ -204,7 +204,8 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
 
-    The job's run directory is Hydra's output directory, locked while the job writes it. With
+    The job's run directory is Hydra's output directory, locked while the job writes it; its console goes to
+    ``train.log`` there too, and it ends with the run's one summary line (:func:`harness.loop.summary_line`). With
     ``trainer.resume=never`` an existing checkpoint there is discarded first; a run that already
     finished with this configuration returns its summary without training. A setting the checks
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
@@ -217,7 +218,8 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
 
     from .checkpoint import prepare_run
     from .distributed import started_externally
-    from .run import RunLock
+    from .loop import summary_line
+    from .run import ConsoleLog, RunLock
 
     from omegaconf.errors import MissingMandatoryValue
 
@@ -238,13 +240,15 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir
     local = not started_externally()
-    with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
+    writer = local or os.environ.get("RANK") == "0"
+    with ConsoleLog(Path(run_dir) / "train.log", hold=writer), RunLock(run_dir, hold=writer):
         try:
             finished = prepare_run(container, run_dir, clear=local,
                                    world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
         except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
             refuse(e)
         if finished is not None:
+            print(summary_line(finished), flush=True)
             return finished
         try:
             return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],

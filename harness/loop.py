@@ -14,7 +14,9 @@ batch. :class:`Loop` does the rest, the same way in all four:
   where the optimizer's per-epoch schedules stand (DGC's ``density``, SLAMB's
   ``compress_ratio``), loss scale, the ledger's byte columns, step time and
   throughput; the checkpoint cadence; :data:`PERIOD_HOOKS` around each period's training;
-* the run summary's common fields.
+* the export of the run's model at its end, the ranks' average as it was evaluated (``<run_dir>/model``;
+  :func:`save_state_dict` for a model the pipeline builds from its ``model`` config);
+* the run summary's common fields, and its one line on the console (:func:`summary_line`).
 
 :func:`check_counts` rejects counts below 1 (epochs, steps, ...) and
 :func:`rank_sums` sums a vector of per-rank totals over the ranks.
@@ -23,15 +25,18 @@ from __future__ import annotations
 
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
 
-from slamb import averaged_model, comm
+from slamb import average_model, averaged_model, comm
+from slamb.sharding import full_state_dict
+from .atomic import atomic_torch_save, atomic_write_json
 from .checkpoint import open_run, save_training, unwrap
-from .distributed import maybe_inject_fault
+from .distributed import barrier, maybe_inject_fault
 from .run import comm_metrics, comm_totals
-from .tables import compressed_share
+from .tables import compressed_share, fmt_bytes
 from .settings import check_count
 
 # Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
@@ -51,6 +56,26 @@ def check_counts(cfg, *keys: str) -> None:
         for part in key.split("."):
             value = value[part]
         check_count(key, value)
+
+
+def save_state_dict(model_cfg: dict) -> Callable:
+    """The :meth:`Loop.export` ``save`` of a model the pipeline builds from its ``model`` config: ``model.pt``, the
+    state dict on the CPU (``torch.load`` it into the built model with ``load_state_dict(strict=True)``), and
+    ``config.json``, that config."""
+    def save(model: torch.nn.Module, state: dict, folder: Path) -> None:
+        atomic_torch_save({k: v.cpu() for k, v in state.items()}, folder / "model.pt")
+        atomic_write_json(model_cfg, folder / "config.json")
+
+    return save
+
+
+def summary_line(summary: dict) -> str:
+    """The line a run ends with: its directory, the final metrics of its model (the summary's ``headline``
+    fields), the bytes each worker sent and the wall time of its logged periods."""
+    metrics = " ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
+                       for k in summary.get("headline", ()))
+    return (f"run {summary['run_dir']}: {metrics or 'finished'}; {fmt_bytes(summary['bytes_total'].get('all', 0))} "
+            f"sent per worker; {summary['wall_time_s']:.1f} s")
 
 
 def rank_sums(values: torch.Tensor) -> list[float]:
@@ -163,6 +188,21 @@ class Loop:
                       optimizer=self.optimizer, scheduler=self.scheduler,
                       extra={"amp": self.amp.state_dict()} if self.amp is not None else None)
 
+    @torch.no_grad()
+    def export(self, save: Callable[[torch.nn.Module, dict, Path], None]) -> str:
+        """Write the run's model into ``<run_dir>/model``: the ranks' average, computed as :meth:`evaluate`
+        computes it (so the export scores what the run logged); rank 0 calls ``save(model, state_dict, folder)``,
+        the state dict whole under FSDP/HSDP. Collective: every rank calls it, at the end of training (the ranks
+        keep the average). Returns the folder."""
+        average_model(self.model)  # one model's bytes once, outside the training ledger
+        state = full_state_dict(unwrap(self.model))  # collective under FSDP/HSDP
+        folder = Path(self.run_dir) / "model"
+        if self.env.is_main:
+            folder.mkdir(parents=True, exist_ok=True)
+            save(unwrap(self.model), state, folder)
+        barrier()
+        return str(folder)
+
     def end_epoch(self, epoch: int, metrics: dict, *, steps: int) -> None:
         self.log_period(epoch + 1, metrics, steps=steps)
         self.save_if_due(epoch + 1)
@@ -180,8 +220,9 @@ class Loop:
     def best(self, key: str) -> float:
         return max((h[key] for h in self.history()), default=math.nan)
 
-    def finish(self, **fields) -> dict:
-        """Write and return the run summary: the common fields, then the pipeline's ``fields``."""
+    def finish(self, headline: tuple[str, ...] = (), **fields) -> dict:
+        """Write and return the run summary: the common fields, then the pipeline's ``fields``; rank 0 prints
+        its :func:`summary_line`, which shows the ``headline`` fields (the final metrics of the run's model)."""
         history = self.history()
         seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
         steps = sum(h["period_steps"] for h in history)
@@ -203,6 +244,9 @@ class Loop:
             "mean_optimizer_time_s": (sum(h["period_steps"] * h["optimizer_time_s"] for h in history) / steps
                                       if steps and all("optimizer_time_s" in h for h in history) else None),
             "resumed_from": self.resumed_from, "run_dir": self.run_dir, "paper": self.plain.get("paper"),
+            "headline": list(headline),
         }
         self.log.finish(summary)
+        if self.env.is_main:
+            print(summary_line(summary), flush=True)
         return summary

@@ -9,6 +9,7 @@ Written by rank 0 only::
     metrics.json     the final summary (last epoch, best top-1, totals, wall time); removed when a
                      run starts writing, so that it exists only when the last writer finished
     run.lock         held while a job writes the directory (see :class:`RunLock`)
+    train.log        the job's console, as a terminal shows it (see :class:`ConsoleLog`; appended by each attempt)
 
 Communication columns come from the optimizer's ledger (bytes this rank handed
 to collectives, by kind): ``bytes/<kind>`` for the epoch and ``bytes_cum/<kind>``
@@ -23,6 +24,7 @@ import platform
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -130,6 +132,82 @@ class RunLock:
     def __exit__(self, *exc):
         if self.hold:
             self.release()
+        return False
+
+
+class ConsoleLog:
+    """``with ConsoleLog(path):`` what this process and the workers it starts write to stdout and stderr reaches
+    the console as before and is appended to ``path`` (the run's ``train.log``).
+
+    The copy is made at the file descriptors, which the workers inherit, so their output and that of native
+    code is in it too; a line redrawn with carriage returns (a progress bar) is logged once, as it was left.
+    The workers' Python writes unbuffered meanwhile (``PYTHONUNBUFFERED``): their output goes through a pipe,
+    which would otherwise hold it back. ``hold=False`` makes it a no-op (the workers torchrun starts beside
+    rank 0).
+    """
+
+    def __init__(self, path, hold: bool = True):
+        self.path, self.hold = Path(path), hold
+
+    def __enter__(self):
+        if not self.hold:
+            return self
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.log = open(self.path, "ab")
+        self.lock = threading.Lock()
+        self.unbuffered = os.environ.get("PYTHONUNBUFFERED")
+        os.environ["PYTHONUNBUFFERED"] = "1"
+        sys.stdout.flush()
+        sys.stderr.flush()
+        self.streams = []
+        for fd in (1, 2):
+            console = os.dup(fd)
+            read, write = os.pipe()
+            os.dup2(write, fd)
+            os.close(write)
+            thread = threading.Thread(target=self._copy, args=(read, console), daemon=True)
+            thread.start()
+            self.streams.append((fd, console, thread))
+        return self
+
+    def _copy(self, read: int, console: int) -> None:
+        line = b""
+        while chunk := os.read(read, 1 << 16):
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(console, view):]
+            *done, line = (line + chunk).split(b"\n")
+            self._log(done)
+        self._log([line] if line else [])
+        os.close(read)
+
+    def _log(self, lines: list[bytes]) -> None:
+        # what a terminal leaves of a line redrawn after carriage returns; a bar erased at its end leaves nothing
+        shown = [line.rsplit(b"\r", 1)[-1] for line in lines]
+        text = b"".join(s + b"\n" for line, s in zip(lines, shown) if s.strip() or b"\r" not in line)
+        if text:
+            with self.lock:
+                self.log.write(text)
+                self.log.flush()
+
+    def __exit__(self, *exc):
+        if not self.hold:
+            return False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        for fd, console, _ in self.streams:
+            os.dup2(console, fd)  # closes the pipe's last writer here: its copier reads the end
+        for _, _, thread in self.streams:
+            # a process left holding the pipe (one the job started and did not end) must not hold the job up
+            thread.join(timeout=5)
+        if not any(thread.is_alive() for _, _, thread in self.streams):  # else the copier still writes to them
+            for _, console, _ in self.streams:
+                os.close(console)
+            self.log.close()
+        if self.unbuffered is None:
+            os.environ.pop("PYTHONUNBUFFERED", None)
+        else:
+            os.environ["PYTHONUNBUFFERED"] = self.unbuffered
         return False
 
 

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from .schedules import warmup_steps
+
 OPERATIONAL, LABEL, INPUT = "operational", "label", "input"
 NOT_COMPUTED = {
     "trainer.progress": OPERATIONAL, "trainer.resume": OPERATIONAL, "trainer.max_restarts": OPERATIONAL,
@@ -68,11 +70,38 @@ def check_count(key: str, value, why: str = "", minimum: int = 1) -> None:
 
 
 def check_schedule(cfg) -> None:
-    """Clear errors for an empty schedule (``epochs=0``), before any worker starts."""
+    """Clear errors for an empty schedule (``epochs=0``) and a warm-up the run never finishes, before any
+    worker starts."""
     for key in SCHEDULE_KEYS:
         value = lookup(cfg, key)
         if value is not None:
             check_count(key, value, f" (an empty schedule trains nothing); set {key} to 1 or more")
+    check_warmup(cfg)
+
+
+def check_warmup(cfg) -> None:
+    """The LR warm-up of ``schedule`` ends within the run: ``warmup_fraction`` in [0, 1); where the run counts
+    optimizer steps (BERT's ``steps``), ``warmup_steps`` (or the fraction's steps) below them; Swin's
+    ``warmup_epochs`` below ``epochs``. The schedules refuse these too, but in the workers, once the data is
+    loaded: an epoch-counted run's steps are known only then, and its ``warmup_steps`` are checked there."""
+    schedule, steps, epochs = cfg.get("schedule") or {}, cfg.get("steps"), cfg.get("epochs")
+    name, fraction, warmup = schedule.get("name"), schedule.get("warmup_fraction"), schedule.get("warmup_steps")
+    if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, (int, float))
+                                 or not 0 <= fraction < 1):
+        raise ValueError(f"invalid schedule.warmup_fraction={fraction!r}: must be a share of the steps in [0, 1); "
+                         "set schedule.warmup_fraction=0.1, say")
+    if warmup is not None:
+        check_count("schedule.warmup_steps", warmup, minimum=0)
+    if name in ("warmup_poly", "warmup_exp") and steps is not None and warmup_steps(schedule, steps) >= steps:
+        setting = (f"schedule.warmup_steps={warmup}" if warmup is not None
+                   else f"schedule.warmup_fraction={fraction} ({warmup_steps(schedule, steps)} steps)")
+        raise ValueError(f"invalid {setting}: the warm-up must end before the run's steps={steps} do; set "
+                         f"schedule.warmup_steps to at most {steps - 1}")
+    warmup = schedule.get("warmup_epochs")
+    if name == "warmup_cosine" and epochs is not None and not (
+            isinstance(warmup, (int, float)) and not isinstance(warmup, bool) and 0 <= warmup < epochs):
+        raise ValueError(f"invalid schedule.warmup_epochs={warmup!r}: the warm-up must end before the run's "
+                         f"epochs={epochs} do; set schedule.warmup_epochs to at most {epochs - 1}")
 
 
 def flatten(cfg: dict, prefix: str = "") -> dict:

@@ -8,7 +8,7 @@ file per row: adding a row is adding a file) run as one Hydra ``--multirun``
 per task through the pipeline's own entry point, every row with every seed:
 
 * ``digits``: the CIFAR-10 pipeline (``cifar10.train``) on scikit-learn's
-  digits in the CIFAR-10 layout (:func:`cifar10.demo.write_digits_dataset`),
+  digits in the CIFAR-10 layout (:func:`cifar10.data.write_digits`),
   ResNet-8, 4 gloo workers, global batch 256; the metric is the test top-1 of
   the ranks' averaged model, ``final_test_top1``.
 * ``bert``: phase-1 pre-training (``bert.train``) of a small BERT on the
@@ -620,13 +620,13 @@ def main(argv=None) -> int:
     data_root = runs_root / "data"
 
     if "digits" in args.tasks:
-        from cifar10.demo import write_digits_dataset
+        from cifar10.data import write_digits
 
         digits_dir = data_root / "digits-cifar10-layout"
         sweep = runs_root / "digits"
         todo = QUICK["digits_rows"] if args.quick else rows("digits", args.rows)
         if not args.report_only and todo:
-            write_digits_dataset(digits_dir)
+            write_digits(digits_dir)
             overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
             compared, context = verdict_rows_first(todo)
             add_time("digits", run_missing("cifar10.train", compared, seeds["digits"], sweep, overrides))

@@ -10,12 +10,15 @@
 # Gradient accumulation (same global batch on half the GPUs): ... -- accumulation_steps=2
 # SLURM (one task per GPU, docs/configs.md): python -m swin.train --multirun hydra/launcher=slurm \
 #   hydra.launcher.nodes=16 trainer.nproc_per_node=8 experiment=swin_b/slamb data.dir=/data/imagenet
-# ROWS="slamb" runs one row. Rerunning resumes each row from its run directory (runs/swin_b_<row>/...).
+# ROWS="slamb" runs one row. RUNS and TABLES name where the run directories and the tables go (default
+# runs/ and results/); overrides that change the recipe (a smaller model, fewer epochs, ...) make a smoke
+# run, kept apart from both (scripts/where.sh). Rerunning resumes each row from its run directory
+# (RUNS/swin_b_<row>/...).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 export WANDB_MODE=${WANDB_MODE:-offline}
-usage() { sed -n 2,13p "$0" >&2; exit 2; }
+usage() { sed -n 2,16p "$0" >&2; exit 2; }
 
 [[ $# -ge 1 && $1 =~ ^[0-9]+$ ]] || usage
 gpus=$1; shift
@@ -27,16 +30,20 @@ if [[ $# -ge 1 && $1 =~ ^[0-9]+$ ]]; then
 fi
 [[ $# -ge 1 && $1 == "--" ]] && shift
 
-for row in ${ROWS:-adamw lamb slamb}; do
+source scripts/where.sh
+rows=${ROWS:-adamw lamb slamb}
+where swin $(printf 'swin_b/%s ' $rows) -- trainer.nproc_per_node=${gpus} "$@"
+dir="hydra.run.dir=$runs/\${name}/\${hydra.job.override_dirname}"
+for row in $rows; do
     if [[ $nodes -eq 1 ]]; then
-        "$PY" -m swin.train experiment=swin_b/${row} trainer.nproc_per_node=${gpus} "$@"
+        "$PY" -m swin.train experiment=swin_b/${row} trainer.nproc_per_node=${gpus} "$dir" "$@"
     else
         # c10d rendezvous: every node runs this command; the run directory must be on a shared file system
         "$(dirname "$PY")/torchrun" --nnodes "${nodes}" --node-rank "${node_rank}" --nproc-per-node "${gpus}" \
             --rdzv-backend c10d --rdzv-endpoint "${master}" --rdzv-id "swin_b_${row}" \
-            -m swin.train experiment=swin_b/${row} trainer.nproc_per_node=${gpus} "$@"
+            -m swin.train experiment=swin_b/${row} trainer.nproc_per_node=${gpus} "$dir" "$@"
     fi
 done
 if [[ $node_rank -eq 0 ]]; then
-    "$PY" scripts/make_tables.py --runs runs --out results
+    "$PY" scripts/make_tables.py --runs "$runs" --out "$tables"
 fi

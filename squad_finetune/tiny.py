@@ -12,7 +12,7 @@ about functions the model never saw. Nothing is downloaded: the text is the
 docstrings of the running interpreter.
 
 ``--random-bert DIR`` also writes a tiny randomly initialised BERT with a
-WordPiece vocabulary trained on the same text, for checking the fine-tuning
+WordPiece vocabulary of every word of the same text, for checking the fine-tuning
 path alone; the end-to-end check fine-tunes the tiny BERT that ``bert/``
 pre-trains instead (see the README).
 """
@@ -72,22 +72,31 @@ def make_squad(functions: list[tuple[str, str]]) -> tuple[dict, dict]:
     return tuple({"version": "1.1", "data": [{"title": "python docstrings", "paragraphs": s}]} for s in splits)
 
 
-def write_random_bert(folder, texts, vocab_size: int = 2000, hidden: int = 64, layers: int = 2, seed: int = 0):
-    """A tiny random ``BertForPreTraining`` and a WordPiece vocabulary trained on ``texts``, in ``folder``."""
-    import torch
-    from tokenizers import BertWordPieceTokenizer
-    from transformers import BertConfig, BertForPreTraining
-
+def write_vocab(folder, texts) -> Path:
+    """``folder/vocab.txt``: a WordPiece vocabulary of every word of ``texts`` (lowercased) and every single
+    character, so that nothing is [UNK] and every word is one token."""
+    words = sorted({w for t in texts for w in re.findall(r"[a-z0-9]+", t.lower())})
+    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789") | {c for t in texts for c in t if not c.isalnum()
+                                                                  and not c.isspace()})
+    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars if c.isalnum()), *words]
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    wordpiece = BertWordPieceTokenizer(lowercase=True)
-    wordpiece.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=1,
-                                  special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"])
-    wordpiece.save_model(str(folder))  # vocab.txt
+    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(tokens)) + "\n")
+    return folder
+
+
+def write_random_bert(folder, texts, hidden: int = 64, layers: int = 2, heads: int = 2, max_positions: int = 512,
+                      seed: int = 0) -> Path:
+    """A tiny randomly initialised ``BertForPreTraining`` (saved as ``save_pretrained`` does, as ``bert.train``
+    exports) beside :func:`write_vocab`'s vocabulary of ``texts``, in ``folder``."""
+    import torch
+    from transformers import BertConfig, BertForPreTraining
+
+    folder = write_vocab(folder, texts)
     torch.manual_seed(seed)
-    config = BertConfig(vocab_size=wordpiece.get_vocab_size(), hidden_size=hidden, num_hidden_layers=layers,
-                        num_attention_heads=max(1, hidden // 32), intermediate_size=4 * hidden,
-                        max_position_embeddings=512)
+    config = BertConfig(vocab_size=len((folder / "vocab.txt").read_text().split()), hidden_size=hidden,
+                        num_hidden_layers=layers, num_attention_heads=heads, intermediate_size=2 * hidden,
+                        max_position_embeddings=max_positions)
     BertForPreTraining(config).save_pretrained(folder)
     return folder
 

@@ -157,7 +157,7 @@ def train(cfg: dict, run_dir: str) -> dict:
         run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},
                       steps=steps_per_epoch)
 
-    return run.finish(model_dir=str(cfg.model.dir), train_windows=len(train_feats),
+    return run.finish(headline=("exact_match", "f1"), model_dir=str(cfg.model.dir), train_windows=len(train_feats),
                       dev_questions=len(dev_examples), exact_match=run.last("exact_match"), f1=run.last("f1"))
 
 

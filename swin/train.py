@@ -19,7 +19,11 @@ step time split into data wait, forward+backward (under DDP it includes the
 gradient all-reduce that overlaps backward) and the optimizer step (which
 includes the collectives of optimizers that communicate themselves, SLAMB's
 momentum exchange and model syncs), the latter measured with a device sync
-at each boundary when ``time_breakdown`` is true.
+at each boundary when ``time_breakdown`` is true. At the end the run's model,
+the ranks' average as evaluated, goes to ``<run_dir>/model``: ``model.pt``
+(the timm model's state dict, whole under FSDP/HSDP) and ``config.json`` (the
+``model`` config: ``swin.model.build_model(config)``, i.e. ``timm.create_model``,
+then ``load_state_dict(strict=True)``).
 """
 from __future__ import annotations
 
@@ -144,7 +148,9 @@ def train(cfg: dict, run_dir: str) -> dict:
                               **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()}},
                       steps=steps_per_epoch)
 
-    return run.finish(accumulation_steps=accum, precision=t.precision, peak_lr=scheduler.base_lrs[0],
+    model_dir = run.export(harness.save_state_dict(plain["model"]))
+    return run.finish(headline=("final_test_top1", "final_test_top5"), model_dir=model_dir,
+                      accumulation_steps=accum, precision=t.precision, peak_lr=scheduler.base_lrs[0],
                       final_test_top1=run.last("test_top1"), final_test_top5=run.last("test_top5"),
                       best_test_top1=run.best("test_top1"))
 

@@ -15,29 +15,12 @@ import yaml
 
 from bert import prepare_data as prep
 from bert.data import IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, find_shards, load_shard, mlm_labels
+from bert.tiny import WORDS, write_corpus
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SEQ, PRED = 64, 10
 SETTINGS = prep.Settings(max_seq_length=SEQ, max_predictions_per_seq=PRED, dupe_factor=5, seed=7)
-WORDS = [f"{a}{b}" for a in ("ka", "lo", "mi", "ne", "su", "ta", "vo", "ri") for b in ("p", "rn", "st", "x", "dge")]
-
-
-def write_corpus(folder: Path, files: int = 2, docs: int = 30, seed: int = 0) -> list[Path]:
-    """Text files in BERT's input format: a sentence per line, a blank line between documents."""
-    rng = random.Random(seed)
-    folder.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for f in range(files):
-        lines = []
-        for _ in range(docs):
-            lines += [" ".join(rng.choices(WORDS, k=rng.randint(4, 12))) + "." for _ in range(rng.randint(3, 9))]
-            lines.append("")
-        paths.append(folder / f"part{f}.txt")
-        paths[-1].write_text("\n".join(lines) + "\n")
-    return paths
-
-
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("bert_corpus")

@@ -15,14 +15,13 @@ from omegaconf import OmegaConf
 from bert import prepare_data as prep
 from bert.data import IGNORE_INDEX, PretrainingStream, find_shards
 from bert.model import build_model, parameter_count
+from bert.tiny import write_tiny
 from bert.train import initial_model, train
-from bert.vocab import train_vocab
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import WarmupExpDecay
 from tests import distributed
-from tests.test_bert_data import write_corpus
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SEQ1, SEQ2 = 32, 64
@@ -241,21 +240,14 @@ N_EXAMPLES = 8
 @pytest.fixture(scope="module")
 def tiny_data(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("bert_pretrain")
-    files = write_corpus(root / "text", files=1, docs=20)
-    vocab = train_vocab(files, root / "vocab", vocab_size=120, min_frequency=1)
-    out = {}
+    out = write_tiny(root, (SEQ1, SEQ2))
     for seq in (SEQ1, SEQ2):
-        s = prep.Settings(max_seq_length=seq, max_predictions_per_seq=prep.default_max_predictions(seq),
-                          dupe_factor=1, seed=3)
-        d = root / f"seq{seq}"
-        prep.prepare(files, vocab, d, s, progress=False)
-        with h5py.File(d / "part0_training.hdf5", "r") as f:
+        with h5py.File(out[seq] / "part0_training.hdf5", "r") as f:
             arrays = {k: f[k][:N_EXAMPLES] for k in prep.FIELDS}
         assert len(arrays["input_ids"]) == N_EXAMPLES
-        prep.write_shard(d / "part0_training.hdf5", arrays)
-        prep.write_shard(d / "part1_training.hdf5", arrays)
-        out[seq] = d
-    out["vocab_size"] = len(vocab.read_text().splitlines())
+        prep.write_shard(out[seq] / "part0_training.hdf5", arrays)
+        prep.write_shard(out[seq] / "part1_training.hdf5", arrays)
+    out["vocab_size"] = len(out["vocab"].read_text().splitlines())
     out["root"] = root
     return out
 

@@ -20,6 +20,7 @@ import torch
 from cifar10 import data as cdata
 from cifar10.model import ResNetCifar
 from cifar10.train import train
+from harness.loop import summary_line
 from harness.tables import build_tables, load_runs
 from tests import distributed
 from tests.test_configs import compose_cfg
@@ -34,21 +35,9 @@ TWO_EPOCHS = ["epochs=2", "trainer.deterministic=true"]
 SLAMB_TINY = ["experiment=cifar10/slamb", "optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
 
 
-def write_tiny_cifar(path: Path, n_train: int = 160, n_test: int = 40, seed: int = 0) -> Path:
-    """Random 32x32 images whose class sets the mean colour, in the exact CIFAR-10 pickle layout."""
-    rng = np.random.default_rng(seed)
-
-    def split(n):
-        y = rng.integers(0, 10, n)
-        x = rng.integers(0, 60, (n, 3, 32, 32)) + (y * 19)[:, None, None, None]
-        return x.astype(np.uint8), y
-
-    return cdata.write_cifar10(path, split(n_train), split(n_test), [f"class{i}" for i in range(10)])
-
-
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return write_tiny_cifar(tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py")
+    return cdata.write_digits(tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py", 160, 40)
 
 
 def env(**extra):
@@ -86,14 +75,14 @@ def test_pickle_layout_round_trip(tiny_dir):
     x, y = loaded["train"]
     assert x.shape == (160, 3, 32, 32) and x.dtype == torch.uint8 and y.dtype == torch.int64
     assert torch.equal(x[0].reshape(-1), torch.from_numpy(raw[b"data"][0]))  # R plane, then G, then B
-    assert loaded["test"][0].shape == (40, 3, 32, 32) and loaded["classes"][3] == "class3"
+    assert loaded["test"][0].shape == (40, 3, 32, 32) and loaded["classes"][3] == "3"
 
 
 def test_missing_dataset_names_the_files_and_where_to_get_them(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"missing data_batch_1, .*test_batch, batches.meta.*"
                                                 r"cifar-10-python.tar.gz.*data.dir"):
         cdata.load_cifar10(tmp_path)
-    write_tiny_cifar(tmp_path)
+    cdata.write_digits(tmp_path, 160, 40)
     (tmp_path / "data_batch_4").unlink()
     with pytest.raises(FileNotFoundError, match=r"missing data_batch_4\. "):
         cdata.load_cifar10(tmp_path)
@@ -108,7 +97,7 @@ def test_missing_dataset_names_the_files_and_where_to_get_them(tmp_path):
     ({b"data": np.zeros((2, 3072), np.uint8), b"labels": [0, 12]}, r"labels must be in 0..9, found 0..12"),
 ])
 def test_malformed_dataset_is_a_clear_error(tmp_path, content, match):
-    write_tiny_cifar(tmp_path)
+    cdata.write_digits(tmp_path, 160, 40)
     path = tmp_path / "data_batch_2"
     path.write_bytes(content if isinstance(content, bytes) else pickle.dumps(content))
     with pytest.raises(ValueError, match=match):
@@ -260,6 +249,15 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     common = [*TINY, *TWO_EPOCHS, *SLAMB_TINY, f"data.dir={tiny_dir}"]
     plain = cli([*common, f"hydra.run.dir={tmp_path / 'plain'}"])
     assert plain.returncode == 0, plain.stderr[-3000:]
+    # the console ends with the run's summary line, and train.log holds the console (the workers' lines too)
+    line = summary_line(json.loads((tmp_path / "plain" / "metrics.json").read_text()))
+    assert plain.stdout.splitlines()[-1] == line
+    assert re.fullmatch(rf"run {tmp_path / 'plain'}: final_test_top1=\S+ final_test_loss=\S+; \S+ [KM]B sent per "
+                        r"worker; \d+\.\d s", line)
+    log = (tmp_path / "plain" / "train.log").read_text().splitlines()
+    epochs = [text for text in log if text.startswith("epoch=")]
+    assert len(epochs) == 2 and epochs == [text for text in plain.stdout.splitlines() if text.startswith("epoch=")]
+    assert log[-1] == line
 
     # rank 1 dies before step 8 (mid epoch 2); torchrun restarts both workers, which resume from epoch 1
     restarted = cli([*common, f"hydra.run.dir={tmp_path / 'restarted'}"],
@@ -270,6 +268,8 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     summary = json.loads((tmp_path / "restarted" / "metrics.json").read_text())
     assert summary["resumed_from"] == [1] and summary["steps"] == 10
     assert_same_run(history(tmp_path / "restarted"), history(tmp_path / "plain"))
+    # under torchrun, rank 0 keeps the console of each of its attempts
+    assert (tmp_path / "restarted" / "train.log").read_text().splitlines()[-1] == summary_line(summary)
 
 
 @pytest.mark.multiprocess

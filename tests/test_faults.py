@@ -182,9 +182,10 @@ def test_truncating_the_metrics_on_resume_is_atomic(tmp_path, monkeypatch):
 def test_a_rerun_comes_through_a_damaged_checkpoint_and_a_torn_metrics_line(tmp_path):
     """``python -m cifar10.train``: the newest checkpoint's byte flipped and a torn metrics line appended; the
     rerun (one epoch longer, so that it resumes) drops the line, resumes from the older checkpoint, finishes."""
-    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+    from cifar10.data import write_digits
+    from tests.test_cifar10 import TINY, cli
 
-    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    data = write_digits(tmp_path / "cifar-10-batches-py", 64, 16)
     run = tmp_path / "run"
     common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
               "experiment=cifar10/lamb", f"data.dir={data}", f"hydra.run.dir={run}"]
@@ -232,9 +233,10 @@ def test_resuming_with_other_settings_is_refused_naming_each_one(tmp_path):
 
 @pytest.mark.multiprocess  # runs the pipeline's command line and its workers
 def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_resumes(tmp_path):
-    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+    from cifar10.data import write_digits
+    from tests.test_cifar10 import TINY, cli
 
-    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    data = write_digits(tmp_path / "cifar-10-batches-py", 64, 16)
     run = tmp_path / "run"
     common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1",
               "experiment=cifar10/lamb", "optimizer.lr=0.01", f"data.dir={data}", f"hydra.run.dir={run}"]

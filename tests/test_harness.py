@@ -306,9 +306,10 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, 
 @pytest.mark.multiprocess  # runs the pipeline's command line as a subprocess
 def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
     """Through ``python -m cifar10.train``: the checks run before any worker starts."""
-    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+    from cifar10.data import write_digits
+    from tests.test_cifar10 import TINY, cli
 
-    data = write_tiny_cifar(tmp_path / "a" / "cifar-10-batches-py", n_train=64, n_test=16)
+    data = write_digits(tmp_path / "a" / "cifar-10-batches-py", 64, 16)
     common = [*[a for a in TINY if not a.startswith("trainer.nproc")], "trainer.nproc_per_node=1", "epochs=1",
               "experiment=cifar10/lamb", f"hydra.run.dir={tmp_path / 'run'}"]
     first = cli([*common, f"data.dir={data}"])

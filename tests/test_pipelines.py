@@ -15,12 +15,13 @@ import slamb
 from cifar10.data import load_cifar10, normalize
 from cifar10.model import build_model as build_resnet
 from harness import check_counts
+from swin.tiny import write_tiny_imagenet
 from tests import distributed
 from tests.test_bert_pretrain import tiny_cfg as bert_cfg, tiny_data  # noqa: F401 (fixture)
 from tests.test_cifar10 import TINY as CIFAR_TINY, TWO_EPOCHS, tiny_dir  # noqa: F401 (fixture)
 from tests.test_configs import compose_cfg
 from tests.test_squad import bert_dir, compose_squad, squad_json, write_json  # noqa: F401 (fixture)
-from tests.test_swin import TINY as SWIN_TINY, compose_swin, write_tiny_imagenet
+from tests.test_swin import TINY as SWIN_TINY, compose_swin
 
 NAMES = sorted(slamb.OPTIMIZERS)
 SLAMB_TINY = ["optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]
@@ -142,6 +143,54 @@ def test_the_evaluated_model_is_the_ranks_average(cifar10_runs, tiny_dir):  # no
     assert last["test_loss"] == pytest.approx(F.cross_entropy(logits, y).item(), rel=1e-5)
     assert last["test_top1"] == pytest.approx(100.0 * (logits.argmax(1) == y).float().mean().item())
     assert last["test_loss_local"] != pytest.approx(last["test_loss"], rel=1e-4)
+
+
+def exported(run: dict, build) -> torch.nn.Module:
+    """The model a run exported, loaded into a freshly built model of its config (strictly: every key)."""
+    folder = run["dir"] / "model"
+    config = json.loads((folder / "config.json").read_text())
+    assert config == run["cfg"]["model"]
+    model = build(config)
+    model.load_state_dict(torch.load(folder / "model.pt"), strict=True)
+    return model.eval()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", NAMES)
+def test_cifar10_exports_the_model_it_evaluated(cifar10_runs, tiny_dir, name):  # noqa: F811
+    """The export is the ranks' average (BatchNorm statistics included) that the last evaluation scored: one
+    process scores the same test top-1 exactly, from the file alone."""
+    run = cifar10_runs[name]
+    model = exported(run, build_resnet)
+    x, y = load_cifar10(tiny_dir)["test"]
+    with torch.no_grad():
+        logits = model(normalize(x)).float()
+    last = history(run["dir"])[-1]
+    assert 100.0 * (logits.argmax(1) == y).sum().item() / len(y) == last["test_top1"]
+    assert F.cross_entropy(logits, y).item() == pytest.approx(last["test_loss"], rel=1e-5)
+    assert run["summaries"][0]["model_dir"] == str(run["dir"] / "model")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", NAMES)
+def test_swin_exports_the_model_it_evaluated(swin_runs, name):
+    """Swin's export loads into timm's model of the config and scores the run's last validation top-1 and top-5
+    exactly, in one process through the pipeline's own validation data."""
+    from harness import DistEnv
+    from harness.amp import MixedPrecision
+    from swin.data import build_loaders
+    from swin.model import build_model as build_swin, image_size
+    from swin.train import evaluate
+
+    run = swin_runs[name]
+    model = exported(run, build_swin)
+    one = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    cfg = run["cfg"]
+    _, _, val = build_loaders(cfg["data"], image_size(model), cfg["model"]["num_classes"], one, seed=cfg["seed"])
+    scores = evaluate(model, val, one, MixedPrecision("fp32", one.device))
+    last = history(run["dir"])[-1]
+    assert (scores["test_top1"], scores["test_top5"]) == (last["test_top1"], last["test_top5"])
+    assert scores["test_loss"] == pytest.approx(last["test_loss"], rel=1e-5)
 
 
 def test_counts_below_one_are_clear_errors():

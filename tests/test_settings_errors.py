@@ -15,8 +15,11 @@ import pytest
 import torch
 
 import harness
+from bert.model import build_model
+from bert.tiny import write_tiny
 from harness.build import check_data, check_trainer
 from harness.checkpoint import Checkpointer
+from swin.tiny import write_tiny_imagenet
 from tests.test_configs import ROOTS, compose_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,6 +124,34 @@ def test_missing_data_is_refused_before_any_worker_and_never_retried(tmp_path):
                      tmp_path / "run")
     assert stderr == (f"error: invalid data.dir='{tmp_path / 'absent'}': {tmp_path / 'absent'} does not exist; fix: "
                       "set data.dir to an allowed value (command line or the pipeline's configs/data/*.yaml)\n")
+
+
+@pytest.mark.parametrize("overrides, line", [
+    (["experiment=bert/phase1_lamb", "schedule.warmup_steps=5"],
+     "error: invalid schedule.warmup_steps=5: the warm-up must end before the run's steps=5 do; set "
+     "schedule.warmup_steps to at most 4"),
+    (["experiment=bert/phase2_lamb", "schedule.warmup_fraction=0.9"],
+     "error: invalid schedule.warmup_fraction=0.9 (5 steps): the warm-up must end before the run's steps=5 do; "
+     "set schedule.warmup_steps to at most 4"),
+])
+def test_a_warmup_the_run_never_finishes_is_refused_before_any_worker(tmp_path, overrides, line):
+    """Before, the workers' LR schedule refused it once they had loaded the data: exit status 65."""
+    data = write_tiny(tmp_path / "bert", (32,))
+    phase1 = tmp_path / "phase1"  # init_from: a saved model
+    build_model(compose_root("bert", "model=bert_tiny")["model"]).save_pretrained(phase1)
+    args = [*overrides, "model=bert_tiny", f"data.dir={data[32]}", "data.seq_len=32", "data.global_batch=8",
+            "data.micro_batch=4", "steps=5", "trainer.nproc_per_node=2", f"init_from={phase1}"]
+    assert refused("bert.train", args, tmp_path / "run").startswith(line)
+
+
+def test_a_swin_warmup_the_run_never_finishes_is_refused_before_any_worker(tmp_path):
+    """Before, timm's cosine schedule refused it in the workers, once they had built the data loaders: exit 65."""
+    data = write_tiny_imagenet(tmp_path / "imagenet")
+    args = ["experiment=swin_b/slamb", "model=swin_tiny_test", f"data.dir={data}", "data.micro_batch=4",
+            "data.workers=0", "epochs=2", "trainer.nproc_per_node=2"]
+    assert refused("swin.train", args, tmp_path / "run").startswith(
+        "error: invalid schedule.warmup_epochs=20: the warm-up must end before the run's epochs=2 do; set "
+        "schedule.warmup_epochs to at most 1")
 
 
 def test_a_required_setting_left_unset_is_one_line(tmp_path):

@@ -16,12 +16,13 @@ from omegaconf import OmegaConf
 from bert.model import load_pretrained
 from bert.train import train as bert_train
 from harness.build import check_settings, user_error
+from swin.tiny import write_tiny_imagenet
 from swin.train import train as swin_train
 from tests import distributed
 from tests.test_bert_pretrain import ROWS as BERT_ROWS
 from tests.test_bert_pretrain import SEQ1
 from tests.test_bert_pretrain import compose_bert, history, tiny_cfg, tiny_data  # noqa: F401 (a fixture)
-from tests.test_swin import SLAMB_TINY, TINY, compose_swin, write_tiny_imagenet
+from tests.test_swin import SLAMB_TINY, TINY, compose_swin
 
 WORLD = 4
 HSDP = ["trainer.parallelism=hsdp", "trainer.shard_size=2", f"trainer.nproc_per_node={WORLD}"]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from cifar10.data import write_digits
 from harness.distributed import first_host, free_port, launch, resolve_worker, slurm_env
-from tests.test_cifar10 import TINY, env, write_tiny_cifar
+from tests.test_cifar10 import TINY, env
 from tests.test_configs import compose_cfg
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -22,7 +23,7 @@ SLURM_TASK = {"SLURM_NTASKS": "8", "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "S
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory) -> Path:
-    return write_tiny_cifar(tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py")
+    return write_digits(tmp_path_factory.mktemp("cifar") / "cifar-10-batches-py", 160, 40)
 
 
 def _world_and_cfg(cfg, run_dir):

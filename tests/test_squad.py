@@ -4,7 +4,6 @@ fine-tune of a tiny local BERT with 2 gloo workers, and its row in the results t
 from __future__ import annotations
 
 import json
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from harness.tables import build_tables, load_runs
 from squad_finetune import data as sdata
 from squad_finetune.evaluate import evaluate, exact_match_score, f1_score, normalize_answer
 from squad_finetune.postprocess import postprocess
+from squad_finetune.tiny import write_random_bert
 from squad_finetune.train import train
 from tests import distributed
 
@@ -58,30 +58,12 @@ def write_json(path: Path, obj) -> Path:
     return path
 
 
-def write_vocab(folder: Path, texts) -> Path:
-    """A WordPiece vocabulary of every word of ``texts`` plus all single characters (so nothing is [UNK])."""
-    words = sorted({w for t in texts for w in re.findall(r"[a-z0-9]+", t.lower())})
-    chars = sorted(set("abcdefghijklmnopqrstuvwxyz0123456789") | {c for t in texts for c in t if not c.isalnum()
-                                                                  and not c.isspace()})
-    tokens = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *chars, *(f"##{c}" for c in chars if c.isalnum()), *words]
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "vocab.txt").write_text("\n".join(dict.fromkeys(tokens)) + "\n")
-    return folder
-
-
 @pytest.fixture(scope="module")
 def bert_dir(tmp_path_factory) -> Path:
-    """A tiny random BERT saved with save_pretrained beside a locally built vocab.txt."""
-    from transformers import BertConfig, BertForPreTraining
-
+    """A tiny random BERT saved with save_pretrained beside a vocab.txt holding every word of the texts."""
     texts = [c + " " + " ".join(q + " " + a for q, a in qas) for c, qas in PARAGRAPHS]
-    folder = write_vocab(tmp_path_factory.mktemp("bert"), [*texts, GREEK, "what comes after"])
-    vocab = len((folder / "vocab.txt").read_text().split())
-    torch.manual_seed(0)
-    config = BertConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=64, max_position_embeddings=128)
-    BertForPreTraining(config).save_pretrained(folder)  # a pre-training checkpoint, as bert/ writes it
-    return folder
+    return write_random_bert(tmp_path_factory.mktemp("bert"), [*texts, GREEK, "what comes after"], hidden=32,
+                             max_positions=128)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from PIL import Image
 
 from harness import DistEnv, build_optimizer, check_trainer, seed_everything
 from harness.amp import MixedPrecision
@@ -24,6 +23,7 @@ from harness.schedules import build_lr_scheduler
 from slamb.schedules import WarmupCosine
 from swin import data as sdata
 from swin.model import build_model
+from swin.tiny import write_tiny_imagenet
 from swin.train import forward_backward, train
 from tests import distributed
 
@@ -40,19 +40,6 @@ CPU1 = DistEnv(0, 1, 0, 1, torch.device("cpu"))
 def compose_swin(*overrides) -> dict:
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return OmegaConf.to_container(compose("swin", overrides=list(overrides)), resolve=True)
-
-
-def write_tiny_imagenet(root: Path, classes: int = 4, train: int = 8, val: int = 2, seed: int = 0) -> Path:
-    """Real JPEG files in the ImageFolder layout; the class sets the mean colour (learnable)."""
-    rng = np.random.default_rng(seed)
-    for split, n in (("train", train), ("val", val)):
-        for c in range(classes):
-            folder = root / split / f"n{c:08d}"
-            folder.mkdir(parents=True)
-            for i in range(n):
-                pixels = rng.integers(0, 40, (40, 40, 3)) + np.array([60 * c, 200 - 60 * c, 100])
-                Image.fromarray(pixels.clip(0, 255).astype(np.uint8)).save(folder / f"img{i}.JPEG", quality=90)
-    return root
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_cifar10 import ROOT, TINY, env, history, write_tiny_cifar
+from cifar10.data import write_digits
+from tests.test_cifar10 import ROOT, TINY, env, history
 
 pytestmark = pytest.mark.multiprocess
 
@@ -64,7 +65,7 @@ def read_run(run_file: Path) -> dict:
 
 
 def test_offline_wandb_run_logs_config_history_summary_and_resumes_under_the_same_id(tmp_path):
-    data_dir = write_tiny_cifar(tmp_path / "cifar-10-batches-py")
+    data_dir = write_digits(tmp_path / "cifar-10-batches-py", 160, 40)
     run_dir = tmp_path / "run"
     common = [*TINY, "trainer.nproc_per_node=1", "logger.wandb=true", "logger.project=slamb-test",
               f"data.dir={data_dir}", f"hydra.run.dir={run_dir}"]

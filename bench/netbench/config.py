@@ -65,7 +65,7 @@ ROWS = {
 DEFAULT_ROWS = ["LAMB", "SLAMB", "SLAMB+overlap", "1-bit LAMB", "DGC"]
 # the rows of --procs-per-host > 1 when --optimizers is not given
 MULTI_PROC_ROWS = ["LAMB", "SLAMB", HIER, "PowerSGD", "DiLoCo"]
-TRAIN_IMAGES = 1500        # digits demo: training images (cifar10.demo.TEST_SIZE of 1797 held out)
+TRAIN_IMAGES = 1500        # digits demo: training images (cifar10.data.DIGITS_TEST of 1797 held out)
 CIFAR_BATCH = 64           # data.micro_batch of the demo rows
 BERT_MICRO = 16            # sequences per worker and step (one micro-batch: no accumulation)
 
@@ -149,9 +149,9 @@ def prepare_data(pipelines: list[str], workdir: Path) -> dict:
     """The offline demo data of each pipeline, written under the bench's work directory."""
     out = {}
     if "cifar10" in pipelines:
-        from cifar10.demo import write_digits_dataset
+        from cifar10.data import write_digits
 
-        out["cifar10"] = {"dir": write_digits_dataset(workdir / "data" / "digits")}
+        out["cifar10"] = {"dir": write_digits(workdir / "data" / "digits")}
     if "bert" in pipelines:
         from bert.demo import write_corpus
         from bert.prepare_data import Settings as PrepSettings
