@@ -65,7 +65,11 @@ class Traffic:
     """The bytes each collective is handed, by (collective, ranks of its group): what crosses which mesh
     dimension, FSDP's own collectives included."""
 
-    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "broadcast")
+    # by torch's newer names; where they are missing (torch 2.11) slamb.comm calls the older ones, counted under
+    # the newer names
+    NAMES = {"all_reduce": "all_reduce", "all_to_all_single": "all_to_all_single", "broadcast": "broadcast",
+             **{new: new if hasattr(dist, new) else old for new, old in (
+                 ("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor"))}}
 
     def __init__(self):
         self.bytes: dict[tuple, int] = {}
@@ -82,14 +86,14 @@ class Traffic:
         return counted
 
     def __enter__(self):
-        for name in self.NAMES:
-            self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self.saved[name], 1 if name.endswith("_single") else 0))
+        for name, attr in self.NAMES.items():
+            self.saved[attr] = getattr(dist, attr)
+            setattr(dist, attr, self._wrap(name, self.saved[attr], 1 if name.endswith("_single") else 0))
         return self
 
     def __exit__(self, *exc):
-        for name in self.NAMES:
-            setattr(dist, name, self.saved[name])
+        for attr, fn in self.saved.items():
+            setattr(dist, attr, fn)
 
 
 def masks_of(opt):
