@@ -467,12 +467,13 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
     [(5,), (30, 20), (7,), (8,), (2, 1), (50, 3), (200,), (3,)],
 ])
 @pytest.mark.parametrize("shard", [None, (0, 2), (1, 2), (2, 3)])
-def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes, shard):
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes, shard, monkeypatch):
     """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
     tensor's offset, for both mask policies and several steps: the drawn ones alone (the marks), and after
     every entry of the always-averaged tensors (the exchange's packed order). ``shard``: (index, count), the
     layout of FSDP2's dim-0 shards of those tensors (torch.chunk's cut, some of them empty), whose masks are
-    their slices of the whole model's draw."""
+    their slices of the whole model's draw. Nothing is copied from the host: a shard's runs are placed on the
+    device (two blocking copies a step before)."""
     from slamb.optim.exchange import packing
     from slamb.optim.flat import FlatLayout
     from slamb.optim.fused import BLOCK
@@ -496,9 +497,15 @@ def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout
             want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
             assert want.numel() > 0
             runs = LayoutRuns(layout, dense)
-            assert torch.equal(sel.layout_positions(runs), want)
+            got = []
+            assert host_reads(lambda: got.append(sel.layout_positions(runs)), monkeypatch) == {}
+            assert torch.equal(got[0], want)
             order = packing(sel, range(len(shapes)))[0]
             packed = torch.cat([torch.arange(layout.numels[i]) + layout.offsets[i] if dense[i]
                                 else sel.local[i] + layout.offsets[i] for i in order])
-            assert torch.equal(sel.layout_positions(runs, with_dense=True), packed)
+            sel = Selection(layout, dense, sel.drawn)  # the packed order first, as a step asks for it
+            got = []
+            assert host_reads(lambda: got.append(sel.layout_positions(runs, with_dense=True)), monkeypatch) == {}
+            assert torch.equal(got[0], packed)
             assert torch.equal(sel.layout_positions(runs), want)  # the tail of the kept ones
+
