@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slamb
 from tests import distributed
@@ -509,3 +510,45 @@ def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout
             assert torch.equal(got[0], packed)
             assert torch.equal(sel.layout_positions(runs), want)  # the tail of the kept ones
 
+
+class SegmentReductions(TorchDispatchMode):
+    """The dimensions of the data of every segment reduction dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.segment_reduce.default:
+            self.dims.append(args[0].dim())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v2", fused=True)],
+                         ids=["lamb", "slamb_v2"])
+def test_a_fused_step_sums_its_tensors_by_one_dimensional_segment_reductions(build):
+    """On CUDA a 2-D segment reduction runs a thread per (segment, column) that adds a segment's blocks one after
+    another (BERT-Large's embedding: 122,112); a 1-D one runs CUB's segmented reduction. A step's per-tensor sums
+    (2 columns for LAMB, 4 for SLAMB) are 1-D reductions only."""
+    params, opt = build()
+    advance(params, opt, range(1, 3))
+    with SegmentReductions() as seen:
+        advance(params, opt, range(3, 4))
+    assert seen.dims == [1]
+
+
+@pytest.mark.parametrize("model", ["bert_base", "bert_large", "bert_xl", "resnet110"])
+def test_the_one_dimensional_sums_are_the_two_dimensional_ones_bit_for_bit(model):
+    """On the block layout of every model of bench/shapes.py (BERT-XL's: 10.8M blocks), the sums taken column after
+    column equal the 2-D segment reduction's bit for bit on the CPU (each adds a segment's blocks in order)."""
+    import math
+
+    from bench.shapes import MODELS
+    from slamb.optim.fused import BLOCK, tensor_sums
+
+    blocks = torch.tensor([math.ceil(math.prod(s) / BLOCK) for s in MODELS[model]()])
+    gen = torch.Generator().manual_seed(0)
+    # sums of squares over blocks of a trained model's tensors: positive, across many binades
+    per_block = torch.rand(int(blocks.sum()), 2, generator=gen).mul_(40).sub_(30).exp2_()
+    want = torch.segment_reduce(per_block.double(), "sum", lengths=blocks, axis=0, unsafe=True).float()
+    assert torch.equal(tensor_sums(per_block, blocks), want)
