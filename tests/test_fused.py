@@ -176,6 +176,8 @@ def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatc
             runs[path] = (params, [str(w.message) for w in caught if "fused=True" in str(w.message)], opt)
         assert len(runs["fused"][1]) == 1 and "no C++ compiler found" in runs["fused"][1][0]
         assert runs["fused"][2].fused is False  # it said so, and runs the multi-tensor path
+        assert runs["fused"][2].fused_fallback == "RuntimeError: no C++ compiler found"  # and keeps saying so
+        assert runs["foreach"][2].fused_fallback is None
         for a, b in zip(runs["fused"][0], runs["foreach"][0]):
             assert torch.equal(a, b)
         ages = [[s["staleness"] for s in r[2].state_dict()["state"].values()] for r in (runs["fused"], runs["foreach"])]
@@ -189,8 +191,44 @@ def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatc
         advance(params, opt, range(1, 4))
     advance(ref_params, ref, range(1, 4))
     assert len([w for w in caught if "LAMB(fused=True)" in str(w.message)]) == 1
+    assert opt.fused_fallback == "RuntimeError: no C++ compiler found" and ref.fused_fallback is None
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v1", fused=True),
+                                   lambda: fresh(variant="v2", fused=True)], ids=["lamb", "slamb_v1", "slamb_v2"])
+def test_a_graph_that_fails_after_the_steps_first_is_recorded_and_left_at_the_next_step(build, monkeypatch):
+    """The update's graph fails to compile after the moments' ran: that step ends eagerly (the graphs' numbers),
+    the next ones run the multi-tensor path, and ``fused_fallback`` says why; a compiled run's is None."""
+    from slamb.optim import fused
+
+    compile_ = torch.compile
+
+    def update_fails(fn, **kw):
+        if fn.__name__ != "update_pass":
+            return compile_(fn, **kw)
+
+        def raise_(*args, **kwargs):
+            raise RuntimeError("the update does not compile")
+        return raise_
+
+    params, opt = build()
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.setattr(torch, "compile", update_fails)
+        advance(params, opt, range(1, 2))
+        assert opt.fused_fallback == "RuntimeError: the update does not compile"
+        calls = []
+        m.setattr(fused.Passes, "__call__", lambda self, fn, *args: calls.append(fn) or fn(*args))
+        advance(params, opt, range(2, 4))
+    assert len([w for w in caught if "the update does not compile" in str(w.message)]) == 1
+    assert opt.fused_fallback == "RuntimeError: the update does not compile"
+    assert calls == []  # the multi-tensor path: no pass of the fused step
+    assert all(torch.isfinite(p).all() for p in params)
+    params, opt = build()
+    advance(params, opt, range(1, 3))
+    assert opt.fused_fallback is None
 
 
 def test_fused_with_foreach_false_is_refused():
