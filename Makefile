@@ -68,10 +68,12 @@ test-compat: $(COMPAT_STAMP)
 	$(COMPAT)/bin/python -m pytest -q -m "not multiprocess" $(COMPAT_TESTS) $(PYTEST_ARGS)
 	$(COMPAT)/bin/python -m pytest -q $(COMPAT_WORKERS) $(PYTEST_ARGS)
 
-# the GPU acceptance check (results/gpu/<gpu>.md); one line and exit 0 without CUDA. `make gpu-check PY=python3`
+# the GPU acceptance check (docs/gpu.md; results/gpu/<gpu>.md): tier 1, at most 5 minutes on one H100; TIER=2 the
+# rest. Without CUDA it runs its environment part and skips the others, a line each. `make gpu-check PY=python3`
 # runs it with an interpreter that already has torch (no venv made)
+TIER ?= 1
 gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
-	$(PY) -m bench.gpu_check
+	$(PY) -m bench.gpu_check --tier $(TIER)
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step

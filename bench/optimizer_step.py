@@ -155,22 +155,24 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
 
 
 def measure_times(shapes, names: list[str], steps: int, device: str, first: dict | None = None,
-                  fallbacks: dict | None = None) -> dict[str, list[float]]:
+                  built: dict | None = None) -> dict[str, list[float]]:
     """Seconds of each timed step of every optimizer in ``names``, each on its own copy of parameters of
     ``shapes``, stepped in turn (in rotated order) after 3 warm-up steps; under ``FLOOR``, an in-place
     ``add_`` of a scalar over a flat fp32 buffer of the same size, timed in the same rotation.
 
     A shared machine's speed drifts by tens of percent within minutes; steps of different optimizers
     taken back to back see the same machine, so their ratio is the figure to trust. ``first``, when given,
-    receives each optimizer's first step in seconds (the fused rows' compile included); ``fallbacks`` each
-    fused row's ``fused_fallback`` where its compile failed (its steps then timed the multi-tensor path)."""
+    receives each optimizer's first step in seconds (the fused rows' compile included), ``built`` each optimizer
+    (what it did is read from it after: :func:`fallbacks`)."""
     dev = torch.device(device)
     build = optimizers()
     numel = sum(math.prod(s) for s in shapes)
     flat = torch.zeros(numel, device=dev)
-    work, opts = {FLOOR: lambda: flat.add_(1.0)}, {}
+    work = {FLOOR: lambda: flat.add_(1.0)}
     for name in names:
-        opt = opts[name] = build[name](_model_params(shapes, dev))
+        opt = build[name](_model_params(shapes, dev))
+        if built is not None:
+            built[name] = opt
         seconds = _timed(opt.step, dev)
         if first is not None:
             first[name] = seconds
@@ -183,10 +185,13 @@ def measure_times(shapes, names: list[str], steps: int, device: str, first: dict
         k = i % len(order)
         for name in order[k:] + order[:k]:
             times[name].append(_timed(work[name], dev))
-    if fallbacks is not None:
-        fallbacks.update({name: opt.fused_fallback for name, opt in opts.items()
-                          if getattr(opt, "fused_fallback", None) is not None})
     return times
+
+
+def fallbacks(built: dict) -> dict[str, str]:
+    """Each fused optimizer of ``built`` (name -> optimizer) whose compile failed: why (``fused_fallback``). Its
+    steps were the multi-tensor path's."""
+    return {name: opt.fused_fallback for name, opt in built.items() if getattr(opt, "fused_fallback", None)}
 
 
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
@@ -196,10 +201,10 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, statistics.median(values), q3
 
 
-def summarize(times: dict[str, list[float]], numel: int, fallbacks: dict | None = None) -> list[dict]:
+def summarize(times: dict[str, list[float]], numel: int, fell_back: dict | None = None) -> list[dict]:
     """Rows from paired timings: each optimizer's median step, and the quartiles of its step over the
     LAMB step and over the floor (``floor_seconds`` of the ``add_`` pass) taken in the same round; the
-    floor's own row first. A row in ``fallbacks`` (:func:`measure_times`) carries why under ``fallback``."""
+    floor's own row first. A row in ``fell_back`` (:func:`fallbacks`) carries why under ``fallback``."""
     floor = [floor_seconds(t, numel) for t in times[FLOOR]]
     series = {FLOOR: floor, **{k: v for k, v in times.items() if k != FLOOR}}
     rows = []
@@ -210,17 +215,17 @@ def summarize(times: dict[str, list[float]], numel: int, fallbacks: dict | None 
                      "vs_adamw": _quartiles([t / b for t, b in zip(ts, times[ADAMW])]) if ADAMW in times else None,
                      "paired": {other: _quartiles([t / b for t, b in zip(ts, times[other])])
                                 for other in ("lamb_fused",) if other in times and other != name}})
-        if fallbacks and name in fallbacks:
-            rows[-1]["fallback"] = fallbacks[name]
+        if fell_back and name in fell_back:
+            rows[-1]["fallback"] = fell_back[name]
     rows[0].update(bytes=floor_bytes(numel), gb_per_s=8 * numel / statistics.median(times[FLOOR]) / 1e9)
     return rows
 
 
 def _times_in_child(model, names, steps, device, queue) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    fallbacks = {}
-    times = measure_times(MODELS[model](), names, steps, device, fallbacks=fallbacks)
-    queue.put({"times": times, "fallbacks": fallbacks})
+    built = {}
+    times = measure_times(MODELS[model](), names, steps, device, built=built)
+    queue.put({"times": times, "fallbacks": fallbacks(built)})
 
 
 def _spawn(target, args, env: dict):

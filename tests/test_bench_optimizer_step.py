@@ -86,12 +86,12 @@ def tiny_runs(monkeypatch, tmp_path, shapes=None, timed=SHAPES) -> list:
 
     def run_model(model, names, steps, device):
         written.append((model, steps, names))
-        fallbacks = {}
-        times = bench.measure_times(timed, names, steps, device, fallbacks=fallbacks)
+        built = {}
+        times = bench.measure_times(timed, names, steps, device, built=built)
         return [{"model": model, "steps": steps, **r, **({} if r["optimizer"] == bench.FLOOR else
                                                          {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0,
                                                           "kernels": 7, "host_ops": 5})}
-                for r in bench.summarize(times, numel, fallbacks)]
+                for r in bench.summarize(times, numel, bench.fallbacks(built))]
 
     monkeypatch.setattr(bench, "run_model", run_model)
     for model in bench.MODELS:  # the sizes run_model's memory check sees
