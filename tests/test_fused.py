@@ -281,26 +281,33 @@ def test_the_age_reads_and_advances_every_int16_counter_through_fp16_bits_exactl
     """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits; fused.age_pass
     (step 6) makes it one more, held at MAX_AGE, where it is not averaged, and 0 where it is: marked SELECTED
     (which age_of reads as NaN) or in an always-averaged tensor's block."""
-    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED, age_of, age_pass, compile_once
+    from slamb.optim.fused import age_of, age_pass, compile_once
 
-    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16)
+    for read, advance in ((age_of, age_pass), (compile_once(age_of), compile_once(age_pass))):
+        assert_every_age_read_and_advanced(read, advance, torch.device("cpu"))
+
+
+def assert_every_age_read_and_advanced(read, advance, device):
+    """``read`` (fused.age_of) and ``advance`` (fused.age_pass), eager or compiled, on every counter on ``device``."""
+    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED
+
+    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16, device=device)
     advanced = torch.clamp(counters.int() + 1, max=MAX_AGE).to(torch.int16)
     blocks = -(-(MAX_AGE + 1) // BLOCK)
-    for read, advance in ((age_of, age_pass), (compile_once(age_of), compile_once(age_pass))):
-        assert torch.equal(read(counters.view(torch.float16)), torch.arange(MAX_AGE + 1, dtype=torch.float32))
-        assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16).view(torch.float16))).all()
-        for dense in (0.0, 1.0):
-            age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16)
-            age[:MAX_AGE + 1] = counters
-            age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
-            table = torch.zeros(blocks, len(MOMENT_COLUMNS))
-            table[:, MOMENT_COLUMNS.index("dense")] = dense
-            advance(age.view(torch.float16).view(blocks, BLOCK), table)
-            if dense:
-                assert not age.any()
-            else:
-                assert torch.equal(age[:MAX_AGE + 1], advanced)
-                assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
+    assert torch.equal(read(counters.view(torch.float16)).cpu(), torch.arange(MAX_AGE + 1, dtype=torch.float32))
+    assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16, device=device).view(torch.float16))).all()
+    for dense in (0.0, 1.0):
+        age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16, device=device)
+        age[:MAX_AGE + 1] = counters
+        age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
+        table = torch.zeros(blocks, len(MOMENT_COLUMNS), device=device)
+        table[:, MOMENT_COLUMNS.index("dense")] = dense
+        advance(age.view(torch.float16).view(blocks, BLOCK), table)
+        if dense:
+            assert not age.any()
+        else:
+            assert torch.equal(age[:MAX_AGE + 1], advanced)
+            assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
 
 
 def test_each_compiled_graph_has_its_own_recompile_limit():

@@ -149,33 +149,16 @@ def test_the_fp16_bit_age_on_cuda_reads_and_advances_every_counter():
     """SLAMB's int16 age reaches the fused graphs as fp16 bits: on CUDA, eager and in Triton kernels, every counter
     0..MAX_AGE reads as itself (age_of; SELECTED as NaN), the age pass makes it one more, held at MAX_AGE (0 where
     averaged), and r = b3^age is the CPU's to fp32 rounding."""
-    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED, age_of, age_pass, compile_once
+    from slamb.optim.fused import MAX_AGE, age_of, age_pass, compile_once
+    from tests.test_fused import assert_every_age_read_and_advanced
 
-    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16, device=CUDA)
-    advanced = torch.clamp(counters.int() + 1, max=MAX_AGE).to(torch.int16)
-    blocks = -(-(MAX_AGE + 1) // BLOCK)
+    bits = torch.arange(MAX_AGE + 1, dtype=torch.int16, device=CUDA).view(torch.float16)
     log2_b3 = torch.full((MAX_AGE + 1,), math.log2(0.999), device=CUDA)
-    want_r = _freshness(counters.cpu().view(torch.float16), log2_b3.cpu())
+    want_r = _freshness(bits.cpu(), log2_b3.cpu())
     for read, advance, freshness in ((age_of, age_pass, _freshness),
                                      (compile_once(age_of), compile_once(age_pass), compile_once(_freshness))):
-        got = read(counters.view(torch.float16))
-        assert torch.equal(got.cpu(), torch.arange(MAX_AGE + 1, dtype=torch.float32))
-        marked = torch.tensor([SELECTED], dtype=torch.int16, device=CUDA).view(torch.float16)
-        assert torch.isnan(read(marked)).all()
-        torch.testing.assert_close(freshness(counters.view(torch.float16), log2_b3).cpu(), want_r,
-                                   rtol=2e-6, atol=0)
-        for dense in (0.0, 1.0):
-            age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16, device=CUDA)
-            age[:MAX_AGE + 1] = counters
-            age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
-            table = torch.zeros(blocks, len(MOMENT_COLUMNS), device=CUDA)
-            table[:, MOMENT_COLUMNS.index("dense")] = dense
-            advance(age.view(torch.float16).view(blocks, BLOCK), table)
-            if dense:
-                assert not age.any()
-            else:
-                assert torch.equal(age[:MAX_AGE + 1], advanced)
-                assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
+        assert_every_age_read_and_advanced(read, advance, CUDA)
+        torch.testing.assert_close(freshness(bits, log2_b3).cpu(), want_r, rtol=2e-6, atol=0)
 
 
 FUSED = {"lamb": {}, "slamb_v1": {"variant": "v1"}, "slamb_v2": {"variant": "v2"}}
