@@ -228,7 +228,9 @@ def _times_in_child(model, names, steps, device, queue) -> None:
     queue.put({"times": times, "fallbacks": fallbacks(built)})
 
 
-def _spawn(target, args, env: dict):
+def _spawn(target, args, env: dict, timeout: float | None = None):
+    """``target(*args, queue)`` in a fresh process with ``env`` added to its environment: what it puts on the queue.
+    ``timeout``: seconds after which the process is killed and ``TimeoutError`` raised."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     saved = {k: os.environ.get(k) for k in env}
@@ -239,11 +241,16 @@ def _spawn(target, args, env: dict):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    start = time.perf_counter()
     while True:  # a child killed (for memory, say) puts nothing: fail instead of waiting for ever
         try:
             result = queue.get(timeout=5)
             break
         except queue_module.Empty:
+            if timeout is not None and time.perf_counter() - start > timeout:
+                proc.kill()
+                proc.join()
+                raise TimeoutError(f"{target.__name__} did not end in {timeout:.0f} s; stopped") from None
             if not proc.is_alive():
                 raise RuntimeError(f"{target.__name__}{args} ended with exit code {proc.exitcode} and no result "
                                    "(a negative code is the signal that killed it: -9, out of memory?)") from None

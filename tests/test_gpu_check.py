@@ -179,7 +179,8 @@ def test_a_tier_runs_its_parts_in_order_writes_after_each_and_starts_none_past_i
                                                     ["environment", "bandwidth", "tests", "step"]]
     parts = written[-1]["parts"]
     assert {k: p["status"] for k, p in parts.items()} == {
-        "environment": "done", "bandwidth": "error", "tests": "failed", "step": "not run: the tier's deadline had passed"}
+        "environment": "done", "bandwidth": "error", "tests": "failed",
+        "step": "not run: the tier's deadline had passed"}
     assert parts["bandwidth"]["error"] == "RuntimeError: out of memory" and parts["tests"]["seconds"] == 30
     assert all(p["tier"] == 1 and p["revision"] == "abc1234" for p in parts.values())
     page = (tmp_path / "test-gpu.md").read_text()
@@ -197,6 +198,23 @@ def test_a_tier_runs_its_parts_in_order_writes_after_each_and_starts_none_past_i
     (tmp_path / "old.json").write_text(json.dumps({"environment": env, "tests": {}}))
     assert gpu_check.load(tmp_path / "old.json", env, 1) == {"format": gpu_check.FORMAT, "parts": {},
                                                              "environment": env}
+
+
+def _sleeps(seconds, queue):
+    import time
+
+    time.sleep(seconds)
+
+
+@pytest.mark.multiprocess
+def test_a_part_in_a_process_of_its_own_is_stopped_past_its_time():
+    """A part in a process of its own is stopped past the deadline (bench.optimizer_step._spawn's timeout)."""
+    import time
+
+    tic = time.perf_counter()
+    with pytest.raises(TimeoutError, match="_sleeps did not end in 2 s; stopped"):
+        optimizer_step._spawn(_sleeps, (120,), {}, timeout=2)
+    assert time.perf_counter() - tic < 60
 
 
 @pytest.mark.e2e
@@ -262,7 +280,8 @@ def test_a_tiered_page_renders_every_part_it_holds():
     assert lines["| lamb_fused"].endswith("| 1.5 | 7 | 1 | none |")
     assert lines["| floor"].endswith("| – | – | – | – |")
     assert "| slamb_v2_fused step / torch's fused AdamW step | 2.0 | – | refused: its compile failed |" in page
-    assert "Kernels of one lamb_fused step (it misses a target)" in page and "| `triton_red_fused_0` | 1 | 0.5 |" in page
+    assert "Kernels of one lamb_fused step (it misses a target)" in page
+    assert "| `triton_red_fused_0` | 1 | 0.5 |" in page
     assert "past 2^31 (1,000 entries)" in page and "fallback: none" in page
     assert "- deterministic: `RuntimeError: boom`" in page
     assert "## Deterministic mode" not in page and "## Peak memory" not in page  # what did not run is not shown
