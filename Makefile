@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo study sweeps time-to-accuracy test test-quick bench comm-volume tables gpu-check clean
+.PHONY: demo study sweeps time-to-accuracy test test-quick test-compat bench comm-volume tables gpu-check clean
 
 # the library requires ranges (pyproject.toml); the checkout installs the exact versions it is tested with
 $(STAMP): pyproject.toml constraints.txt
@@ -44,10 +44,36 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not multiprocess and not e2e" $(PYTEST_ARGS)
 
-# the GPU acceptance check (results/gpu/<gpu>.md); one line and exit 0 without CUDA. `make gpu-check PY=python3`
+# the oldest torch pyproject.toml declares, in a venv of its own, with what a GPU machine's tier-1 check has
+# besides (pytest, transformers, omegaconf), the other packages at constraints.txt's versions: the tests that reach
+# into torch (its compiler, FSDP2/HSDP, DCP, collectives, dispatch, profiler) and the GPU check's plumbing. PyPI's
+# only torch 2.11 for Linux is the CUDA build: about 1.7 GB to download once, 4.7 GB installed
+TORCH_OLDEST  := 2.11.0
+COMPAT        := .venv-compat
+COMPAT_STAMP  := $(COMPAT)/.installed
+COMPAT_TESTS  := tests/test_fused.py tests/test_precision.py tests/test_gpu_paths.py tests/test_kernels.py \
+                 tests/test_comm.py tests/test_gpu.py
+# and with workers: FSDP2/HSDP and DCP (each module's tests read one run of its workers), the collectives on 3
+# ranks, the GPU check run as a command
+COMPAT_WORKERS := tests/test_fsdp.py tests/test_fsdp_checkpoint.py tests/test_gpu_check.py \
+                  tests/test_comm.py::test_collectives_and_their_bytes_on_three_ranks
+
+$(COMPAT_STAMP): pyproject.toml constraints.txt
+	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
+	{ grep -v -E '^(torch|triton|nvidia-|cuda-)' constraints.txt; echo torch==$(TORCH_OLDEST); } > $(COMPAT)/constraints.txt
+	$(COMPAT)/bin/python -m pip install -q -c $(COMPAT)/constraints.txt -e . pytest transformers omegaconf
+	touch $(COMPAT_STAMP)
+
+test-compat: $(COMPAT_STAMP)
+	$(COMPAT)/bin/python -m pytest -q -m "not multiprocess" $(COMPAT_TESTS) $(PYTEST_ARGS)
+	$(COMPAT)/bin/python -m pytest -q $(COMPAT_WORKERS) $(PYTEST_ARGS)
+
+# the GPU acceptance check (docs/gpu.md; results/gpu/<gpu>.md): tier 1, at most 5 minutes on one H100; TIER=2 the
+# rest. Without CUDA it runs its environment part and skips the others, a line each. `make gpu-check PY=python3`
 # runs it with an interpreter that already has torch (no venv made)
+TIER ?= 1
 gpu-check: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
-	$(PY) -m bench.gpu_check
+	$(PY) -m bench.gpu_check --tier $(TIER)
 
 bench: $(STAMP)
 	$(PY) -m bench.optimizer_step
@@ -59,4 +85,4 @@ tables: $(STAMP)
 	$(PY) scripts/make_tables.py --runs runs --out results
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(COMPAT) .pytest_cache

@@ -586,7 +586,9 @@ def calibration_gb(page: Path = CALIBRATION_PAGE) -> dict[int, float]:
     v2's differ by 0.01)."""
     import json
 
-    rows = json.loads(page.read_text())["memory"]
+    from bench.gpu_check import memory_rows
+
+    rows = memory_rows(json.loads(page.read_text()))
     return {r["micro_batch"]: r["activations_gb"] for r in rows if r["optimizer"] == "lamb" and "activations_gb" in r}
 
 

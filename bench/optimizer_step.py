@@ -154,14 +154,16 @@ def measure_memory(model: str, optimizer: str, device: str, queue) -> None:
                "host_ops": launched["host_ops"]})
 
 
-def measure_times(shapes, names: list[str], steps: int, device: str, first: dict | None = None) -> dict[str, list[float]]:
+def measure_times(shapes, names: list[str], steps: int, device: str, first: dict | None = None,
+                  built: dict | None = None) -> dict[str, list[float]]:
     """Seconds of each timed step of every optimizer in ``names``, each on its own copy of parameters of
     ``shapes``, stepped in turn (in rotated order) after 3 warm-up steps; under ``FLOOR``, an in-place
     ``add_`` of a scalar over a flat fp32 buffer of the same size, timed in the same rotation.
 
     A shared machine's speed drifts by tens of percent within minutes; steps of different optimizers
     taken back to back see the same machine, so their ratio is the figure to trust. ``first``, when given,
-    receives each optimizer's first step in seconds (the fused rows' compile included)."""
+    receives each optimizer's first step in seconds (the fused rows' compile included), ``built`` each optimizer
+    (what it did is read from it after: :func:`fallbacks`)."""
     dev = torch.device(device)
     build = optimizers()
     numel = sum(math.prod(s) for s in shapes)
@@ -169,6 +171,8 @@ def measure_times(shapes, names: list[str], steps: int, device: str, first: dict
     work = {FLOOR: lambda: flat.add_(1.0)}
     for name in names:
         opt = build[name](_model_params(shapes, dev))
+        if built is not None:
+            built[name] = opt
         seconds = _timed(opt.step, dev)
         if first is not None:
             first[name] = seconds
@@ -184,6 +188,12 @@ def measure_times(shapes, names: list[str], steps: int, device: str, first: dict
     return times
 
 
+def fallbacks(built: dict) -> dict[str, str]:
+    """Each fused optimizer of ``built`` (name -> optimizer) whose compile failed: why (``fused_fallback``). Its
+    steps were the multi-tensor path's."""
+    return {name: opt.fused_fallback for name, opt in built.items() if getattr(opt, "fused_fallback", None)}
+
+
 def _quartiles(values: list[float]) -> tuple[float, float, float]:
     if len(values) < 2:
         return values[0], values[0], values[0]
@@ -191,10 +201,10 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, statistics.median(values), q3
 
 
-def summarize(times: dict[str, list[float]], numel: int) -> list[dict]:
+def summarize(times: dict[str, list[float]], numel: int, fell_back: dict | None = None) -> list[dict]:
     """Rows from paired timings: each optimizer's median step, and the quartiles of its step over the
     LAMB step and over the floor (``floor_seconds`` of the ``add_`` pass) taken in the same round; the
-    floor's own row first."""
+    floor's own row first. A row in ``fell_back`` (:func:`fallbacks`) carries why under ``fallback``."""
     floor = [floor_seconds(t, numel) for t in times[FLOOR]]
     series = {FLOOR: floor, **{k: v for k, v in times.items() if k != FLOOR}}
     rows = []
@@ -205,16 +215,22 @@ def summarize(times: dict[str, list[float]], numel: int) -> list[dict]:
                      "vs_adamw": _quartiles([t / b for t, b in zip(ts, times[ADAMW])]) if ADAMW in times else None,
                      "paired": {other: _quartiles([t / b for t, b in zip(ts, times[other])])
                                 for other in ("lamb_fused",) if other in times and other != name}})
+        if fell_back and name in fell_back:
+            rows[-1]["fallback"] = fell_back[name]
     rows[0].update(bytes=floor_bytes(numel), gb_per_s=8 * numel / statistics.median(times[FLOOR]) / 1e9)
     return rows
 
 
 def _times_in_child(model, names, steps, device, queue) -> None:
     torch.set_num_threads(os.cpu_count() or 1)
-    queue.put(measure_times(MODELS[model](), names, steps, device))
+    built = {}
+    times = measure_times(MODELS[model](), names, steps, device, built=built)
+    queue.put({"times": times, "fallbacks": fallbacks(built)})
 
 
-def _spawn(target, args, env: dict):
+def _spawn(target, args, env: dict, timeout: float | None = None):
+    """``target(*args, queue)`` in a fresh process with ``env`` added to its environment: what it puts on the queue.
+    ``timeout``: seconds after which the process is killed and ``TimeoutError`` raised."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     saved = {k: os.environ.get(k) for k in env}
@@ -225,11 +241,16 @@ def _spawn(target, args, env: dict):
     finally:
         for k, v in saved.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+    start = time.perf_counter()
     while True:  # a child killed (for memory, say) puts nothing: fail instead of waiting for ever
         try:
             result = queue.get(timeout=5)
             break
         except queue_module.Empty:
+            if timeout is not None and time.perf_counter() - start > timeout:
+                proc.kill()
+                proc.join()
+                raise TimeoutError(f"{target.__name__} did not end in {timeout:.0f} s; stopped") from None
             if not proc.is_alive():
                 raise RuntimeError(f"{target.__name__}{args} ended with exit code {proc.exitcode} and no result "
                                    "(a negative code is the signal that killed it: -9, out of memory?)") from None
@@ -287,8 +308,8 @@ def run_model(model: str, names: list[str], steps: int, device: str) -> list[dic
     numel = sum(math.prod(s) for s in MODELS[model]())
     summary = {}  # each row from the first group that timed it
     for group in paired_groups(names, numel, _available_bytes(device)):
-        times = _spawn(_times_in_child, (model, group, steps, device), {})
-        for row in summarize(times, numel):
+        got = _spawn(_times_in_child, (model, group, steps, device), {})
+        for row in summarize(got["times"], numel, got["fallbacks"]):
             summary.setdefault(row["optimizer"], row)
     # glibc returns blocks above this size to the OS when freed (and maps them afresh: slower, so only here):
     # 4 KiB, so that a step's temporaries of small tensors (ResNet-110's) leave the RSS too, rather than being
@@ -328,6 +349,11 @@ def targets(rows) -> list[dict]:
         have = {r["optimizer"]: r for r in rows if r["model"] == model}
         for models, what, name, value, limit in TARGETS:
             if models is not None and model not in models:
+                continue
+            fell = {n for n, r in have.items() if "fallback" in r}  # their steps were the multi-tensor path's
+            if name in fell or "lamb_fused" in fell and what.endswith("/ fused LAMB step"):
+                out.append({"model": model, "target": what, "limit": limit, "value": None,
+                            "verdict": "refused: its compile failed"})
                 continue
             try:
                 v = value(have[name])
@@ -372,9 +398,15 @@ def render(rows, device: str) -> str:
         mem = (["-"] * 4 if r["optimizer"] == FLOOR
                else [f"{r[k]:.2f}" for k in ("state_words", "scratch_words", "peak_words")]
                + [f"{r['kernels']} ({r['host_ops']})"])
-        out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {r['optimizer']} | {r['ms']:.1f} | "
+        name = r["optimizer"] + (" (fell back)" if "fallback" in r else "")
+        out.append(f"| {r['model']} | {r['numel'] / 1e6:.1f}M | {name} | {r['ms']:.1f} | "
                    f"{_q(r['vs_lamb'])} | {_q(r['vs_floor'])} | {_q(r['vs_adamw']) if r['vs_adamw'] else '-'} | "
                    f"{' | '.join(mem)} |")
+    fell = [r for r in rows if "fallback" in r]
+    if fell:
+        out += ["", "Fell back: `torch.compile` failed for these fused rows, so their steps timed the multi-tensor "
+                "path and no figure of theirs is the fused step's: "
+                + "; ".join(f"{r['model']} {r['optimizer']}: `{r['fallback']}`" for r in fell) + "."]
     out += ["", "## Targets", "", "Computed from the rows above (medians of the paired ratios).", "",
             "| model | target | limit | measured | |", "|---|---|---:|---:|---|"]
     for t in targets(rows):
@@ -439,6 +471,10 @@ def main(argv=None) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(render(rows, args.device))
     print(f"wrote {out}")
+    fell = [f"{r['model']} {r['optimizer']}" for r in rows if "fallback" in r]
+    if fell:
+        raise SystemExit(f"torch.compile failed for {', '.join(fell)}: their steps timed the multi-tensor path "
+                         f"(the page says so)")
 
 
 if __name__ == "__main__":

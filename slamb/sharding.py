@@ -206,8 +206,8 @@ def _record_fsdp_collectives(model, modules, ledger: comm.CommLedger, *, replica
 
     An all-gather while ``model`` is in eval mode is not recorded: the ledger holds the training steps'
     traffic, and an evaluation between two steps would otherwise count in the next one (and not survive a
-    resume, which saves the ledger's finished steps)."""
-    from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+    resume, which saves the ledger's finished steps). The collectives have the methods FSDP2 calls (``allocate``
+    and the call), which is all it asks of them: its ``AllGather`` and ``ReduceScatter`` base classes are private."""
 
     class _Fresh:  # a buffer per call, as FSDP's default collectives allocate
         def allocate(self, size, *, dtype, device):
@@ -216,13 +216,13 @@ def _record_fsdp_collectives(model, modules, ledger: comm.CommLedger, *, replica
     def record(kind: str, op: str, tensor: torch.Tensor, group) -> None:
         ledger.record(kind, op, tensor.numel() * tensor.element_size(), dist.get_world_size(group), level="shard")
 
-    class _LedgeredAllGather(_Fresh, AllGather):
+    class _LedgeredAllGather(_Fresh):
         def __call__(self, output_tensor, input_tensor, group, async_op=False):
             if model.training:
                 record("fsdp_all_gather", "all_gather", input_tensor, group)
             return comm._all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
 
-    class _LedgeredReduceScatter(_Fresh, ReduceScatter):
+    class _LedgeredReduceScatter(_Fresh):
         def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
             record("fsdp_reduce_scatter", "reduce_scatter", input_tensor, group)
             return comm._reduce_scatter_single(output_tensor, input_tensor, op=op, group=group, async_op=async_op)
@@ -253,15 +253,14 @@ def _broadcast_replicas(model: torch.nn.Module, topology: MeshTopology) -> None:
 
 
 def _reduce_over_shards_only(module, topology: MeshTopology) -> None:
-    """FSDP2 (torch 2.14) has no public switch for "reduce-scatter, but no all-reduce over the replicas":
+    """FSDP2 (torch 2.11 to 2.14) has no public switch for "reduce-scatter, but no all-reduce over the replicas":
     ``set_requires_all_reduce(False)`` holds the reduce-scatter output back for a later all-reduce (gradient
     accumulation) and sets no gradient. So each parameter group's reduction is re-pointed at the shard
     dimension alone, FSDP's 1-D mesh information over the same mesh: the parameters stay the HSDP mesh's
     DTensors, and FSDP divides the reduce-scatter's sum by the shard group's size, the mean over the replica."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo
 
-    state = module._get_fsdp_state()
-    for group in state._fsdp_param_groups:
+    for group in _param_groups(module._get_fsdp_state()):
         info = group.mesh_info
         if isinstance(info, HSDPMeshInfo):
             if info.mesh != topology.mesh or getattr(info, "is_spmd_mesh", False):
@@ -271,6 +270,15 @@ def _reduce_over_shards_only(module, topology: MeshTopology) -> None:
         elif not isinstance(info, FSDPMeshInfo):
             raise ValueError("slamb.wrap_model: SLAMB takes FSDP2 modules sharded by fully_shard (FSDP or HSDP), "
                              f"not {type(info).__name__}")
+
+
+def _param_groups(state) -> list:
+    """An FSDP2 state's parameter groups: a list where torch has per-parameter meshes (2.14), one group or None
+    in torch 2.11."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return groups
+    return [] if state._fsdp_param_group is None else [state._fsdp_param_group]
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:

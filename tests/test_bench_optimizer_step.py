@@ -83,12 +83,17 @@ def tiny_runs(monkeypatch, tmp_path, shapes=None, timed=SHAPES) -> list:
     names) of each run. ``shapes``: each model's, where not SHAPES, as the memory check sees them."""
     written = []
     numel = sum(math.prod(s) for s in timed)
-    monkeypatch.setattr(bench, "run_model", lambda model, names, steps, device: written.append(
-        (model, steps, names)) or [
-        {"model": model, "steps": steps, **r, **({} if r["optimizer"] == bench.FLOOR else
-                                                 {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0,
-                                                  "kernels": 7, "host_ops": 5})}
-        for r in bench.summarize(bench.measure_times(timed, names, steps, device), numel)])
+
+    def run_model(model, names, steps, device):
+        written.append((model, steps, names))
+        built = {}
+        times = bench.measure_times(timed, names, steps, device, built=built)
+        return [{"model": model, "steps": steps, **r, **({} if r["optimizer"] == bench.FLOOR else
+                                                         {"state_words": 2.0, "scratch_words": 0.0, "peak_words": 1.0,
+                                                          "kernels": 7, "host_ops": 5})}
+                for r in bench.summarize(times, numel, bench.fallbacks(built))]
+
+    monkeypatch.setattr(bench, "run_model", run_model)
     for model in bench.MODELS:  # the sizes run_model's memory check sees
         monkeypatch.setitem(bench.MODELS, model, lambda model=model: (shapes or {}).get(model, SHAPES))
     monkeypatch.setattr(bench, "SCRATCH_OUT", tmp_path / "runs" / "optimizer_step.md")
@@ -138,6 +143,33 @@ def test_quick_run_gives_every_row_its_ratio_to_torch_fused_adamw(monkeypatch, t
             assert 0 < low <= float(median) <= high, (model, name, column)
         if name == "adamw_fused":
             assert cells["vs fused AdamW"] == "1.00x (1.00-1.00)"
+
+
+def test_a_fused_row_whose_compile_failed_is_refused(monkeypatch, tmp_path):
+    """A fused optimizer whose graphs fail to compile warns and steps on the multi-tensor path: its row says it
+    fell back, no target is computed from it, and the run ends with an error naming it (the page written)."""
+    def broken(fn, **kw):
+        def raise_(*args, **kwargs):
+            raise RuntimeError("no C++ compiler found")
+        return raise_
+
+    tiny_runs(monkeypatch, tmp_path)
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.warns(UserWarning, match="torch.compile failed"), pytest.raises(SystemExit) as refused:
+        bench.main(["--quick", "--device", "cpu", "--models", "bert_base", "--optimizers", "lamb_fused",
+                    "slamb_v2_fused"])
+    assert "torch.compile failed for bert_base lamb_fused, bert_base slamb_v2_fused" in str(refused.value)
+    page = (tmp_path / "runs" / "optimizer_step.md").read_text()
+    assert {name for _, name in table_rows(page)} == {
+        "floor", "lamb", "adamw_fused", "lamb_fused (fell back)", "slamb_v2_fused (fell back)"}
+    assert "bert_base lamb_fused: `RuntimeError: no C++ compiler found`" in page
+    verdicts = {cells[1]: cells[-1] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in
+                                                  page.split("## Targets")[1].splitlines()
+                                                  if line.startswith("| bert_base"))}
+    assert {what for what, verdict in verdicts.items() if verdict == "not measured"} == {
+        "fused SLAMB v1 step / floor", "fused SLAMB v1 state (words/param)"}  # no such row
+    assert {verdict for what, verdict in verdicts.items() if "v1 step / floor" not in what and "v1 state" not in what
+            } == {"refused: its compile failed"}  # v1 / fused LAMB too: the fused LAMB row fell back
 
 
 def test_full_run_has_bert_large_and_leaves_out_what_the_memory_cannot_hold(monkeypatch, tmp_path, capsys):

@@ -65,7 +65,11 @@ class Traffic:
     """The bytes each collective is handed, by (collective, ranks of its group): what crosses which mesh
     dimension, FSDP's own collectives included."""
 
-    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_to_all_single", "broadcast")
+    # by torch's newer names; where they are missing (torch 2.11) slamb.comm calls the older ones, counted under
+    # the newer names
+    NAMES = {"all_reduce": "all_reduce", "all_to_all_single": "all_to_all_single", "broadcast": "broadcast",
+             **{new: new if hasattr(dist, new) else old for new, old in (
+                 ("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor"))}}
 
     def __init__(self):
         self.bytes: dict[tuple, int] = {}
@@ -82,14 +86,14 @@ class Traffic:
         return counted
 
     def __enter__(self):
-        for name in self.NAMES:
-            self.saved[name] = getattr(dist, name)
-            setattr(dist, name, self._wrap(name, self.saved[name], 1 if name.endswith("_single") else 0))
+        for name, attr in self.NAMES.items():
+            self.saved[attr] = getattr(dist, attr)
+            setattr(dist, attr, self._wrap(name, self.saved[attr], 1 if name.endswith("_single") else 0))
         return self
 
     def __exit__(self, *exc):
-        for name in self.NAMES:
-            setattr(dist, name, self.saved[name])
+        for attr, fn in self.saved.items():
+            setattr(dist, attr, fn)
 
 
 def masks_of(opt):
@@ -357,11 +361,13 @@ def test_other_optimizers_and_paths_refuse_sharded_parameters_in_one_line(runs):
 
 
 def gathers_per_step(rank, world):
-    """What each fused step copies into its flat buffers (the gradients, a shard's parameters), by buffer, on
-    FSDP2 shards and on a DDP replica, both non-finite settings, gradients set to None between steps."""
+    """What each fused step copies into its flat buffers (the gradients, a shard's parameters), by buffer, and
+    what it reads from the host or copies from it (:func:`tests.test_gpu_paths.host_reads`), on FSDP2 shards and
+    on a DDP replica, both non-finite settings, gradients set to None between steps."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from slamb.optim.fused import FlatStep
+    from tests.test_gpu_paths import host_reads
 
     copied = []
     real = FlatStep._cat
@@ -383,22 +389,37 @@ def gathers_per_step(rank, world):
                                               blocks=(torch.nn.Linear, torch.nn.LayerNorm))
                 opt = build(model.parameters(), check)
                 wrapped = slamb.wrap_model(model, opt)
-                steps = []
+                steps, reads = [], []
                 for t in range(1, 4):
                     opt.zero_grad(set_to_none=True)
                     loss_of(wrapped, rank, t).backward()
                     copied.clear()
-                    opt.step()
+                    with pytest.MonkeyPatch.context() as m:
+                        reads.append(host_reads(opt.step, m))
                     steps.append(sorted(copied))
-                out[name, check, sharded] = steps
+                out[name, check, sharded] = steps, reads[1:]  # the first step builds the layout
     FlatStep._cat = real
     return out
 
 
-def test_a_fused_step_gathers_its_gradients_once():
+@pytest.fixture(scope="module")
+def gathers():
+    return distributed.run(gathers_per_step, 2)
+
+
+def test_a_fused_step_gathers_its_gradients_once(gathers):
     """The non-finite screen, the exchange and the update read one gather of the gradients: FSDP2's gradient
     shards stay FSDP's tensors (not views of the flat buffer), and each gather of them would copy a word per
     parameter again (SLAMB copied them 3 times a step, LAMB twice). A shard's parameters are copied in once."""
-    for rank_out in distributed.run(gathers_per_step, 2):
-        for (name, check, sharded), steps in rank_out.items():
+    for rank_out in gathers:
+        for (name, check, sharded), (steps, _) in rank_out.items():
             assert steps == [["grad", "param"] if sharded else ["grad"]] * 3, (name, check, sharded, steps)
+
+
+def test_a_sharded_fused_step_reads_and_copies_from_the_host_what_a_replicas_does(gathers):
+    """A shard's step makes the host reads of a DDP replica's step and no more (docs/gpu.md, "Host
+    synchronisations"): its draw's runs are placed on the device (two blocking copies to the device before)."""
+    for rank_out in gathers:
+        for (name, check, sharded), (_, reads) in rank_out.items():
+            if sharded:
+                assert reads == rank_out[name, check, False][1], (name, check, reads)

@@ -10,6 +10,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import slamb
 from tests import distributed
@@ -175,6 +176,8 @@ def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatc
             runs[path] = (params, [str(w.message) for w in caught if "fused=True" in str(w.message)], opt)
         assert len(runs["fused"][1]) == 1 and "no C++ compiler found" in runs["fused"][1][0]
         assert runs["fused"][2].fused is False  # it said so, and runs the multi-tensor path
+        assert runs["fused"][2].fused_fallback == "RuntimeError: no C++ compiler found"  # and keeps saying so
+        assert runs["foreach"][2].fused_fallback is None
         for a, b in zip(runs["fused"][0], runs["foreach"][0]):
             assert torch.equal(a, b)
         ages = [[s["staleness"] for s in r[2].state_dict()["state"].values()] for r in (runs["fused"], runs["foreach"])]
@@ -188,8 +191,44 @@ def test_a_failing_compiler_warns_once_and_runs_the_multi_tensor_path(monkeypatc
         advance(params, opt, range(1, 4))
     advance(ref_params, ref, range(1, 4))
     assert len([w for w in caught if "LAMB(fused=True)" in str(w.message)]) == 1
+    assert opt.fused_fallback == "RuntimeError: no C++ compiler found" and ref.fused_fallback is None
     for a, b in zip(params, ref_params):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v1", fused=True),
+                                   lambda: fresh(variant="v2", fused=True)], ids=["lamb", "slamb_v1", "slamb_v2"])
+def test_a_graph_that_fails_after_the_steps_first_is_recorded_and_left_at_the_next_step(build, monkeypatch):
+    """The update's graph fails to compile after the moments' ran: that step ends eagerly (the graphs' numbers),
+    the next ones run the multi-tensor path, and ``fused_fallback`` says why; a compiled run's is None."""
+    from slamb.optim import fused
+
+    compile_ = torch.compile
+
+    def update_fails(fn, **kw):
+        if fn.__name__ != "update_pass":
+            return compile_(fn, **kw)
+
+        def raise_(*args, **kwargs):
+            raise RuntimeError("the update does not compile")
+        return raise_
+
+    params, opt = build()
+    with monkeypatch.context() as m, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.setattr(torch, "compile", update_fails)
+        advance(params, opt, range(1, 2))
+        assert opt.fused_fallback == "RuntimeError: the update does not compile"
+        calls = []
+        m.setattr(fused.Passes, "__call__", lambda self, fn, *args: calls.append(fn) or fn(*args))
+        advance(params, opt, range(2, 4))
+    assert len([w for w in caught if "the update does not compile" in str(w.message)]) == 1
+    assert opt.fused_fallback == "RuntimeError: the update does not compile"
+    assert calls == []  # the multi-tensor path: no pass of the fused step
+    assert all(torch.isfinite(p).all() for p in params)
+    params, opt = build()
+    advance(params, opt, range(1, 3))
+    assert opt.fused_fallback is None
 
 
 def test_fused_with_foreach_false_is_refused():
@@ -242,26 +281,33 @@ def test_the_age_reads_and_advances_every_int16_counter_through_fp16_bits_exactl
     """Every counter 0..MAX_AGE, compiled and eager: fused.age_of reads it from its fp16 bits; fused.age_pass
     (step 6) makes it one more, held at MAX_AGE, where it is not averaged, and 0 where it is: marked SELECTED
     (which age_of reads as NaN) or in an always-averaged tensor's block."""
-    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED, age_of, age_pass, compile_once
+    from slamb.optim.fused import age_of, age_pass, compile_once
 
-    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16)
+    for read, advance in ((age_of, age_pass), (compile_once(age_of), compile_once(age_pass))):
+        assert_every_age_read_and_advanced(read, advance, torch.device("cpu"))
+
+
+def assert_every_age_read_and_advanced(read, advance, device):
+    """``read`` (fused.age_of) and ``advance`` (fused.age_pass), eager or compiled, on every counter on ``device``."""
+    from slamb.optim.fused import BLOCK, MAX_AGE, MOMENT_COLUMNS, SELECTED
+
+    counters = torch.arange(MAX_AGE + 1, dtype=torch.int16, device=device)
     advanced = torch.clamp(counters.int() + 1, max=MAX_AGE).to(torch.int16)
     blocks = -(-(MAX_AGE + 1) // BLOCK)
-    for read, advance in ((age_of, age_pass), (compile_once(age_of), compile_once(age_pass))):
-        assert torch.equal(read(counters.view(torch.float16)), torch.arange(MAX_AGE + 1, dtype=torch.float32))
-        assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16).view(torch.float16))).all()
-        for dense in (0.0, 1.0):
-            age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16)
-            age[:MAX_AGE + 1] = counters
-            age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
-            table = torch.zeros(blocks, len(MOMENT_COLUMNS))
-            table[:, MOMENT_COLUMNS.index("dense")] = dense
-            advance(age.view(torch.float16).view(blocks, BLOCK), table)
-            if dense:
-                assert not age.any()
-            else:
-                assert torch.equal(age[:MAX_AGE + 1], advanced)
-                assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
+    assert torch.equal(read(counters.view(torch.float16)).cpu(), torch.arange(MAX_AGE + 1, dtype=torch.float32))
+    assert torch.isnan(read(torch.tensor([SELECTED], dtype=torch.int16, device=device).view(torch.float16))).all()
+    for dense in (0.0, 1.0):
+        age = torch.full((blocks * BLOCK,), SELECTED, dtype=torch.int16, device=device)
+        age[:MAX_AGE + 1] = counters
+        age[MAX_AGE + 1::2] = 7  # the last block: marks and counters side by side
+        table = torch.zeros(blocks, len(MOMENT_COLUMNS), device=device)
+        table[:, MOMENT_COLUMNS.index("dense")] = dense
+        advance(age.view(torch.float16).view(blocks, BLOCK), table)
+        if dense:
+            assert not age.any()
+        else:
+            assert torch.equal(age[:MAX_AGE + 1], advanced)
+            assert (age[MAX_AGE + 1::2] == 8).all() and not age[MAX_AGE + 2::2].any()
 
 
 def test_each_compiled_graph_has_its_own_recompile_limit():
@@ -467,12 +513,13 @@ def test_fused_nonfinite_gradients_raise_or_skip_before_anything_changes(build):
     [(5,), (30, 20), (7,), (8,), (2, 1), (50, 3), (200,), (3,)],
 ])
 @pytest.mark.parametrize("shard", [None, (0, 2), (1, 2), (2, 3)])
-def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes, shard):
+def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout(shapes, shard, monkeypatch):
     """Selection.layout_positions (a few ops over the draw) against the per-tensor positions moved by each
     tensor's offset, for both mask policies and several steps: the drawn ones alone (the marks), and after
     every entry of the always-averaged tensors (the exchange's packed order). ``shard``: (index, count), the
     layout of FSDP2's dim-0 shards of those tensors (torch.chunk's cut, some of them empty), whose masks are
-    their slices of the whole model's draw."""
+    their slices of the whole model's draw. Nothing is copied from the host: a shard's runs are placed on the
+    device (two blocking copies a step before)."""
     from slamb.optim.exchange import packing
     from slamb.optim.flat import FlatLayout
     from slamb.optim.fused import BLOCK
@@ -496,9 +543,57 @@ def test_layout_positions_are_each_tensors_drawn_positions_in_the_aligned_layout
             want = torch.cat([sel.local[i] + layout.offsets[i] for i in sel.compressed])
             assert want.numel() > 0
             runs = LayoutRuns(layout, dense)
-            assert torch.equal(sel.layout_positions(runs), want)
+            got = []
+            assert host_reads(lambda: got.append(sel.layout_positions(runs)), monkeypatch) == {}
+            assert torch.equal(got[0], want)
             order = packing(sel, range(len(shapes)))[0]
             packed = torch.cat([torch.arange(layout.numels[i]) + layout.offsets[i] if dense[i]
                                 else sel.local[i] + layout.offsets[i] for i in order])
-            assert torch.equal(sel.layout_positions(runs, with_dense=True), packed)
+            sel = Selection(layout, dense, sel.drawn)  # the packed order first, as a step asks for it
+            got = []
+            assert host_reads(lambda: got.append(sel.layout_positions(runs, with_dense=True)), monkeypatch) == {}
+            assert torch.equal(got[0], packed)
             assert torch.equal(sel.layout_positions(runs), want)  # the tail of the kept ones
+
+
+class SegmentReductions(TorchDispatchMode):
+    """The dimensions of the data of every segment reduction dispatched."""
+
+    def __init__(self):
+        super().__init__()
+        self.dims = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.segment_reduce.default:
+            self.dims.append(args[0].dim())
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("build", [lambda: fresh_lamb(fused=True), lambda: fresh(variant="v2", fused=True)],
+                         ids=["lamb", "slamb_v2"])
+def test_a_fused_step_sums_its_tensors_by_one_dimensional_segment_reductions(build):
+    """On CUDA a 2-D segment reduction runs a thread per (segment, column) that adds a segment's blocks one after
+    another (BERT-Large's embedding: 122,112); a 1-D one runs CUB's segmented reduction. A step's per-tensor sums
+    (2 columns for LAMB, 4 for SLAMB) are 1-D reductions only."""
+    params, opt = build()
+    advance(params, opt, range(1, 3))
+    with SegmentReductions() as seen:
+        advance(params, opt, range(3, 4))
+    assert seen.dims == [1]
+
+
+@pytest.mark.parametrize("model", ["bert_base", "bert_large", "bert_xl", "resnet110"])
+def test_the_one_dimensional_sums_are_the_two_dimensional_ones_bit_for_bit(model):
+    """On the block layout of every model of bench/shapes.py (BERT-XL's: 10.8M blocks), the sums taken column after
+    column equal the 2-D segment reduction's bit for bit on the CPU (each adds a segment's blocks in order)."""
+    import math
+
+    from bench.shapes import MODELS
+    from slamb.optim.fused import BLOCK, tensor_sums
+
+    blocks = torch.tensor([math.ceil(math.prod(s) / BLOCK) for s in MODELS[model]()])
+    gen = torch.Generator().manual_seed(0)
+    # sums of squares over blocks of a trained model's tensors: positive, across many binades
+    per_block = torch.rand(int(blocks.sum()), 2, generator=gen).mul_(40).sub_(30).exp2_()
+    want = torch.segment_reduce(per_block.double(), "sum", lengths=blocks, axis=0, unsafe=True).float()
+    assert torch.equal(tensor_sums(per_block, blocks), want)

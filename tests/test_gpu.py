@@ -71,7 +71,14 @@ def train(row: str, path: str, device: torch.device) -> list[torch.Tensor]:
         opt.zero_grad(set_to_none=True)
         torch.nn.functional.mse_loss(forward(model, x), y).backward()
         opt.step()
+    assert_compiled(opt)
     return [p.detach().cpu() for p in model.parameters()]
+
+
+def assert_compiled(opt) -> None:
+    """A fused optimizer ran its compiled passes: none of its graphs failed to compile (it would have run the
+    multi-tensor path, whose numbers are the same)."""
+    assert getattr(opt, "fused_fallback", None) is None, opt.fused_fallback
 
 
 CASES = [(row, path) for row in sorted(ROWS) for path in paths(ROWS[row][0])]
@@ -116,6 +123,44 @@ def test_compiled_bernoulli_draw_on_cuda_equals_the_cpus():
     assert cuda.passes.failed is None and len(cuda.passes.compiled) == 5
 
 
+def test_the_draw_below_k_1e_3_on_cuda_equals_the_cpus():
+    """Below k = 1e-3 the draw's estimate is float64 (float32's error would reach a gap): at k = 5e-4, eager and
+    compiled (one Triton kernel per chunk) on CUDA, the CPU's positions."""
+    from slamb.optim import fused
+
+    numel, k = 24_000_000, 5e-4
+    cpu = masks.BernoulliMask(numel, 5, CPU)
+    eager, compiled = masks.BernoulliMask(numel, 5, CUDA), masks.BernoulliMask(numel, 5, CUDA, fused.Passes("SLAMB"))
+    for step in (1, 2, 1000):
+        want = cpu(step, k)
+        assert want.numel() > 0.5 * k * numel
+        assert torch.equal(eager(step, k).cpu(), want), step
+        assert torch.equal(compiled(step, k).cpu(), want), step
+    assert compiled.passes.failed is None and compiled._dtype == torch.float64
+
+
+def _freshness(bits, log2_b3):
+    from slamb.optim.fused import age_of
+
+    return torch.exp2(age_of(bits) * log2_b3)
+
+
+def test_the_fp16_bit_age_on_cuda_reads_and_advances_every_counter():
+    """SLAMB's int16 age reaches the fused graphs as fp16 bits: on CUDA, eager and in Triton kernels, every counter
+    0..MAX_AGE reads as itself (age_of; SELECTED as NaN), the age pass makes it one more, held at MAX_AGE (0 where
+    averaged), and r = b3^age is the CPU's to fp32 rounding."""
+    from slamb.optim.fused import MAX_AGE, age_of, age_pass, compile_once
+    from tests.test_fused import assert_every_age_read_and_advanced
+
+    bits = torch.arange(MAX_AGE + 1, dtype=torch.int16, device=CUDA).view(torch.float16)
+    log2_b3 = torch.full((MAX_AGE + 1,), math.log2(0.999), device=CUDA)
+    want_r = _freshness(bits.cpu(), log2_b3.cpu())
+    for read, advance, freshness in ((age_of, age_pass, _freshness),
+                                     (compile_once(age_of), compile_once(age_pass), compile_once(_freshness))):
+        assert_every_age_read_and_advanced(read, advance, CUDA)
+        torch.testing.assert_close(freshness(bits, log2_b3).cpu(), want_r, rtol=2e-6, atol=0)
+
+
 FUSED = {"lamb": {}, "slamb_v1": {"variant": "v1"}, "slamb_v2": {"variant": "v2"}}
 
 
@@ -134,6 +179,54 @@ def make(row: str, params, **kw):
     return slamb.SLAMB(params, lr=1e-3, weight_decay=0.01, min_compress_numel=1000, **FUSED[row], **kw)
 
 
+def ulps_apart(a: torch.Tensor, b: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """|a - b|, two results of a step from ``before``, in units of the last place of their dtype at the largest
+    magnitude of the three: where a step cancels most of a value, the fp32 rounding of the update is many units
+    of the small result's last place."""
+    info = torch.finfo(a.dtype)
+    big = torch.stack([a.float().abs(), b.float().abs(), before.float().abs()]).amax(0).clamp_min(info.tiny)
+    return (a.float() - b.float()).abs() / (torch.exp2(torch.floor(torch.log2(big))) * info.eps)
+
+
+LOW_PATHS = [(row, path) for row in sorted(FUSED) for path in ("reference", "foreach", "fused")]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("row,path", LOW_PATHS, ids=[f"{r}-{p}" for r, p in LOW_PATHS])
+def test_low_precision_parameters_on_every_path_keep_fp32_state(row, path, dtype):
+    """bf16 and fp16 parameters on CUDA, 3 steps of every path of LAMB and SLAMB v1/v2, each against the CPU's
+    reference path stepped from the same parameters and state: the state is fp32 and its moments the CPU's to
+    fp32 rounding, the parameters stay in their dtype within one unit in its last place of the CPU's
+    (:func:`ulps_apart`: a step is computed in fp32 and rounded once), and a fused path ran its compiled passes."""
+    start = [p.detach().to(dtype) for p in bert_like_params(CPU)]
+    params = [torch.nn.Parameter(p.to(CUDA, copy=True)) for p in start]
+    cpu_params = [torch.nn.Parameter(p.clone()) for p in start]
+    opt, cpu_opt = make(row, params, **PATH_SETTINGS[path]), make(row, cpu_params, **PATH_SETTINGS["reference"])
+    gen = torch.Generator().manual_seed(2)
+    for t in range(3):
+        for p, q in zip(params, cpu_params):
+            q.grad = torch.randn(p.shape, generator=gen).to(dtype)
+            p.grad = q.grad.to(CUDA)
+        if t:  # the CPU steps from where CUDA is: each step is compared, not their accumulated rounding
+            with torch.no_grad():
+                for p, q in zip(params, cpu_params):
+                    q.copy_(p.cpu())
+                    for key, value in opt.state[p].items():
+                        cpu_opt.state[q][key].copy_(value.cpu())
+        before = [q.detach().clone() for q in cpu_params]
+        opt.step()
+        cpu_opt.step()
+        for p, q, b in zip(params, cpu_params, before):
+            assert p.dtype == dtype and p.device.type == CUDA.type
+            for key in ("exp_avg", "exp_avg_sq"):
+                got, want = opt.state[p][key], cpu_opt.state[q][key]
+                assert got.dtype == torch.float32, key
+                torch.testing.assert_close(got.cpu(), want, rtol=RTOL, atol=1e-7)
+            assert float(ulps_apart(p.detach().cpu(), q.detach(), b).max()) <= 1.0, t
+    assert_compiled(opt)
+    assert not torch.equal(params[0].detach().cpu(), start[0])
+
+
 @pytest.mark.parametrize("row", sorted(FUSED))
 def test_fused_graphs_compile_without_graph_break(row):
     """``fused=True`` on CUDA: inductor's Triton kernels compile, with no graph break and no fallback."""
@@ -147,6 +240,7 @@ def test_fused_graphs_compile_without_graph_break(row):
         for _ in range(3):
             opt.step()
     assert not [w for w in caught if "torch.compile failed" in str(w.message)]
+    assert_compiled(opt)
     assert dict(counters["graph_break"]) == {}
     assert sum(counters["stats"].get(k, 0) for k in ("unique_graphs",)) >= 1
 
@@ -176,6 +270,7 @@ def test_host_syncs_per_step(row, nonfinite):
             torch.cuda.set_sync_debug_mode("default")
     syncs = [str(w.message) for w in caught if "called a synchronizing CUDA operation" in str(w.message)]
     assert len(syncs) == HOST_SYNCS[(row, nonfinite)], syncs
+    assert_compiled(opt)
 
 
 def bert_phase1_losses(device, precision: str, name: str, steps: int = 4) -> list[float]:
@@ -226,9 +321,10 @@ def test_bert_phase1_step_under_mixed_precision(name, precision):
 
 # what the library hands to NCCL: (collective, dtype) as slamb/comm.py, slamb/compression and DDP send them
 NCCL_CALLS = [("all_reduce_sum", torch.float32), ("all_reduce_sum", torch.float16),
-              ("all_reduce_sum", torch.bfloat16), ("all_reduce_max", torch.float32),
+              ("all_reduce_sum", torch.bfloat16), ("all_reduce_sum", torch.float64), ("all_reduce_max", torch.float32),
               ("all_gather", torch.float32), ("all_gather", torch.int8), ("all_gather", torch.uint8),
-              ("all_to_all", torch.int8), ("all_to_all", torch.uint8), ("all_to_all", torch.float32),
+              ("all_gather", torch.int64), ("all_to_all", torch.int8), ("all_to_all", torch.uint8),
+              ("all_to_all", torch.float32), ("reduce_scatter", torch.float32), ("reduce_scatter", torch.bfloat16),
               ("broadcast", torch.float32), ("broadcast", torch.int64)]
 
 
@@ -236,6 +332,8 @@ def test_one_rank_nccl_group_takes_every_dtype_and_op():
     """A 1-rank NCCL group: every (collective, dtype) the library sends runs and returns its input, and SLAMB
     under ``wrap_model`` (DDP on NCCL) steps."""
     import torch.distributed as dist
+
+    from slamb import comm
 
     store = dist.HashStore()
     dist.init_process_group("nccl", store=store, rank=0, world_size=1, device_id=torch.device("cuda", 0))
@@ -249,7 +347,11 @@ def test_one_rank_nccl_group_takes_every_dtype_and_op():
                 dist.all_reduce(x, op=dist.ReduceOp.MAX)
             elif op == "all_gather":
                 out = torch.empty_like(x)
-                dist.all_gather_into_tensor(out, x)
+                comm._all_gather_single(out, x)
+                x = out
+            elif op == "reduce_scatter":
+                out = torch.empty_like(x)
+                comm._reduce_scatter_single(out, x)
                 x = out
             elif op == "all_to_all":
                 out = torch.empty_like(x)
@@ -268,6 +370,69 @@ def test_one_rank_nccl_group_takes_every_dtype_and_op():
             net(x).square().mean().backward()
             opt.step()
         assert all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        dist.destroy_process_group()
+
+
+def hsdp_run(kind: str, steps):
+    """A float32 copy of tests/test_fsdp.py's model as one-rank HSDP on CUDA (a (1, 1) replicate x shard mesh),
+    under fused SLAMB v2 or fused LAMB, wrapped, after ``steps``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.test_fsdp import make_model
+
+    mesh = init_device_mesh("cuda", (1, 1), mesh_dim_names=("replicate", "shard"))
+    model = slamb.shard_model(make_model().float().to(CUDA), mesh, blocks=(torch.nn.Linear, torch.nn.LayerNorm))
+    if kind == "slamb":
+        opt = slamb.SLAMB(model.parameters(), lr=0.02, weight_decay=0.01, compress_ratio=0.3, sync_interval=2,
+                          min_compress_numel=64, variant="v2", fused=True)
+    else:
+        opt = slamb.LAMB(model.parameters(), lr=0.02, weight_decay=0.01, fused=True)
+    model = slamb.wrap_model(model, opt)
+    for t in steps:
+        opt.zero_grad(set_to_none=True)
+        hsdp_loss(model, t).backward()
+        opt.step()
+    return model, opt
+
+
+def hsdp_loss(model, t):
+    from tests.test_fsdp import batch
+
+    x, y = batch(0, t)
+    return torch.nn.functional.mse_loss(model(x.float().to(CUDA)), y.float().to(CUDA))
+
+
+def local_state(model, opt) -> dict:
+    return {f"{n}.{k}": (v.to_local() if hasattr(v, "to_local") else v).detach().clone()
+            for n, p in model.named_parameters() for k, v in opt.state[p].items()}
+
+
+def test_one_rank_nccl_hsdp_checkpoint_resumes_bit_exactly(tmp_path):
+    """A one-rank NCCL group, HSDP over a (1, 1) mesh with fused SLAMB v2 and fused LAMB: three steps,
+    save_sharded, load_sharded into a fresh model and optimizer; the state loaded is the saved one bit for bit,
+    and so is the next step's model."""
+    import torch.distributed as dist
+
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        for kind in ("slamb", "lamb"):
+            model, opt = hsdp_run(kind, range(1, 4))
+            slamb.save_sharded(model, opt, tmp_path / kind)
+            saved = local_state(model, opt)
+            again, again_opt = hsdp_run(kind, [])
+            slamb.load_sharded(again, again_opt, tmp_path / kind)
+            loaded = local_state(again, again_opt)
+            assert saved.keys() == loaded.keys() and len(saved) > 0
+            assert all(torch.equal(saved[k], loaded[k]) for k in saved), kind
+            for m, o in ((model, opt), (again, again_opt)):
+                o.zero_grad(set_to_none=True)
+                hsdp_loss(m, 4).backward()
+                o.step()
+                assert_compiled(o)
+            for p, q in zip(model.parameters(), again.parameters()):
+                assert torch.equal(p.to_local(), q.to_local()), kind
     finally:
         dist.destroy_process_group()
 
@@ -300,7 +465,7 @@ def slamb_on_two_ranks(rank, device, steps=5, **settings) -> dict:
             opt.step()
     return {"params": [p.detach().cpu() for p in model.parameters()],
             "momentum": opt.comm_stats()["total"]["momentum"]["payload"],
-            "warnings": [str(w.message) for w in caught]}
+            "warnings": [str(w.message) for w in caught], "fallback": opt.fused_fallback}
 
 
 def gloo_cuda_worker(rank, world, comm_dtype):
@@ -320,6 +485,33 @@ def test_two_gloo_ranks_on_one_gpu_exchange_as_on_the_cpu(comm_dtype):
         tol = dict(rtol=RTOL, atol=ATOL) if comm_dtype is None else dict(rtol=1e-4, atol=1e-5)
         for a, b in zip(r["cpu"]["params"], r["cuda"]["params"]):
             torch.testing.assert_close(b, a, **tol)
+
+
+def fused_exchange_worker(rank, world):
+    torch.cuda.set_device(0)
+    out = {}
+    for comm_dtype in (None, torch.int8):
+        for overlap in (False, True):
+            runs = {d.type: slamb_on_two_ranks(rank, d, fused=True, comm_dtype=comm_dtype, overlap=overlap)
+                    for d in (CPU, CUDA)}
+            out[str(comm_dtype), overlap] = runs
+    return out
+
+
+@pytest.mark.multiprocess
+def test_the_fused_exchange_on_two_gloo_ranks_on_one_gpu_equals_the_cpus():
+    """Fused SLAMB's exchange by layout positions (the packed momentum gathered and scattered in a few ops), on two
+    processes sharing the GPU over gloo, in fp32 and int8, plain and overlapped with backward (DDP's hook): CUDA's
+    parameters are the CPU's, with the same bytes, and the compiled passes ran on both."""
+    for r in distributed.run(fused_exchange_worker, 2):
+        for (comm_dtype, overlap), runs in r.items():
+            for run in runs.values():
+                assert run["fallback"] is None and not [w for w in run["warnings"] if "gradients changed" in w]
+            assert runs["cuda"]["momentum"] == runs["cpu"]["momentum"] > 0, (comm_dtype, overlap)
+            # int8: an entry one fp32 ulp apart before the quantisation can take the neighbouring level
+            tol = dict(rtol=RTOL, atol=ATOL) if comm_dtype == "None" else dict(rtol=1e-4, atol=1e-5)
+            for a, b in zip(runs["cpu"]["params"], runs["cuda"]["params"]):
+                torch.testing.assert_close(b, a, **tol)
 
 
 def overlap_worker(rank, world):

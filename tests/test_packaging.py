@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.version import Version
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,8 +79,11 @@ def test_the_library_requires_a_torch_range_not_a_pin(wheel):
     floor = next(iter(torch_req.specifier)).version
     assert not any(r.name == "torchvision" and r.marker is None for r in reqs)
     assert any(r.name == "torchvision" and r.marker.evaluate({"extra": "vision"}) for r in reqs if r.marker)
-    # the README names the oldest torch the library's tests pass on: the same as the requirement's floor
+    # the README names the oldest torch the library's tests pass on: the same as the requirement's floor, which
+    # make test-compat installs
     assert f"torch {floor}" in (ROOT / "README.md").read_text()
+    (oldest,) = re.findall(r"^TORCH_OLDEST\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert Version(oldest) == Version(floor), (oldest, floor)
     # the exact versions the checkout installs fall in the library's ranges
     pins = {Requirement(line).name: Requirement(line) for line in (ROOT / "constraints.txt").read_text().splitlines()
             if line.strip() and not line.startswith("#")}

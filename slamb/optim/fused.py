@@ -351,9 +351,18 @@ class FlatStep:
         return flat.view(self.blocks, BLOCK)
 
     def sums(self, per_block: torch.Tensor) -> torch.Tensor:
-        """Per-tensor sums of a pass's (blocks, k) per-block sums, added in float64 (a tensor of many blocks,
-        BERT's embedding: 90,000, sums them one after another) by a segment reduction over each tensor's run
-        of blocks: in block order on every device, so the replicas of a fused LAMB under DDP stay bit-identical
-        on a GPU too (an ``index_add_`` there adds in the order its atomics land)."""
-        return torch.segment_reduce(per_block.double(), "sum", lengths=self.blocks_per_tensor, axis=0,
-                                    unsafe=True).to(per_block.dtype)
+        """Per-tensor sums of a pass's (blocks, k) per-block sums (:func:`tensor_sums`)."""
+        return tensor_sums(per_block, self.blocks_per_tensor)
+
+
+def tensor_sums(per_block: torch.Tensor, blocks_per_tensor: torch.Tensor) -> torch.Tensor:
+    """Per-tensor sums (tensors, k) of (blocks, k) per-block sums, each tensor a run of ``blocks_per_tensor``
+    blocks, added in float64 by a segment reduction: a fixed order on every device, so the replicas of a fused
+    LAMB under DDP stay bit-identical on a GPU too (an ``index_add_`` there adds in the order its atomics land).
+    One column after another, as k times as many segments of a 1-D tensor: on CUDA a 2-D segment reduction runs
+    a thread per (segment, column) that adds its segment's blocks one after another (BERT-Large's embedding:
+    122,112), a 1-D one CUB's segmented reduction. On the CPU both add each segment in order: the same bits."""
+    k = per_block.shape[1]
+    columns = per_block.double().t().reshape(-1)  # column after column
+    sums = torch.segment_reduce(columns, "sum", lengths=blocks_per_tensor.repeat(k), unsafe=True)
+    return sums.view(k, -1).t().to(per_block.dtype)

@@ -174,7 +174,7 @@ class LAMB(ContractDefaults, Optimizer):
     it, adopted again at a step where it is not; FSDP2's shards are copied in and back at each step
     instead) and points their ``p.grad`` at views of a flat gradient buffer
     (:class:`slamb.optim.fused.FlatStep`); it warns once and runs the multi-tensor path where
-    ``torch.compile`` fails.
+    ``torch.compile`` fails, and :attr:`fused_fallback` says why.
 
     FSDP2's sharded parameters (DTensors of ``fully_shard`` on a 1-D or an HSDP mesh; the multi-tensor and
     fused paths): the moments are sharded as the parameters, the step runs on the local shards, and the trust
@@ -206,6 +206,12 @@ class LAMB(ContractDefaults, Optimizer):
         if self.shards is not None and foreach is False:
             raise ValueError("LAMB(foreach=False) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor and "
                              "fused paths (foreach=None) do")
+
+    @property
+    def fused_fallback(self) -> str | None:
+        """Why ``torch.compile`` failed, where ``fused=True`` then runs the multi-tensor path (the same numbers,
+        more kernels), or None. What times or checks the fused step asserts it is None."""
+        return self._fused.passes.failed
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)

@@ -307,18 +307,18 @@ class Selection:
         """The drawn positions of the layout's tensors end to end, and where each tensor's run starts among them.
         A shard's Bernoulli draw is the whole model's (:func:`make_mask`): the other shards' positions lie
         between its tensors' runs, and one gather drops them, its index the positions moved by their run's
-        shift (:func:`run_shifts`; the shifts from the cuts on the host)."""
+        shift (:func:`run_shifts`). The runs' places and shifts are computed on the device from the cuts there:
+        made on the host, they were two copies to the device a step, each waiting for the host."""
         cut = self.cut
         starts, ends = cut[0::2], cut[1::2]
         if starts[0] == 0 and starts[1:] == ends[:-1]:  # the runs are end to end: a whole model's draw
             return self.drawn, self.cuts[::2]
-        packed = [0]
-        for s, e in zip(starts, ends):
-            packed.append(packed[-1] + e - s)
-        shifts = [s - t for s, t in zip(starts, packed)]
-        where = torch.tensor(packed[:-1], dtype=torch.long, device=self.drawn.device)
-        n = packed[-1]
-        index = run_shifts(n, where, run_steps(shifts, where.device)).add_(torch.arange(n, device=where.device))
+        lo, lengths = self.cuts[0::2], self.cuts[1::2] - self.cuts[0::2]
+        where = lengths.cumsum(0).sub_(lengths)  # each run's start once the runs are end to end
+        shifts = lo - where
+        steps = torch.diff(shifts, prepend=shifts.new_zeros(1))
+        n = sum(e - s for s, e in zip(starts, ends))
+        index = run_shifts(n, where, steps).add_(torch.arange(n, device=where.device))
         return self.drawn.index_select(0, index), where
 
     @staticmethod

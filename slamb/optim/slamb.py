@@ -116,7 +116,7 @@ class SLAMB(LocalStateOptimizer):
     ``torch.compile(opt.step)`` runs the step
     eagerly (it decides on the host and communicates between its kernels): use
     ``fused=True`` for a compiled step. Where ``torch.compile`` fails, the step warns
-    once and runs the multi-tensor path from then on. It has never run on a GPU;
+    once and runs the multi-tensor path from then on; :attr:`fused_fallback` says why.
     ``results/bench/optimizer_step.md`` has what it does on a CPU.
 
     ``overlap``: under :func:`slamb.wrap_model`, start each DDP bucket's share of
@@ -220,6 +220,7 @@ class SLAMB(LocalStateOptimizer):
         self._last_draw: tuple[int, float] | None = None
         self._drawn: tuple[int, float, Selection] | None = None
         self._gathered = False  # whether the fused path's flat gradient buffer holds this step's gradients
+        self._fused_fallback: str | None = None
         # step 4: with ``overlap`` DDP's comm hook starts it during backward
         self.exchange = MomentumExchange(process_group=process_group, ledger=self.ledger, comm_dtype=comm_dtype)
 
@@ -272,6 +273,14 @@ class SLAMB(LocalStateOptimizer):
             raise ValueError(f"invalid c_min={g['c_min']} > c_max={g['c_max']}: need c_min <= c_max")
 
     # -- inspection ---------------------------------------------------------------
+
+    @property
+    def fused_fallback(self) -> str | None:
+        """Why ``torch.compile`` failed, where ``fused=True`` then runs the multi-tensor path (the same numbers,
+        more kernels), or None. What times or checks the fused step asserts it is None."""
+        if self._fused_fallback is None and self.fused and self._layout is not None:
+            return self._plan.passes.failed  # a graph failed in this step, after others had run: left at the next
+        return self._fused_fallback
 
     def last_sync_mask(self) -> torch.Tensor | None:
         """Flat bool tensor (layout order) of the momentum entries averaged at the last step.
@@ -361,6 +370,7 @@ class SLAMB(LocalStateOptimizer):
     def _leave_fused(self) -> None:
         """The multi-tensor path from now on, ``torch.compile`` having failed: its scratch (the layout, aligned
         for the fused passes, and the parameters adopted into it stay)."""
+        self._fused_fallback = self._plan.passes.failed
         self.fused = False
         self._work = [self._layout.zeros() for _ in range(2)]
         if isinstance(self._mask_fn, BernoulliMask):
@@ -422,6 +432,8 @@ class SLAMB(LocalStateOptimizer):
     @torch.no_grad()
     def step(self, closure=None):
         self._gathered = False
+        if self.fused and self._layout is not None and self._plan.passes.failed is not None:
+            self._leave_fused()  # a graph failed to compile after others of the last step had run: it ran eagerly
         loss, grads = self._local_gradients(closure)  # step 1: the local gradients (base.py)
         if grads is None:  # skipped on every rank
             return loss
