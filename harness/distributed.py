@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from slamb import comm
+from .atomic import DiskFull
 
 FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
 
@@ -290,10 +291,10 @@ def resolve_worker(worker):
 
 
 # Worker errors a restart from the last checkpoint meets again: a missing input (the data's files, a model
-# directory) and a value a check rejects (a setting, a damaged input). A restart helps only where the cause lies
-# outside the run's inputs and settings: a killed worker, a lost peer, a device or network fault (RuntimeError,
-# the process group's errors), a signal.
-WILL_RECUR = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError)
+# directory), a value a check rejects (a setting, a damaged input) and a full disk. A restart helps only where
+# the cause lies outside the run's inputs, settings and disk: a killed worker, a lost peer, a device or network
+# fault (RuntimeError, the process group's errors), a signal.
+WILL_RECUR = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, DiskFull)
 # the exit status of a worker that ended on one of them, and of the command; sysexits' EX_DATAERR. The elastic
 # launcher of :func:`launch` does not restart it; under torchrun, a scheduler's retry policy can key on it
 # (torchrun itself restarts any failure)

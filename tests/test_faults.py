@@ -24,6 +24,7 @@ from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
 from harness.tables import load_runs
 from tests import distributed
+from tests.test_bert_pretrain import tiny_data  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 
@@ -61,13 +62,32 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_older_one_wit
                              "step000000001")
 
 
-def test_a_checkpoint_without_digests_still_loads(tmp_path):
+def test_a_checkpoint_without_digests_still_loads_with_a_notice(tmp_path, capsys):
     """Checkpoints written before the digests were: nothing to check them against, they load as before."""
     ckpt = Checkpointer(tmp_path, solo())
     ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
     for digest in ckpt.dir.glob("step*/*.sha256"):
         digest.unlink()
+    for record in (ckpt.dir / "latest.json", ckpt.dir / "step000000001" / "complete.json"):
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "files"}))
     assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert capsys.readouterr().out == (f"checkpoint {ckpt.dir / 'step000000001'} records no digests (written before "
+                                       "they were): its files load unchecked\n")
+
+
+def test_a_missing_digest_falls_back_naming_it(tmp_path, capsys):
+    # before: the file loaded unchecked, with no notice
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    (ckpt.dir / "step000000002" / "rank0.pt.sha256").unlink()
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"] == ["rank0.pt", "shared.pt"]
+    assert capsys.readouterr().out == (
+        f"checkpoint file {ckpt.dir / 'step000000002' / 'rank0.pt'} is unreadable (FileNotFoundError: its digest "
+        "rank0.pt.sha256 is missing, though the checkpoint records one: the file cannot be checked); delete that "
+        "checkpoint folder to resume from an older one, or start over with trainer.resume=never: resuming from the "
+        "previous checkpoint, step000000001\n")
 
 
 def damaged_rank_worker(rank, world, run_dir):
@@ -87,7 +107,7 @@ def damaged_rank_worker(rank, world, run_dir):
     try:
         ckpt.load()
         error = None
-    except RuntimeError as e:
+    except harness.distributed.WILL_RECUR as e:  # a damaged input: not restarted
         error = str(e)
     return {"progress": progress, "b": mine["b"][0].item(), "printed": printed.getvalue(), "error": error}
 
@@ -104,6 +124,118 @@ def test_a_damaged_file_on_another_rank_sends_every_rank_back_and_is_named(tmp_p
     # rank 0 prints the one line, naming the file rank 1 found damaged
     assert out[0]["printed"].startswith(f"checkpoint file {bad} is unreadable (ValueError: its sha256 ")
     assert out[0]["printed"].count("\n") == 1 and out[1]["printed"] == ""
+
+
+# ------------------------------------------------------------------------------- sharded checkpoints
+
+
+def _xor16(path: Path) -> None:
+    """16 bytes inverted in the middle of the file."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def _unrecorded(folder: Path) -> None:
+    """The checkpoint in ``folder`` as written before digests were: no ``files`` record."""
+    for record in (folder.parent / "latest.json", folder / "complete.json"):
+        entry = json.loads(record.read_text())
+        if entry.get("dir", folder.name) == folder.name:
+            record.write_text(json.dumps({k: v for k, v in entry.items() if k != "files"}))
+
+
+# each case damages a copy of the run whose newest checkpoint is step 3 (of 1-3)
+SHARDED_DAMAGE = {
+    "flipped": lambda ckpt: _xor16(ckpt / "step000000003" / "dcp" / "__0_0.distcp"),
+    "truncated": lambda ckpt: (lambda p: p.write_bytes(p.read_bytes()[:1000]))(
+        ckpt / "step000000003" / "dcp" / "__1_0.distcp"),
+    "removed": lambda ckpt: (ckpt / "step000000003" / "dcp" / "__0_0.distcp").unlink(),
+    "metadata": lambda ckpt: flip_byte(ckpt / "step000000003" / "dcp" / ".metadata"),
+    # a checkpoint without digests: its sharded load, which fails, is inside the fallback too
+    "undigested": lambda ckpt: (_unrecorded(ckpt / "step000000003"),
+                                flip_byte(ckpt / "step000000003" / "dcp" / ".metadata", at=0.1)),
+    "every": lambda ckpt: [_xor16(ckpt / f"step00000000{s}" / "dcp" / "__0_0.distcp") for s in (1, 2, 3)],
+}
+
+
+def sharded_damage_worker(rank, world, cfg, root):
+    """The run (checkpoints after steps 1-4), then each case of :data:`SHARDED_DAMAGE` on a copy rolled back
+    to step 3: its summary (or the error it ended on) and what rank 0 printed."""
+    import shutil
+
+    from bert.train import train
+
+    full = root / "full"
+    out = {"full": train(cfg, str(full))}
+    for name, damage in SHARDED_DAMAGE.items():
+        run = root / name
+        if rank == 0:
+            shutil.copytree(full, run)
+            shutil.rmtree(run / "ckpt" / "step000000004")
+            record = json.loads((run / "ckpt" / "step000000003" / "complete.json").read_text())
+            (run / "ckpt" / "latest.json").write_text(json.dumps({"dir": "step000000003", **record}))
+            damage(run / "ckpt")
+        harness.distributed.barrier()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            try:
+                out[name] = train(cfg, str(run))
+            except harness.distributed.WILL_RECUR as e:  # not restarted: a restart would meet it again
+                out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name} printed"] = [line for line in printed.getvalue().splitlines() if "unreadable" in line]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_damage(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    from tests.test_bert_pretrain import ROWS, tiny_cfg
+
+    root = tmp_path_factory.mktemp("sharded_damage")
+    cfg = tiny_cfg(tiny_data, root / "full", *ROWS["lamb"], "trainer.parallelism=fsdp", "steps=4", "log_every=1",
+                   "trainer.checkpoint.every=1", "trainer.checkpoint.keep=4")
+    return root, distributed.run(sharded_damage_worker, 2, cfg, root)
+
+
+def _unreadable_line(path, reason: str) -> str:
+    return (f"checkpoint {path} is unreadable ({reason}); delete that checkpoint folder to resume from an older one, "
+            "or start over with trainer.resume=never")
+
+
+@pytest.mark.multiprocess  # starts workers
+@pytest.mark.parametrize("case, found, reason", [
+    ("flipped", "file step000000003/dcp/__0_0.distcp", "ValueError: its sha256 "),
+    ("truncated", "file step000000003/dcp/__1_0.distcp", "ValueError: its sha256 "),
+    ("removed", "file step000000003/dcp/__0_0.distcp", "FileNotFoundError: [Errno 2] No such file or directory"),
+    ("metadata", "file step000000003/dcp/.metadata", "ValueError: its sha256 "),
+    ("undigested", "folder step000000003/dcp", ""),
+])
+def test_a_damaged_sharded_checkpoint_falls_back_on_every_rank_naming_the_file(sharded_damage, case, found,
+                                                                               reason):
+    """A 2-worker FSDP BERT run's newest checkpoint damaged (before: the flipped bytes loaded silently, a final
+    loss far from the run's; the others failed in load_sharded, outside the fallback, naming no file): every rank
+    resumes from the one before, and the run ends as the undamaged run ends, bit for bit."""
+    root, out = sharded_damage
+    kind, _, name = found.partition(" ")
+    line, = out[0][f"{case} printed"]
+    assert line.startswith(f"checkpoint {kind} {root / case / 'ckpt' / name} is unreadable ({reason}"), line
+    assert line.endswith("start over with trainer.resume=never: resuming from the previous checkpoint, "
+                         "step000000002"), line
+    assert out[0][case]["resumed_from"] == [2]
+    full, resumed = (read_jsonl(root / r / "metrics.jsonl") for r in ("full", case))
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    keys = ("loss", "mlm_acc", "nsp_acc", "bytes_cum/all")
+    assert [{k: h[k] for k in keys} for h in resumed] == [{k: h[k] for k in keys} for h in full]
+
+
+@pytest.mark.multiprocess  # starts workers
+def test_no_readable_sharded_checkpoint_ends_in_one_error_naming_the_file_on_every_rank(sharded_damage):
+    root, out = sharded_damage
+    oldest = root / "every" / "ckpt" / "step000000001" / "dcp" / "__0_0.distcp"
+    for rank in (0, 1):
+        assert out[rank]["every"].startswith(f"ValueError: checkpoint file {oldest} is unreadable (ValueError: its "
+                                             "sha256 "), out[rank]["every"]
+    assert len(out[0]["every printed"]) == 2  # steps 3 and 2, each fallen back from in one line
 
 
 def test_a_failed_write_removes_its_temporary_file(tmp_path):
