@@ -297,7 +297,8 @@ class Checkpointer:
                 write_digest(path, file_sha256(path))
                 mine.append(path)
         except BaseException as err:  # DCP's CheckpointException is a BaseException
-            agreed = getattr(err, "failures", None) is not None  # DCP's: every rank failed, none writes any more
+            # alone, or DCP's failure, which every rank raises: no rank writes into the folder any more
+            agreed = self.env.world_size == 1 or getattr(err, "failures", None) is not None
             if agreed and self.env.is_main:
                 shutil.rmtree(folder, ignore_errors=True)
             full = _disk_full(err)

@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -253,6 +254,119 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path):
     with pytest.raises(TypeError, match="cannot pickle this"):
         atomic_torch_save({"x": torch.zeros(100), "y": Unpicklable()}, tmp_path / "shared.pt")
     assert list(tmp_path.iterdir()) == []  # neither the files nor their temporary siblings
+
+
+# ------------------------------------------------------------------------------------- a full disk
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """A file that leaves ``leave`` bytes free on ``disk``."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(disk / "filler", "ab") as f:
+        f.write(bytes(max(0, free - leave)))
+
+
+def _full_disk_worker(rank, world, cfg, disk):
+    """A 2-worker FSDP BERT run on the small disk: 2 steps; then, the disk filled, 2 more, whose first save
+    fails; the launcher's check of the rerun; the rerun once the disk has room."""
+    from bert.train import train
+
+    from harness.checkpoint import prepare_run
+
+    run_dir, out = cfg["run_dir"], {}
+    train({**cfg, "steps": 2}, run_dir)
+    if rank == 0:
+        _fill(Path(disk), leave=400_000)  # less than a checkpoint
+    harness.distributed.barrier()
+    try:
+        train(cfg, run_dir)
+    except harness.distributed.WILL_RECUR as e:  # not restarted: a restart would find the disk full
+        out["error"] = f"{type(e).__name__}: {e}"
+    harness.distributed.barrier()
+    out["folders"] = sorted(p.name for p in (Path(run_dir) / "ckpt").iterdir())
+    if rank == 0:
+        try:
+            prepare_run(cfg, run_dir)
+        except ValueError as e:
+            out["refused"] = str(e)
+        (Path(disk) / "filler").unlink()
+    harness.distributed.barrier()
+    out["resumed_from"] = train(cfg, run_dir)["resumed_from"]
+    return out
+
+
+def _full_disk_main(cfg_file: str, disk: str) -> None:
+    """In a mount namespace whose ``disk`` is a small tmpfs (see the test): a checkpoint's ``.pt`` on the full
+    disk in this process, then :func:`_full_disk_worker` on 2 workers; what they found, as JSON on stdout."""
+    from harness.checkpoint import check_writable
+
+    disk, out = Path(disk), {}
+    ckpt = Checkpointer(disk / "ddp", solo())
+    _fill(disk, leave=100_000)
+    try:
+        ckpt.save({"step": 1}, {}, {"x": torch.zeros(100_000)})  # 400 kB
+    except harness.distributed.WILL_RECUR as e:
+        out["ddp_error"] = f"{type(e).__name__}: {e}"
+    out["ddp_files"] = sorted(str(p.relative_to(disk)) for p in disk.rglob("*"))
+    _fill(disk, leave=0)
+    try:
+        check_writable(disk / "full" / "ckpt", keep=3)
+    except ValueError as e:
+        out["full_refused"] = str(e)
+    (disk / "filler").unlink()
+    cfg = json.loads(Path(cfg_file).read_text())
+    out["sharded"] = distributed.run(_full_disk_worker, 2, cfg, str(disk))
+    print(json.dumps(out))
+
+
+def _can_mount_tmpfs() -> bool:
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+@pytest.mark.multiprocess  # starts workers
+def test_a_full_disk_ends_the_save_in_one_line_leaves_no_partial_checkpoint_and_is_refused_before_the_rerun(
+        tiny_data, tmp_path):  # noqa: F811 (the imported fixture)
+    """On a real full disk: an 8 MB tmpfs in a mount namespace of the test's own (gone with it). Before: the
+    sharded save left its partial .distcp files, the rerun's check wrote an empty file (which fits) and died at
+    start-up on an ENOSPC naming no path; a .pt's save ended on torch's 'unexpected pos 704 vs 598'."""
+    from tests.test_bert_pretrain import ROWS, tiny_cfg
+
+    if not shutil.which("unshare") or not _can_mount_tmpfs():
+        pytest.skip("no user and mount namespaces here (unshare --user --mount) for a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "run"
+    cfg = tiny_cfg(tiny_data, run_dir, *ROWS["lamb"], "trainer.parallelism=fsdp", "steps=4", "log_every=1",
+                   "trainer.checkpoint.every=1", "trainer.checkpoint.keep=4")
+    (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "run_dir": str(run_dir)}))
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           'mount -t tmpfs -o size=8m tmpfs "$2" && exec "$0" -c "import sys, tests.test_faults as t; '
+                           't._full_disk_main(*sys.argv[1:])" "$1" "$2"', sys.executable, str(tmp_path / "cfg.json"),
+                           str(disk)], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    room = ("free space there (an older checkpoint folder can go), or lower trainer.checkpoint.keep (now {}): a save "
+            "needs room for one more checkpoint beside those kept")
+    # a .pt: the file's own error, naming the checkpoint and the fix; no partial file, nor folder, stays
+    assert out["ddp_error"] == (f"DiskFull: no space left on the disk of the checkpoint {disk / 'ddp/ckpt/step000000001'} "
+                                f"(writing rank0.pt): {room.format(2)}")
+    assert out["ddp_files"] == ["ddp", "ddp/ckpt", "filler"]
+    # the check before the workers writes and syncs a block: an empty file would fit
+    assert out["full_refused"] == f"checkpoint directory {disk / 'full/ckpt'} has no space left on its disk: " \
+                                  f"{room.format(3)}"
+    for rank in out["sharded"]:
+        # DCP's save on both ranks, in one line; the partial folder of step 3 is gone
+        assert rank["error"] == (f"DiskFull: no space left on the disk of the checkpoint {run_dir / 'ckpt' / 'step000000003'} "
+                                 f"(writing dcp): {room.format(4)}")
+        assert rank["folders"] == ["latest.json", "step000000001", "step000000002"]
+        assert rank["resumed_from"] == [2]  # once room was made: from step 2
+    refused = out["sharded"][0]["refused"]
+    assert refused.startswith(f"checkpoint directory {run_dir / 'ckpt'} has 0.4 MB free on its disk and a checkpoint "
+                              "of this run takes 1.1 MB (step000000002): "), refused
+    assert refused.endswith(room.format(4))
 
 
 # ---------------------------------------------------------------------------------- metrics.jsonl
