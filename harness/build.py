@@ -15,7 +15,7 @@ from slamb.optim.checks import check_choice
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
-from .distributed import (WILL_RECUR_EXIT, WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
+from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
 from .settings import check_count
@@ -210,14 +210,17 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
     (a usage error, as argparse). A worker error that a restart would meet again (a missing data file,
     a damaged input: :data:`harness.distributed.WILL_RECUR`) ends it at the first attempt, whatever
-    ``trainer.max_restarts``: one line and exit status 65.
+    ``trainer.max_restarts``: one line and exit status 65; any other, after the restarts, one line and exit
+    status 1 (the worker's traceback in the run directory). A run directory another job writes is refused in
+    one line and exit status 2: Hydra writes nothing there (``configs/hydra/default.yaml``), nor does the
+    command before it holds the lock.
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
     from .checkpoint import prepare_run
     from .distributed import started_externally
-    from .run import RunLock
+    from .run import RunLock, RunLocked
 
     from omegaconf.errors import MissingMandatoryValue
 
@@ -238,17 +241,21 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir
     local = not started_externally()
-    with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
-        try:
-            finished = prepare_run(container, run_dir, clear=local,
-                                   world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
-        except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
-            refuse(e)
-        if finished is not None:
-            return finished
-        try:
-            return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
-                          max_restarts=container["trainer"]["max_restarts"])
-        except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
-            print(e, file=sys.stderr, flush=True)
-            sys.exit(WILL_RECUR_EXIT)
+    try:
+        with RunLock(run_dir, hold=local or os.environ.get("RANK") == "0"):
+            try:
+                finished = prepare_run(container, run_dir, clear=local,
+                                       world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
+            except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
+                refuse(e)
+            if finished is not None:
+                return finished
+            try:
+                return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
+                              max_restarts=container["trainer"]["max_restarts"])
+            except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
+                print(e, file=sys.stderr, flush=True)
+                sys.exit(e.status)
+    except RunLocked as e:  # before Hydra or this command wrote anything into the run directory
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -239,6 +239,52 @@ def test_no_readable_sharded_checkpoint_ends_in_one_error_naming_the_file_on_eve
     assert len(out[0]["every printed"]) == 2  # steps 3 and 2, each fallen back from in one line
 
 
+def test_an_unreadable_latest_json_is_said_once_by_rank_0(tmp_path, capsys):
+    # before: by the launcher's look and by every rank (3 lines with 2 workers)
+    for rank in (0, 1):
+        Checkpointer(tmp_path, solo(rank, 2)).save({"step": 1}, {}, {})
+    (tmp_path / "ckpt" / "latest.json").write_text('{"dir": "step0')
+    assert [e["dir"] for e in Checkpointer(tmp_path, None).complete()] == ["step000000001"]  # the launcher's
+    assert [e["dir"] for e in Checkpointer(tmp_path, solo(1, 2)).complete()] == ["step000000001"]
+    assert capsys.readouterr().out == ""
+    assert [e["dir"] for e in Checkpointer(tmp_path, solo(0, 2)).complete()] == ["step000000001"]
+    assert capsys.readouterr().out == (f"{tmp_path / 'ckpt' / 'latest.json'} is unreadable: looking for complete "
+                                       f"checkpoints in {tmp_path / 'ckpt'}\n")
+
+
+def test_a_step_saved_again_leaves_nothing_of_the_earlier_attempt(tmp_path):
+    """A save killed mid-write left its temporary file; the run resumed from the step before and saves this step
+    again (before: the .tmp file stayed, and the folder kept the earlier attempt's complete.json while written)."""
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
+    again = ckpt.dir / "step000000002"
+    again.mkdir()
+    (again / ".rank0.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (again / "stale.bin").write_bytes(b"an earlier attempt's")
+    ckpt.save({"step": 2}, {"a": 2}, {"b": 2})
+    assert sorted(p.name for p in again.iterdir()) == ["complete.json", "rank0.pt", "rank0.pt.sha256", "shared.pt",
+                                                       "shared.pt.sha256"]
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+
+
+def test_a_sharded_run_on_another_world_size_is_refused_with_its_own_reason(tmp_path):
+    """load_sharded reshards the model and optimizer; what another world size cannot take is each worker's own
+    state (before: the DDP reason, "per-rank optimizer state cannot be redistributed")."""
+    def write(folder):
+        (folder / "dcp").mkdir()
+        (folder / "dcp" / ".metadata").write_bytes(b"DCP's")
+        return [folder / "dcp" / ".metadata"]
+
+    Checkpointer(tmp_path, solo(0, 2)).save({"step": 1}, {}, {}, write)
+    with pytest.raises(ValueError) as refused:
+        Checkpointer(tmp_path, solo(0, 4)).load()
+    assert str(refused.value) == (
+        f"the checkpoint in {tmp_path / 'ckpt'} was written by 2 workers and this run has 4: its model and optimizer "
+        "would reshard (slamb.load_sharded), but each worker's own state (its RNG streams, communication ledger and "
+        "place in the data, rank<r>.pt) cannot be redistributed. Resume with 2 workers, or use a new run directory "
+        "(trainer.resume=never starts over)")
+
+
 def test_a_failed_write_removes_its_temporary_file(tmp_path):
     def full_disk(f):
         f.write(b"x" * 1000)
@@ -525,11 +571,13 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
         record = json.loads((tmp_path / "run.lock").read_text())
     assert record["host"] == socket.gethostname() and record["pid"] == os.getpid() and record["since"]
     assert record["started"] == process_start(os.getpid()) is not None
-    # a pid whose process started at another time is another process: the holder (pid reused) is gone
+    # a pid whose process started at another time is another process: the holder (pid reused) is gone, which
+    # the line says so (before: "process <pid> is gone", of a pid that runs)
     (tmp_path / "run.lock").write_text(json.dumps({**record, "started": "1"}))
     with RunLock(tmp_path):
-        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} is gone)" in \
-            capsys.readouterr().out
+        assert capsys.readouterr().out == (
+            f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} that wrote it is gone: pid "
+            f"{os.getpid()} now names another process, started later)\n")
     # an empty lock file: its holder is between creating and writing it; once written, it is refused
     (tmp_path / "run.lock").write_text("")
     writer = threading.Timer(0.5, lambda: (tmp_path / "run.lock").write_text(json.dumps(record)))
@@ -544,6 +592,26 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
     with RunLock(tmp_path):
         assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
     assert not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line
+def test_a_second_writer_is_refused_in_one_line_and_writes_nothing_into_the_run_directory(tmp_path):
+    """Before: Hydra had written its .hydra/ files (the first run's overrides.yaml rewritten) and its log there,
+    and the refusal was a 14-line traceback with exit status 1."""
+    from tests.test_cifar10 import TINY, cli
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- epochs=1\n")  # the first run's, as Hydra wrote it
+    with RunLock(run):  # the first run, writing
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        done = cli([*TINY, "experiment=cifar10/lamb", "epochs=2", f"data.dir={tmp_path}", f"hydra.run.dir={run}"])
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+        since = json.loads((run / "run.lock").read_text())["since"]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == (f"error: run directory {run} is being written by process {os.getpid()} on "
+                           f"{socket.gethostname()} (since {since}): wait for it to finish or use another run "
+                           f"directory; if that process is gone, delete {run / 'run.lock'}\n")
 
 
 def _world_and_timeout(cfg, run_dir):
@@ -592,6 +660,7 @@ def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_pat
         harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": error}, str(tmp_path),
                        nproc_per_node=2, max_restarts=2)
     assert _starts(tmp_path) == ["0", "0"]  # each worker started once
+    assert raised.value.status == harness.distributed.WILL_RECUR_EXIT
     name = {"missing": "FileNotFoundError", "setting": "ValueError"}[error]
     # the first rank to fail names it; the launcher stops the other
     assert str(raised.value) in [f"error: {name} on rank {r}: {error} on this rank second line (not restarted: a "
@@ -602,10 +671,25 @@ def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_pat
 
 
 @pytest.mark.multiprocess  # starts workers
-def test_a_fault_that_may_pass_is_still_restarted(tmp_path):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    with pytest.raises(ChildFailedError):
+def test_a_fault_that_may_pass_is_still_restarted_and_ends_in_one_line(tmp_path):
+    # before: elastic's ChildFailedError, its log of each worker's traceback at every attempt (90 lines)
+    with pytest.raises(harness.distributed.WorkerError) as raised:
         harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": "fault"}, str(tmp_path),
                        nproc_per_node=2, max_restarts=1)
     assert _starts(tmp_path) == ["0", "0", "1", "1"]
+    assert raised.value.status == 1 and str(raised.value) in [
+        f"error: RuntimeError on rank {r}: fault on this rank second line (its traceback: "
+        f"{tmp_path / f'error.rank{r}.txt'})" for r in (0, 1)]
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line and its workers
+def test_a_killed_worker_ends_the_command_in_one_line(tmp_path):
+    """Before: elastic's report of the failure and Hydra's traceback, 40 lines and more."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    done = cli([*TINY, "experiment=cifar10/lamb", "epochs=1", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}"],
+               extra_env={harness.distributed.FAULT_ENV: "2"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr == ("error: the worker of rank 0 ended on exit status 17, without an error of its own "
+                           "(killed, or out of memory: see the system's log)\n")
