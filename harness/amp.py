@@ -69,6 +69,7 @@ class MixedPrecision:
         self.scaler = RankAgreedGradScaler(self.device.type, init_scale=float(init_scale),
                                            growth_factor=growth_factor, backoff_factor=backoff_factor,
                                            growth_interval=growth_interval, enabled=self.scaling)
+        self.dropped_steps = 0  # steps the optimizer dropped itself (nonfinite="skip"), besides the loss scale's
         # told the scale before backward: an optimizer whose DDP hook sends what backward gives (SLAMB's overlap)
         self.told = optimizer if self.scaling and getattr(optimizer, "overlap", False) else None
         self._told_scale: float | None = None  # the scale it was told; None: read it at the next backward
@@ -98,7 +99,9 @@ class MixedPrecision:
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps
+        """Steps that changed nothing: the loss scale's overflows and the optimizer's own drops of NaN/inf
+        gradients (``nonfinite="skip"``)."""
+        return self.scaler.skipped_steps + self.dropped_steps
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.precision)
@@ -149,7 +152,9 @@ class MixedPrecision:
         norm = None
         if clip_grad is not None and clip_grad > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
+        before = optimizer.nonfinite_skips
         self.scaler.step(optimizer)
+        self.dropped_steps += optimizer.nonfinite_skips - before
         self._update()
         return False, norm
 
@@ -159,11 +164,12 @@ class MixedPrecision:
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.scaler.state_dict().get("_growth_tracker", 0),
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.scaler.skipped_steps, "dropped_steps": self.dropped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if not math.isfinite(state["scale"]) or state["scale"] <= 0:
             raise ValueError(f"invalid loss scale {state['scale']!r} in the checkpoint")
+        self.dropped_steps = int(state.get("dropped_steps", 0))  # absent from checkpoints written before it was
         if self.scaling:
             self.scaler.load_state_dict({
                 "scale": float(state["scale"]), "_growth_tracker": int(state["good_steps"]),

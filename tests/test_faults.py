@@ -20,6 +20,7 @@ import torch
 import yaml
 
 import harness
+import slamb
 from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
@@ -539,6 +540,34 @@ def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_r
     assert yaml.safe_load((run / "config.yaml").read_text())["optimizer"]["lr"] == 0.01  # still says what ran
     longer = cli([*common, "epochs=2"])  # only the length changed: resumes
     assert longer.returncode == 0 and f"resumed from {run}/ckpt at epoch 1" in longer.stdout, longer.stderr[-3000:]
+
+
+# ------------------------------------------------------------------------------------- skipped steps
+
+
+@pytest.mark.parametrize("name", ["lamb", "slamb", "jointspar"])
+def test_a_step_the_optimizer_drops_on_nan_gradients_is_counted_and_resumed(name):
+    """optimizer.nonfinite=skip: before, skipped_steps counted the loss scale's skips only (0 here, in fp32)."""
+    from harness.amp import MixedPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = slamb.create_optimizer(name, model, nonfinite="skip")
+    amp = MixedPrecision("fp32", CPU, optimizer=opt)
+    moved = []
+    for step in range(3):
+        opt.begin_step()
+        opt.zero_grad()
+        model(torch.ones(2, 4)).square().sum().backward()
+        if step == 1:  # JointSpar: on a parameter of this round's layers
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        amp.step(opt, model.parameters())
+        moved.append(not all(map(torch.equal, before, model.parameters())))
+    assert moved == [True, False, True] and amp.skipped_steps == 1
+    resumed = MixedPrecision("fp32", CPU)
+    resumed.load_state_dict(amp.state_dict())
+    assert resumed.skipped_steps == 1
 
 
 # ---------------------------------------------------------------------------------------- smaller

@@ -125,6 +125,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
             raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))
+        if decision == NONFINITE:  # nonfinite="skip"
+            self.nonfinite_skips += 1
         if decision in (NONFINITE, NO_GRADIENT):  # every rank skips: nothing is sent, no state changes
             self.ledger.end_step()
             return loss, None

@@ -408,6 +408,7 @@ class JointSpar(ContractDefaults, Optimizer):
             averaged = [v.view(s) for v, s in zip(torch.split(flat, [layers[i].numel() for i in idx]), shapes)]
         if nonfinite_skip(averaged, [self._names[i] for i in idx], self.nonfinite, ledger=None,
                           where="JointSpar: ", agree=False):
+            self.nonfinite_skips += 1
             self._active, self._active_idx = None, []
             self.ledger.end_step()
             return loss

@@ -242,6 +242,7 @@ class LAMB(ContractDefaults, Optimizer):
         if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
                           where="LAMB: ", agree=sharded,
                           screened=None if buckets is None else [flat.grad for _, flat, _, _ in buckets]):
+            self.nonfinite_skips += 1
             self.ledger.end_step()
             return loss
         if buckets is not None and self._fused.step(buckets):
