@@ -542,6 +542,14 @@ def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_r
     assert longer.returncode == 0 and f"resumed from {run}/ckpt at epoch 1" in longer.stdout, longer.stderr[-3000:]
 
 
+@pytest.mark.parametrize("name", ["slamb", "lamb", "dgc", "onebit_lamb", "jointspar", "diloco", "powersgd"])
+def test_a_process_group_that_is_not_one_is_refused_by_the_constructor(name):
+    # before: slamb.SLAMB(params, process_group="gloo") was built, and failed at its first step's collective
+    with pytest.raises(ValueError, match=r"^invalid process_group='gloo': must be a torch.distributed process group "
+                                         r"\(dist.new_group\(ranks\)\) or None for the default group"):
+        slamb.create_optimizer(name, torch.nn.Linear(4, 4), process_group="gloo")
+
+
 # ------------------------------------------------------------------------------------- skipped steps
 
 
