@@ -44,6 +44,23 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                     growth_interval: int = 2000) -> None:
+    """The dynamic loss scale's settings (``loss_scale.*``)."""
+    check_range("loss_scale.init_scale", init_scale, 0.0, lo_open=True)
+    check_range("loss_scale.growth_factor", growth_factor, 1.0, lo_open=True)
+    check_range("loss_scale.backoff_factor", backoff_factor, 0.0, 1.0, lo_open=True, hi_open=True)
+    if isinstance(growth_interval, bool) or not (isinstance(growth_interval, int) and growth_interval >= 1):
+        raise ValueError(f"invalid loss_scale.growth_interval={growth_interval!r}: must be an integer >= 1")
+
+
+def check_clip_grad(clip_grad) -> None:
+    """``clip_grad``: the gradients' largest global norm, or None for no clipping (0 or less would be none
+    either, unsaid)."""
+    if clip_grad is not None:
+        check_range("clip_grad", clip_grad, 0.0, lo_open=True)
+
+
 class MixedPrecision:
     """Autocast, loss scaling and the rank-agreed step of one precision setting.
 
@@ -59,11 +76,7 @@ class MixedPrecision:
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  optimizer=None, time_steps: bool | None = None):
         check_choice("trainer.precision", precision, PRECISIONS)
-        check_range("init_scale", init_scale, 0.0, lo_open=True)
-        check_range("growth_factor", growth_factor, 1.0, lo_open=True)
-        check_range("backoff_factor", backoff_factor, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"invalid growth_interval={growth_interval!r}: must be an integer >= 1")
+        check_loss_scale(init_scale, growth_factor, backoff_factor, growth_interval)
         self.precision, self.device = precision, torch.device(device)
         self.scaling = precision == "fp16"
         self.scaler = RankAgreedGradScaler(self.device.type, init_scale=float(init_scale),

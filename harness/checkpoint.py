@@ -141,15 +141,14 @@ def check_writable(folder: Path, keep: int = 2) -> None:
     try:
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        atomic_write_bytes(probe, lambda f: f.write(bytes(PROBE_BYTES)))
+        atomic_write_bytes(probe, lambda f: f.write(bytes(PROBE_BYTES)))  # a failed write leaves no file
+        probe.unlink()
     except DiskFull:
         raise ValueError(f"checkpoint directory {folder} has no space left on its disk: {_room(keep)}") from None
     except OSError as e:
         raise ValueError(f"checkpoint directory {folder} is not writable ({existing}: {e.strerror or e}): make "
                          "it writable, choose another run directory (hydra.run.dir=...), or set "
                          "trainer.checkpoint.enabled=false") from None
-    finally:
-        probe.unlink(missing_ok=True)
     last = Checkpointer(folder.parent, None).complete()[:1]
     need = _size(folder / last[0]["dir"]) if last else 0
     free = shutil.disk_usage(existing).free

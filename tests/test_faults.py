@@ -581,11 +581,13 @@ def test_a_step_the_optimizer_drops_on_nan_gradients_is_counted_and_resumed(name
 # ---------------------------------------------------------------------------------------- smaller
 
 
-def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
+def test_a_truncated_hdf5_shard_names_the_file_and_is_not_restarted(tmp_path):
+    """A damaged input, a ValueError (before: an OSError, which elastic restarted), found before any worker
+    starts (check_shards) where its header is cut."""
     import h5py
     import numpy as np
 
-    from bert.data import load_shard, shard_length
+    from bert.data import check_shards, load_shard, shard_length
 
     path = tmp_path / "part_training_0.hdf5"
     with h5py.File(path, "w") as f:
@@ -596,9 +598,9 @@ def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
         f["next_sentence_labels"] = np.zeros(64, np.int32)
     assert shard_length(path) == 64
     path.write_bytes(path.read_bytes()[:3000])  # a copy cut short
-    for read in (lambda: shard_length(path), lambda: load_shard(path, 16)):
-        with pytest.raises(OSError, match=rf"^cannot read the pre-training shard {path} \(.*\): the file is "
-                                          r"truncated or damaged; prepare it again"):
+    for read in (lambda: shard_length(path), lambda: load_shard(path, 16), lambda: check_shards([path], 16, 100)):
+        with pytest.raises(harness.distributed.WILL_RECUR, match=rf"^cannot read the pre-training shard {path} \(.*\): "
+                                                                 r"the file is truncated or damaged; prepare it again"):
             read()
 
 
