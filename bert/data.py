@@ -39,7 +39,8 @@ def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN, setting: str
     files = sorted(p for p in Path(data_dir).glob(pattern) if p.is_file())
     if not files:
         raise FileNotFoundError(
-            f"no pre-training shards {pattern!r} in {str(data_dir)!r} ({setting}.dir, {setting}.pattern): prepare them with "
+            f"no pre-training shards {pattern!r} in {str(data_dir)!r} ({setting}.dir, {setting}.pattern): prepare "
+            "them with "
             "`python -m bert.prepare_data --input TEXT... --vocab vocab.txt --output DIR` (or point data.dir at "
             "NVIDIA's hdf5 directory)"
         )

@@ -313,10 +313,11 @@ class WorkerError(Exception):
 
 def error_line(error: BaseException, rank, traceback_file: str | None = None) -> str:
     message = " ".join(str(error).split())
-    where = f"its traceback: {traceback_file}" if traceback_file else ""
+    notes = [f"its traceback: {traceback_file}"] if traceback_file else []
     if isinstance(error, WILL_RECUR):
-        where = f"not restarted: a restart from the last checkpoint would fail the same way{'; ' + where if where else ''}"
-    return f"error: {type(error).__name__} on rank {rank}: {message}{f' ({where})' if where else ''}"
+        notes.insert(0, "not restarted: a restart from the last checkpoint would fail the same way")
+    said = "; ".join(notes)
+    return f"error: {type(error).__name__} on rank {rank}: {message}{f' ({said})' if said else ''}"
 
 
 def keep_traceback(run_dir, rank) -> str | None:

@@ -398,16 +398,16 @@ def test_a_full_disk_ends_the_save_in_one_line_leaves_no_partial_checkpoint_and_
     room = ("free space there (an older checkpoint folder can go), or lower trainer.checkpoint.keep (now {}): a save "
             "needs room for one more checkpoint beside those kept")
     # a .pt: the file's own error, naming the checkpoint and the fix; no partial file, nor folder, stays
-    assert out["ddp_error"] == (f"DiskFull: no space left on the disk of the checkpoint {disk / 'ddp/ckpt/step000000001'} "
-                                f"(writing rank0.pt): {room.format(2)}")
+    assert out["ddp_error"] == ("DiskFull: no space left on the disk of the checkpoint "
+                                f"{disk / 'ddp/ckpt/step000000001'} (writing rank0.pt): {room.format(2)}")
     assert out["ddp_files"] == ["ddp", "ddp/ckpt", "filler"]
     # the check before the workers writes and syncs a block: an empty file would fit
     assert out["full_refused"] == f"checkpoint directory {disk / 'full/ckpt'} has no space left on its disk: " \
                                   f"{room.format(3)}"
     for rank in out["sharded"]:
         # DCP's save on both ranks, in one line; the partial folder of step 3 is gone
-        assert rank["error"] == (f"DiskFull: no space left on the disk of the checkpoint {run_dir / 'ckpt' / 'step000000003'} "
-                                 f"(writing dcp): {room.format(4)}")
+        assert rank["error"] == ("DiskFull: no space left on the disk of the checkpoint "
+                                 f"{run_dir / 'ckpt' / 'step000000003'} (writing dcp): {room.format(4)}")
         assert rank["folders"] == ["latest.json", "step000000001", "step000000002"]
         assert rank["resumed_from"] == [2]  # once room was made: from step 2
     refused = out["sharded"][0]["refused"]

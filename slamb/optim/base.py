@@ -27,7 +27,8 @@ from torch.optim import Optimizer
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from ..sharding import check_state_shapes, is_sharded, local
-from .checks import NONFINITE_POLICIES, check_choice, check_process_group, nonfinite_candidates, nonfinite_error, nonfinite_exact
+from .checks import (NONFINITE_POLICIES, check_choice, check_process_group, nonfinite_candidates, nonfinite_error,
+                     nonfinite_exact)
 from .flat import param_labels
 from .precision import state_dtype
 
