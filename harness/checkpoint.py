@@ -398,6 +398,7 @@ def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, sched
         # floating buffers (BatchNorm statistics) are each rank's own under every optimizer: the pipelines
         # do not broadcast them per forward, and the evaluated model averages them (DCP keeps one copy)
         per_rank["buffers"] = {k: v for k, v in module.named_buffers() if v.is_floating_point()}
+
     def write(folder: Path) -> list[Path]:
         slamb.save_sharded(module, optimizer, folder / SHARDED)
         return sharded_files(folder / SHARDED, ckpt.env.rank)

@@ -253,6 +253,22 @@ def test_an_unreadable_latest_json_is_said_once_by_rank_0(tmp_path, capsys):
                                        f"checkpoints in {tmp_path / 'ckpt'}\n")
 
 
+def test_the_next_start_removes_the_folder_of_a_save_that_did_not_finish(tmp_path, capsys):
+    """A rank's save failed (its disk full) while the others' files were on disk: the next start frees their
+    space, in one line (before: they stayed, keeping the disk full)."""
+    from harness.checkpoint import prepare_run
+    from tests.test_harness import _cfg
+
+    for rank in (0, 1):
+        Checkpointer(tmp_path, solo(rank, 2)).save({"step": 1}, {}, {"b": rank})
+    partial = tmp_path / "ckpt" / "step000000002"
+    partial.mkdir()
+    atomic_torch_save({"b": torch.zeros(1000)}, partial / "rank0.pt")
+    assert prepare_run(_cfg(), tmp_path) is None
+    assert capsys.readouterr().out == f"removing {partial}: a checkpoint whose save did not finish\n"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest.json", "step000000001"]
+
+
 def test_a_step_saved_again_leaves_nothing_of_the_earlier_attempt(tmp_path):
     """A save killed mid-write left its temporary file; the run resumed from the step before and saves this step
     again (before: the .tmp file stayed, and the folder kept the earlier attempt's complete.json while written)."""
