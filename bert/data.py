@@ -33,12 +33,14 @@ IGNORE_INDEX = -100  # the label ``transformers`` skips in the MLM loss
 SHARD_PATTERN = "*training*.hdf5"
 
 
-def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN) -> list[Path]:
-    """The shard files of ``data_dir`` matching ``pattern`` (default: NVIDIA's rule), sorted by name."""
+def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN, setting: str = "data") -> list[Path]:
+    """The shard files of ``data_dir`` matching ``pattern`` (default: NVIDIA's rule), sorted by name; ``setting``:
+    the config node they come from (``data``, ``validation``), which the error names."""
     files = sorted(p for p in Path(data_dir).glob(pattern) if p.is_file())
     if not files:
         raise FileNotFoundError(
-            f"no pre-training shards {pattern!r} in {str(data_dir)!r} (data.pattern): prepare them with "
+            f"no pre-training shards {pattern!r} in {str(data_dir)!r} ({setting}.dir, {setting}.pattern): prepare "
+            "them with "
             "`python -m bert.prepare_data --input TEXT... --vocab vocab.txt --output DIR` (or point data.dir at "
             "NVIDIA's hdf5 directory)"
         )
@@ -47,15 +49,16 @@ def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN) -> list[Path
 
 @contextlib.contextmanager
 def open_shard(path: Path):
-    """``h5py.File(path)``; h5py's errors for a truncated or damaged file (at opening or reading) name no file."""
+    """``h5py.File(path)``; h5py's errors for a truncated or damaged file (at opening or reading) name no file.
+    A ``ValueError`` (a damaged input): a restart would meet it again."""
     import h5py
 
     try:
         with h5py.File(path, "r") as f:
             yield f
     except OSError as e:
-        raise OSError(f"cannot read the pre-training shard {path} ({e}): the file is truncated or damaged; "
-                      "prepare it again (python -m bert.prepare_data) or copy it again") from None
+        raise ValueError(f"cannot read the pre-training shard {path} ({e}): the file is truncated or damaged; "
+                         "prepare it again (python -m bert.prepare_data) or copy it again") from None
 
 
 def shard_length(path: Path) -> int:
@@ -66,13 +69,30 @@ def shard_length(path: Path) -> int:
         return len(f["next_sentence_labels"])
 
 
+def _check_length(path: Path, length: int, seq_len: int) -> None:
+    if length != seq_len:
+        raise ValueError(f"{path} holds sequences of length {length}, the run expects data.seq_len={seq_len}: use "
+                         "the shards of this phase")
+
+
 def load_shard(path: Path, seq_len: int) -> dict[str, np.ndarray]:
     with open_shard(path) as f:
         arrays = {k: np.asarray(f[k][:], dtype=np.int64) for k in FIELDS}
-    if arrays["input_ids"].shape[1] != seq_len:
-        raise ValueError(f"{path} holds sequences of length {arrays['input_ids'].shape[1]}, the run expects "
-                         f"data.seq_len={seq_len}: use the shards of this phase")
+    _check_length(path, arrays["input_ids"].shape[1], seq_len)
     return arrays
+
+
+def check_shards(files: list[Path], seq_len: int, vocab_size: int) -> None:
+    """What the workers would meet only once started: every shard readable (a truncated copy fails to open),
+    the first one's sequences of ``seq_len`` and token ids the model embeds (``vocab_size``)."""
+    for path in files:
+        shard_length(path)
+    with open_shard(files[0]) as f:
+        _check_length(files[0], f["input_ids"].shape[1], seq_len)
+        top = max(int(f[k][:].max()) for k in ("input_ids", "masked_lm_ids"))
+    if top >= vocab_size:
+        raise ValueError(f"invalid model.vocab_size={vocab_size}: {files[0]} holds token id {top}; set "
+                         f"model.vocab_size={top + 1} or more (the size of the shards' vocab.txt)")
 
 
 def mlm_labels(positions: torch.Tensor, ids: torch.Tensor, seq_len: int) -> torch.Tensor:

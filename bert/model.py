@@ -3,20 +3,34 @@ from __future__ import annotations
 
 import torch
 
+from harness.settings import check_count
+
 # model config keys that are BertConfig settings (the rest, e.g. ``name``, describe the config itself)
 BERT_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
              "max_position_embeddings", "type_vocab_size", "hidden_act", "hidden_dropout_prob",
              "attention_probs_dropout_prob", "layer_norm_eps", "initializer_range")
 
 
+# the model config's sizes: counts of at least 1
+SIZES = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+         "max_position_embeddings", "type_vocab_size")
+
+
+def check_model(cfg) -> None:
+    """The model config's shape, without importing transformers (a check before any worker starts)."""
+    for key in SIZES:
+        if cfg.get(key) is not None:
+            check_count(f"model.{key}", cfg[key])
+    if cfg["hidden_size"] % cfg["num_attention_heads"]:
+        raise ValueError(f"invalid model.num_attention_heads={cfg['num_attention_heads']}: hidden_size="
+                         f"{cfg['hidden_size']} is not a multiple of num_attention_heads={cfg['num_attention_heads']}")
+
+
 def bert_config(cfg):
     from transformers import BertConfig
 
-    settings = {k: cfg[k] for k in BERT_KEYS if k in cfg and cfg[k] is not None}
-    if settings["hidden_size"] % settings["num_attention_heads"]:
-        raise ValueError(f"invalid model: hidden_size={settings['hidden_size']} is not a multiple of "
-                         f"num_attention_heads={settings['num_attention_heads']}")
-    return BertConfig(**settings)
+    check_model(cfg)
+    return BertConfig(**{k: cfg[k] for k in BERT_KEYS if k in cfg and cfg[k] is not None})
 
 
 def build_model(cfg) -> torch.nn.Module:

@@ -44,11 +44,12 @@ from omegaconf import OmegaConf
 
 import harness
 from harness.accumulate import accumulation_steps
-from harness.amp import MixedPrecision, accumulation_context
-from harness.schedules import build_lr_scheduler
+from harness.amp import MixedPrecision, accumulation_context, check_clip_grad, check_loss_scale
+from harness.schedules import build_lr_scheduler, check_lr_schedule
+from harness.settings import check_count
 
-from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, find_shards, load_shard, to_batch
-from .model import build_model, load_pretrained, shard_blocks
+from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, check_shards, find_shards, load_shard, to_batch
+from .model import build_model, check_model, load_pretrained, shard_blocks
 
 # per-period sums, kept on the device (no host sync per step)
 LOSS, MLM_CORRECT, MLM_COUNT, NSP_CORRECT, NSP_COUNT, MICRO = range(6)
@@ -88,7 +89,7 @@ def validation_batches(cfg, env) -> list[dict]:
     """This rank's strided share of every example of the held-out shards, in micro-batches on the device."""
     v, d = cfg.validation, cfg.data
     batches = []
-    for path in find_shards(v.dir, v.pattern):
+    for path in find_shards(v.dir, v.pattern, "validation"):
         arrays = load_shard(path, d.seq_len)
         rows = np.arange(len(arrays["next_sentence_labels"]))[env.rank::env.world_size]
         batches += [{k: t.to(env.device) for k, t in to_batch(arrays, rows[i:i + d.micro_batch]).items()}
@@ -129,6 +130,31 @@ def data_vocab(data_dir) -> Path | None:
     """The vocabulary ``bert.prepare_data`` recorded for the shards (None for shards made elsewhere)."""
     stats = Path(data_dir) / "stats.json"
     return Path(json.loads(stats.read_text())["vocab"]) if stats.is_file() else None
+
+
+# what a command line may add (+key=value) that this pipeline reads though its config leaves it out
+OPTIONAL = ("init_optimizer_from",)
+
+
+def check(cfg: dict) -> None:
+    """This pipeline's settings and data, before any worker starts (:func:`harness.build.check_settings`):
+    the model's shape, the loss scale, clipping, the schedule, the shards (readable, of this phase, with ids
+    the model embeds)."""
+    d, m = cfg["data"], cfg["model"]
+    check_model(m)
+    if d["seq_len"] > m["max_position_embeddings"]:
+        raise ValueError(f"invalid data.seq_len={d['seq_len']}: longer than model.max_position_embeddings="
+                         f"{m['max_position_embeddings']}")
+    check_loss_scale(**cfg["loss_scale"])
+    check_clip_grad(cfg["clip_grad"])
+    if cfg.get("steps_per_epoch") is not None:
+        check_count("steps_per_epoch", cfg["steps_per_epoch"])
+    check_count("data.prefetch", d["prefetch"], " (micro-batches read ahead)", minimum=0)
+    check_lr_schedule(cfg["schedule"], cfg["steps"], steps_per_epoch=1)
+    check_shards(find_shards(d["dir"], d["pattern"]), d["seq_len"], m["vocab_size"])
+    v = cfg.get("validation") or {}
+    if v.get("dir"):
+        check_shards(find_shards(v["dir"], v["pattern"], "validation"), d["seq_len"], m["vocab_size"])
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -201,7 +227,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg, shards=True)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL)
 
 
 if __name__ == "__main__":

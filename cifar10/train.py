@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 import slamb
 import harness
 from harness.amp import MixedPrecision
-from harness.schedules import build_lr_scheduler
+from harness.schedules import build_lr_scheduler, check_lr_schedule
 
 from .data import augment, augment_draws, augment_generator, channel_stats, load_cifar10, normalize
 from .model import build_model
@@ -47,6 +47,14 @@ def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
                              torch.full((), float(len(b)), device=logits.device)]).double()
     loss, correct, count = harness.rank_sums(sums)
     return {"test_loss": loss / count, "test_top1": 100.0 * correct / count}
+
+
+def check(cfg: dict) -> None:
+    """This pipeline's settings, before any worker starts (:func:`harness.build.check_settings`): the model
+    (built on the meta device: no memory, no time) and the schedule."""
+    with torch.device("meta"):
+        build_model(cfg["model"])
+    check_lr_schedule(cfg["schedule"], cfg["epochs"])
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -112,7 +120,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg)
+    return harness.run_from_hydra("cifar10.train:train", cfg, check=check)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,23 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def check_loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                     growth_interval: int = 2000) -> None:
+    """The dynamic loss scale's settings (``loss_scale.*``)."""
+    check_range("loss_scale.init_scale", init_scale, 0.0, lo_open=True)
+    check_range("loss_scale.growth_factor", growth_factor, 1.0, lo_open=True)
+    check_range("loss_scale.backoff_factor", backoff_factor, 0.0, 1.0, lo_open=True, hi_open=True)
+    if isinstance(growth_interval, bool) or not (isinstance(growth_interval, int) and growth_interval >= 1):
+        raise ValueError(f"invalid loss_scale.growth_interval={growth_interval!r}: must be an integer >= 1")
+
+
+def check_clip_grad(clip_grad) -> None:
+    """``clip_grad``: the gradients' largest global norm, or None for no clipping (0 or less would be none
+    either, unsaid)."""
+    if clip_grad is not None:
+        check_range("clip_grad", clip_grad, 0.0, lo_open=True)
+
+
 class MixedPrecision:
     """Autocast, loss scaling and the rank-agreed step of one precision setting.
 
@@ -59,16 +76,13 @@ class MixedPrecision:
                  growth_factor: float = 2.0, backoff_factor: float = 0.5, growth_interval: int = 2000,
                  optimizer=None, time_steps: bool | None = None):
         check_choice("trainer.precision", precision, PRECISIONS)
-        check_range("init_scale", init_scale, 0.0, lo_open=True)
-        check_range("growth_factor", growth_factor, 1.0, lo_open=True)
-        check_range("backoff_factor", backoff_factor, 0.0, 1.0, lo_open=True, hi_open=True)
-        if not (isinstance(growth_interval, int) and growth_interval >= 1):
-            raise ValueError(f"invalid growth_interval={growth_interval!r}: must be an integer >= 1")
+        check_loss_scale(init_scale, growth_factor, backoff_factor, growth_interval)
         self.precision, self.device = precision, torch.device(device)
         self.scaling = precision == "fp16"
         self.scaler = RankAgreedGradScaler(self.device.type, init_scale=float(init_scale),
                                            growth_factor=growth_factor, backoff_factor=backoff_factor,
                                            growth_interval=growth_interval, enabled=self.scaling)
+        self.dropped_steps = 0  # steps the optimizer dropped itself (nonfinite="skip"), besides the loss scale's
         # told the scale before backward: an optimizer whose DDP hook sends what backward gives (SLAMB's overlap)
         self.told = optimizer if self.scaling and getattr(optimizer, "overlap", False) else None
         self._told_scale: float | None = None  # the scale it was told; None: read it at the next backward
@@ -98,7 +112,9 @@ class MixedPrecision:
 
     @property
     def skipped_steps(self) -> int:
-        return self.scaler.skipped_steps
+        """Steps that changed nothing: the loss scale's overflows and the optimizer's own drops of NaN/inf
+        gradients (``nonfinite="skip"``)."""
+        return self.scaler.skipped_steps + self.dropped_steps
 
     def autocast(self):
         dtype = AUTOCAST_DTYPES.get(self.precision)
@@ -149,7 +165,9 @@ class MixedPrecision:
         norm = None
         if clip_grad is not None and clip_grad > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
+        before = optimizer.nonfinite_skips
         self.scaler.step(optimizer)
+        self.dropped_steps += optimizer.nonfinite_skips - before
         self._update()
         return False, norm
 
@@ -159,11 +177,12 @@ class MixedPrecision:
 
     def state_dict(self) -> dict:
         return {"scale": self.scale, "good_steps": self.scaler.state_dict().get("_growth_tracker", 0),
-                "skipped_steps": self.skipped_steps}
+                "skipped_steps": self.scaler.skipped_steps, "dropped_steps": self.dropped_steps}
 
     def load_state_dict(self, state: dict) -> None:
         if not math.isfinite(state["scale"]) or state["scale"] <= 0:
             raise ValueError(f"invalid loss scale {state['scale']!r} in the checkpoint")
+        self.dropped_steps = int(state.get("dropped_steps", 0))  # absent from checkpoints written before it was
         if self.scaling:
             self.scaler.load_state_dict({
                 "scale": float(state["scale"]), "_growth_tracker": int(state["good_steps"]),

@@ -1,11 +1,14 @@
 """Files written whole or not at all: a temporary sibling, fsync, then a rename over the target.
 
 A job killed while writing leaves the previous file (a checkpoint, ``metrics.json``) in force. A
-checkpoint's ``.pt`` gets its sha256 beside it (``<file>.sha256``, as ``sha256sum`` writes it), checked
-before ``torch.load``, which ignores the zip's CRCs: a flipped bit would otherwise load as a changed value.
+checkpoint's files get their sha256 beside them (``<file>.sha256``, as ``sha256sum`` writes it), checked
+before they are read: ``torch.load`` ignores the zip's CRCs and DCP's files have none, so a flipped bit
+would otherwise load as a changed value. A failed write raises the file's own error, naming the file
+(``torch.save`` reports a full disk as "unexpected pos 64 vs 0").
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -15,6 +18,12 @@ import torch
 
 
 DIGEST = ".sha256"
+FULL = (errno.ENOSPC, errno.EDQUOT)  # no space left: on the device, in the user's quota
+
+
+class DiskFull(OSError):
+    """A write found no space left on its disk (or in its quota): a rerun finds it full again until space is
+    freed."""
 
 
 class _Hashing:
@@ -22,10 +31,15 @@ class _Hashing:
 
     def __init__(self, f):
         self.f, self.sha = f, hashlib.sha256()
+        self.error: OSError | None = None  # the file's own error, which torch.save replaces with its own
 
     def write(self, data) -> int:
         self.sha.update(data)
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
 
     def flush(self) -> None:
         self.f.flush()
@@ -34,10 +48,13 @@ class _Hashing:
 def atomic_write_bytes(path: Path, write) -> str:
     """``write(file)`` into a temporary sibling, fsync, then rename over ``path``; returns the sha256 of the bytes.
 
-    A failed write (a full disk) removes its temporary file: a rerun on that disk must not find it fuller.
+    A failed write (a full disk) removes its temporary file: a rerun on that disk must not find it fuller. The
+    ``OSError`` of the file's write, whatever ``write`` made of it, is what it raises, naming ``path``
+    (:class:`DiskFull` for a full disk).
     """
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    out = None
     try:
         with open(tmp, "wb") as f:
             out = _Hashing(f)
@@ -45,8 +62,11 @@ def atomic_write_bytes(path: Path, write) -> str:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        error = out.error if out is not None and out.error is not None else e
+        if isinstance(error, OSError) and error.errno is not None:
+            raise (DiskFull if error.errno in FULL else OSError)(error.errno, error.strerror, str(path)) from error
         raise
     return out.sha.hexdigest()
 
@@ -55,12 +75,17 @@ def digest_path(path: Path) -> Path:
     return path.with_name(path.name + DIGEST)
 
 
-def atomic_torch_save(obj, path: Path) -> None:
-    """``torch.save`` atomically, with ``<path>.sha256`` beside it (``sha256sum -c`` reads it): torch.load
-    ignores the zip's CRCs, so that a flipped bit would otherwise load as a changed value."""
+def write_digest(path: Path, digest: str) -> None:
+    """``<path>.sha256`` (``sha256sum -c`` reads it), written atomically."""
     path = Path(path)
-    digest = atomic_write_bytes(path, lambda f: torch.save(obj, f))
     atomic_write_bytes(digest_path(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
+
+
+def atomic_torch_save(obj, path: Path) -> None:
+    """``torch.save`` atomically, with ``<path>.sha256`` beside it: torch.load ignores the zip's CRCs, so that
+    a flipped bit would otherwise load as a changed value."""
+    path = Path(path)
+    write_digest(path, atomic_write_bytes(path, lambda f: torch.save(obj, f)))
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -71,17 +96,26 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return sha.hexdigest()
 
 
-def verified_torch_load(path: Path):
-    """``torch.load`` to the CPU after checking the file against its ``.sha256`` (absent in checkpoints
-    written before digests were: those load unchecked)."""
+def verify(path: Path, required: bool = True) -> None:
+    """Check ``path`` against its ``.sha256``; a missing digest is an error where ``required`` (a checkpoint
+    that records its digests), else the file goes unchecked (one written before digests were)."""
     path = Path(path)
     recorded = digest_path(path)
-    if recorded.exists():
-        expected = (recorded.read_text().split() or [""])[0]
-        actual = file_sha256(path)
-        if actual != expected:
-            raise ValueError(f"its sha256 {actual[:16]}... differs from the {expected[:16] or 'empty'}... "
-                             f"recorded in {recorded.name} when it was written: the file changed on disk")
+    if not recorded.exists():
+        if required:
+            raise FileNotFoundError(f"its digest {recorded.name} is missing, though the checkpoint records one: "
+                                    "the file cannot be checked")
+        return
+    expected = (recorded.read_text().split() or [""])[0]
+    actual = file_sha256(path)
+    if actual != expected:
+        raise ValueError(f"its sha256 {actual[:16]}... differs from the {expected[:16] or 'empty'}... "
+                         f"recorded in {recorded.name} when it was written: the file changed on disk")
+
+
+def verified_torch_load(path: Path, required: bool = True):
+    """``torch.load`` to the CPU after :func:`verify`."""
+    verify(path, required)
     return torch.load(path, map_location="cpu", weights_only=False)
 
 

@@ -1,6 +1,7 @@
 """Building a job from its config: settings checks, the optimizer, the launch from Hydra."""
 from __future__ import annotations
 
+import difflib
 import inspect
 import math
 import os
@@ -15,25 +16,62 @@ from slamb.optim.checks import check_choice
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
-from .distributed import (WILL_RECUR_EXIT, WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
+from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
-from .settings import check_count
+from .schedules import SCHEDULE_SETTINGS
+from .settings import check_count, check_schedule, covers
 
 RESUME = ("auto", "never")
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # every trainer setting, with its default: a key not in it is refused (a misspelt override would be ignored)
-TRAINER_DEFAULTS = Path(__file__).resolve().parents[1] / "configs" / "trainer" / "default.yaml"
+TRAINER_DEFAULTS = CONFIGS / "trainer" / "default.yaml"
+# what a command line may add (+key=value) beside a pipeline's own optional settings and the schedule's: the
+# optimizer's settings (its constructor refuses one it lacks) and the labels that file a run (free-form)
+ADDABLE = ("optimizer", "paper", "study")
 # optimizer config keys the harness consumes; every other key is a setting of the optimizer class
 HARNESS_KEYS = ("name", "weight_decay", "no_decay", "decay_all")
+
+
+def unknown_setting(key: str, value, known) -> ValueError:
+    """The refusal of setting ``key``: the nearest of ``known`` (the names beside it) and all of them."""
+    prefix, _, name = key.rpartition(".")
+    near = difflib.get_close_matches(name, list(known), n=1)
+    hint = f" (did you mean {prefix + '.' if prefix else ''}{near[0]}?)" if near else ""
+    return ValueError(f"unknown setting {key}={value!r}{hint}; known: {sorted(known)}")
 
 
 def check_known(node: dict, known: dict, prefix: str) -> None:
     """Refuse keys of ``node`` that ``known`` (the defaults) lacks: a misspelt ``+trainer.*`` would be ignored."""
     for key, value in node.items():
         if key not in known:
-            raise ValueError(f"unknown setting {prefix}{key}={value!r}; known: {sorted(known)}")
+            raise unknown_setting(f"{prefix}{key}", value, known)
         if isinstance(value, dict) and isinstance(known[key], dict):
             check_known(value, known[key], f"{prefix}{key}.")
+
+
+def added_settings(overrides) -> list[str]:
+    """The keys a command line's overrides add (``+key=value``; not ``++``, which may set an existing one, nor a
+    config group's option, ``+mixin=...``)."""
+    keys = [line.split("=", 1)[0][1:] for line in overrides if line.startswith("+") and not line.startswith("++")]
+    return [k for k in keys if not (CONFIGS / k.split("@", 1)[0]).is_dir() and not k.startswith("hydra.")]
+
+
+def check_added(cfg: dict, added, optional=()) -> None:
+    """Refuse the settings a command line adds (:func:`added_settings`) that nothing reads: ``+data.augmnt=false``
+    was ignored, and augmentation stayed on. ``optional``: the pipeline's settings that its config leaves out."""
+    readable = (*ADDABLE, *optional, *(f"schedule.{k}" for names in SCHEDULE_SETTINGS.values() for k in names))
+    for key in added:
+        if covers(readable, key):
+            continue
+        parent, node = "", cfg
+        for name in key.split("."):  # down to the first level that the addition made
+            full = f"{parent}{name}"
+            known = {k for k in node if not covers(added, f"{parent}{k}")}
+            known |= {r[len(parent):].split(".")[0] for r in readable if r.startswith(parent)}
+            if name not in known:
+                raise unknown_setting(full, lookup(cfg, full), known)
+            parent, node = f"{full}.", node[name]
 
 
 def check_trainer(t) -> None:
@@ -43,6 +81,8 @@ def check_trainer(t) -> None:
     check_known(t, yaml.safe_load(TRAINER_DEFAULTS.read_text()), "trainer.")
     check_count("trainer.nproc_per_node", t["nproc_per_node"], " (local workers)")
     check_count("trainer.max_restarts", t["max_restarts"], minimum=0)
+    if t["threads_per_worker"] is not None:
+        check_count("trainer.threads_per_worker", t["threads_per_worker"], " (CPU threads; null: cores / workers)")
     check_choice("trainer.precision", t["precision"], PRECISIONS)
     check_choice("trainer.resume", t["resume"], RESUME)
     check_choice("trainer.parallelism", t["parallelism"], PARALLELISMS)
@@ -159,11 +199,12 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     name = ocfg.get("name")
     key = re.match(r"invalid ([\w.]+?)(?:\[\d+\])?=", message)
     key = key[1].removeprefix("optimizer.") if key else None
-    unknown = re.match(r"unknown setting (trainer\.[\w.]+)=", message)
+    unknown = re.match(r"unknown setting ([\w.]+)=", message)
     if message.startswith("unknown optimizer"):
         fix = "pick optimizer=<one of those> (configs/optimizer/)"
     elif unknown:
-        fix = f"drop {unknown[1]} or correct its name (configs/trainer/default.yaml)"
+        where = "configs/trainer/default.yaml" if unknown[1].startswith("trainer.") else "the pipeline's configs/"
+        fix = f"drop {unknown[1]} or correct its name ({where})"
     elif message.startswith("unknown setting"):
         fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
     elif key == "trainer.parallelism" and "sharded" in message:
@@ -173,6 +214,8 @@ def user_error(error: ValueError, ocfg: dict) -> str:
         fix = f"set {key} to an allowed value (command line or configs/trainer/default.yaml)"
     elif key and key.startswith("data."):
         fix = f"set {key} to an allowed value (command line or the pipeline's configs/data/*.yaml)"
+    elif key and key.startswith("model."):
+        fix = f"set {key} to an allowed value (command line or the pipeline's configs/model/*.yaml)"
     elif key in (*registry.optimizer_settings(name), *HARNESS_KEYS):
         fix = f"set optimizer.{key} to an allowed value (command line or configs/optimizer/{name}.yaml)"
     else:
@@ -180,29 +223,38 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
-def check_settings(cfg: dict, *, shards: bool = False) -> None:
-    """Every check made before any worker starts (``ValueError``: one line naming the setting), then
-    the one-line notice on stderr of a ``trainer.device=auto`` that falls back to the CPU (rank 0 only,
-    where torchrun or SLURM run this in every worker). ``shards``: the pipeline takes
-    ``trainer.parallelism=fsdp|hsdp``."""
+def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), optional=()) -> None:
+    """Every check made before any worker starts (``ValueError``, or ``OSError`` for an input that cannot be
+    read: one line naming the setting), then the one-line notice on stderr of a ``trainer.device=auto`` that
+    falls back to the CPU (rank 0 only, where torchrun or SLURM run this in every worker). ``shards``: the
+    pipeline takes ``trainer.parallelism=fsdp|hsdp``; ``check(cfg)``: the pipeline's own checks (its model,
+    schedule, data), last; ``added``, ``optional``: :func:`check_added`."""
     t = cfg["trainer"]
     check_trainer(t)
+    check_added(cfg, added, optional)
     check_optimizer(cfg["optimizer"])
+    if "seed" in cfg:
+        check_count("seed", cfg["seed"], " (the initial weights, the data order)", minimum=0)
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     world_size = planned_world_size(t["nproc_per_node"])
     check_data(cfg.get("data") or {}, world_size)
     check_parallelism(cfg, world_size, shards)
     check_inputs_exist(cfg)
+    check_schedule(cfg)  # the run's length before its schedule
+    if check is not None:
+        check(cfg)
     if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg, *, shards: bool = False):
+def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
+    ``check``, ``optional``: the pipeline's own checks and the settings its config leaves out
+    (:func:`check_settings`).
 
     The job's run directory is Hydra's output directory, locked while the job writes it; its console goes to
     ``train.log`` there too, and it ends with the run's one summary line (:func:`harness.loop.summary_line`). With
@@ -211,7 +263,10 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
     reject ends the command here, before any worker starts: one line on stderr and exit status 2
     (a usage error, as argparse). A worker error that a restart would meet again (a missing data file,
     a damaged input: :data:`harness.distributed.WILL_RECUR`) ends it at the first attempt, whatever
-    ``trainer.max_restarts``: one line and exit status 65.
+    ``trainer.max_restarts``: one line and exit status 65; any other, after the restarts, one line and exit
+    status 1 (the worker's traceback in the run directory). A run directory another job writes is refused in
+    one line and exit status 2: Hydra writes nothing there (``configs/hydra/default.yaml``), nor does the
+    command before it holds the lock.
     """
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
@@ -219,7 +274,7 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
     from .checkpoint import prepare_run
     from .distributed import started_externally
     from .loop import summary_line
-    from .run import ConsoleLog, RunLock
+    from .run import ConsoleLog, RunLock, RunLocked
 
     from omegaconf.errors import MissingMandatoryValue
 
@@ -235,24 +290,29 @@ def run_from_hydra(worker, cfg, *, shards: bool = False):
         sys.exit(2)
 
     try:
-        check_settings(container, shards=shards)
-    except ValueError as e:
+        check_settings(container, shards=shards, check=check, optional=optional,
+                       added=added_settings(HydraConfig.get().overrides.task))
+    except (ValueError, OSError) as e:
         refuse(e)
     run_dir = HydraConfig.get().runtime.output_dir
     local = not started_externally()
     writer = local or os.environ.get("RANK") == "0"
-    with ConsoleLog(Path(run_dir) / "train.log", hold=writer), RunLock(run_dir, hold=writer):
-        try:
-            finished = prepare_run(container, run_dir, clear=local,
-                                   world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
-        except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
-            refuse(e)
-        if finished is not None:
-            print(summary_line(finished), flush=True)
-            return finished
-        try:
-            return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
-                          max_restarts=container["trainer"]["max_restarts"])
-        except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
-            print(e, file=sys.stderr, flush=True)
-            sys.exit(WILL_RECUR_EXIT)
+    try:
+        with RunLock(run_dir, hold=writer), ConsoleLog(Path(run_dir) / "train.log", hold=writer):
+            try:
+                finished = prepare_run(container, run_dir, clear=local,
+                                       world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
+            except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
+                refuse(e)
+            if finished is not None:
+                print(summary_line(finished), flush=True)
+                return finished
+            try:
+                return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
+                              max_restarts=container["trainer"]["max_restarts"])
+            except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
+                print(e, file=sys.stderr, flush=True)
+                sys.exit(e.status)
+    except RunLocked as e:  # before Hydra or this command wrote anything into the run directory
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)

@@ -6,12 +6,13 @@ Layout under ``<run_dir>/ckpt/``::
                                  (model when parameters agree, LR scheduler, progress, extra)
     step000000480/rank{r}.pt     every rank: optimizer state, its ledger, its RNG
                                  streams, and its model when parameters differ by rank
-    step000000480/*.pt.sha256    each file's sha256 (``sha256sum -c`` format), checked before it is loaded
     step000000480/dcp/           FSDP/HSDP runs (``trainer.parallelism``): the model and optimizer state through
                                  ``torch.distributed.checkpoint`` (:func:`slamb.save_sharded`: each rank its
                                  shards, each SLAMB replica its own), in place of the model and
                                  optimizer entries of the ``.pt`` files
-    step000000480/complete.json  written once every rank's file is on disk: the folder is usable
+    step000000480/**.sha256      each file's sha256 (``sha256sum -c`` format), checked before it is read
+    step000000480/complete.json  written once every rank's file is on disk: the folder is usable; lists the
+                                 files (``files``), each of which must have its digest
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
 Each file is written to a temporary name and renamed; ``complete.json`` and
@@ -23,10 +24,17 @@ state) therefore resume exactly; so do parameters that differ between SLAMB's
 model syncs.
 
 The last ``keep`` complete checkpoints stay (two by default): when the newest
-cannot be read on some rank, or its content differs from the digest written
-beside it (torch.load ignores the zip's CRCs: a flipped bit loads as a changed
-value), every rank falls back to the previous one, and rank 0 prints one line
-naming the damaged file, whichever rank found it.
+cannot be read on some rank, or a file's content differs from the digest written
+beside it (torch.load ignores the zip's CRCs and DCP's files have none: a
+flipped bit loads as a changed value), or its digest is missing, every rank
+falls back to the previous one, and rank 0 prints one line naming the damaged
+file, whichever rank found it. A sharded checkpoint's files are checked each by
+one rank, and its load (:func:`slamb.load_sharded`) falls back the same way.
+When no checkpoint can be read, the error (a ``ValueError``) names the file: a
+restart would meet it again. A save that fails (a full disk) leaves no partial
+folder behind to keep the disk full: the sharded one removes it at once, any
+other the next start (:func:`prepare_run`), which also refuses a disk without
+room for one more checkpoint.
 
 A run's data and model inputs (:data:`harness.settings.INPUT_KEYS`) are recorded with each
 checkpoint; resuming from it with other inputs is refused, because the
@@ -56,7 +64,8 @@ import torch
 import torch.distributed as dist
 
 import slamb
-from .atomic import atomic_torch_save, atomic_write_json, verified_torch_load
+from .atomic import (FULL, DiskFull, atomic_torch_save, atomic_write_bytes, atomic_write_json, file_sha256, verify,
+                     verified_torch_load, write_digest)
 from .distributed import DistEnv, barrier
 from .parallel import is_fsdp
 from .run import RunLogger
@@ -101,16 +110,30 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
 def check_world_size(latest: dict, world_size: int, where) -> None:
     """Refuse to resume the checkpoint ``latest`` (in ``where``) with another number of workers."""
     if latest["world_size"] != world_size:
+        sharded = (Path(where) / latest["dir"] / SHARDED).is_dir()
+        why = ("its model and optimizer would reshard (slamb.load_sharded), but each worker's own state (its RNG "
+               "streams, communication ledger and place in the data, rank<r>.pt) cannot be redistributed" if sharded
+               else "per-rank optimizer state cannot be redistributed")
         raise ValueError(
             f"the checkpoint in {where} was written by {latest['world_size']} workers and this run has "
-            f"{world_size}: per-rank optimizer state cannot be redistributed. Resume with "
+            f"{world_size}: {why}. Resume with "
             f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
         )
 
 
-def check_writable(folder: Path) -> None:
-    """Refuse a checkpoint directory that cannot be written now (its nearest existing folder, which is left
-    as it was), rather than at the first checkpoint, after a period of training."""
+# bytes the writability probe writes and syncs: an empty file fits on a full disk
+PROBE_BYTES = 1 << 16
+
+
+def _size(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+
+
+def check_writable(folder: Path, keep: int = 2) -> None:
+    """Refuse a checkpoint directory that cannot take the next checkpoint now, rather than at the first
+    checkpoint, after a period of training: one that cannot be written (its nearest existing folder, which is
+    left as it was), or whose disk has less room than the last checkpoint takes (a save writes the next one
+    before it removes the oldest of the ``keep``)."""
     existing = folder
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -118,12 +141,26 @@ def check_writable(folder: Path) -> None:
     try:
         if not existing.is_dir():
             raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR))
-        probe.write_bytes(b"")
+        atomic_write_bytes(probe, lambda f: f.write(bytes(PROBE_BYTES)))  # a failed write leaves no file
         probe.unlink()
+    except DiskFull:
+        raise ValueError(f"checkpoint directory {folder} has no space left on its disk: {_room(keep)}") from None
     except OSError as e:
         raise ValueError(f"checkpoint directory {folder} is not writable ({existing}: {e.strerror or e}): make "
                          "it writable, choose another run directory (hydra.run.dir=...), or set "
                          "trainer.checkpoint.enabled=false") from None
+    last = Checkpointer(folder.parent, None).complete()[:1]
+    need = _size(folder / last[0]["dir"]) if last else 0
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise ValueError(f"checkpoint directory {folder} has {free / 1e6:.1f} MB free on its disk and a checkpoint "
+                         f"of this run takes {need / 1e6:.1f} MB ({last[0]['dir']}): {_room(keep)}")
+
+
+def _room(keep: int) -> str:
+    """The fix of a full checkpoint disk."""
+    return (f"free space there (an older checkpoint folder can go), or lower trainer.checkpoint.keep (now {keep}): a "
+            "save needs room for one more checkpoint beside those kept")
 
 
 def run_settings(cfg) -> dict:
@@ -156,16 +193,42 @@ def check_settings(saved: dict | None, current: dict, where) -> None:
             "trainer.resume=never (or another run directory)")
 
 
-def _unreadable(path: Path, err: Exception) -> str:
-    return (f"checkpoint file {path} is unreadable ({type(err).__name__}: {err}); delete that checkpoint "
+def _reason(err: BaseException) -> str:
+    """``err`` in one line; DCP's ``CheckpointException`` (every rank's traceback) as the first failure."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))[0]
+    return f"{type(err).__name__}: {' '.join(str(err).split())}"
+
+
+def _unreadable(path: Path, err: BaseException, kind: str = "file") -> str:
+    return (f"checkpoint {kind} {path} is unreadable ({_reason(err)}); delete that checkpoint "
             f"folder to resume from an older one, or start over with trainer.resume=never")
 
 
 def _gather_objects(obj) -> list:
     """Every rank's ``obj``, by rank (bookkeeping of the resume, outside the ledger)."""
+    if not dist.is_initialized():
+        return [obj]
     out = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def _disk_full(err: BaseException) -> OSError | None:
+    """The full disk behind a failed save, if that is what it was: DCP wraps the writer's error in its
+    ``CheckpointException``."""
+    for e in (err, *(f[0] for f in (getattr(err, "failures", None) or {}).values())):
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
+    return None
+
+
+def sharded_files(directory: Path, rank: int) -> list[Path]:
+    """The files of a DCP checkpoint that ``rank`` wrote: its ``__<rank>_*.distcp`` and, on the coordinator
+    (rank 0), ``.metadata`` (DCP's FileSystemWriter names them so)."""
+    directory = Path(directory)
+    return sorted(directory.glob(f"__{rank}_*.distcp")) + ([directory / ".metadata"] if rank == 0 else [])
 
 
 class Checkpointer:
@@ -187,12 +250,16 @@ class Checkpointer:
         try:
             return json.loads(path.read_text())
         except ValueError:  # written atomically, so only a damaged disk: the folders' markers still say
-            print(f"{path} is unreadable: looking for complete checkpoints in {self.dir}", flush=True)
+            if self.env is not None and self.env.is_main:  # once: the launcher's look is quiet, rank 0 says it
+                print(f"{path} is unreadable: looking for complete checkpoints in {self.dir}", flush=True)
             return None
 
     def complete(self) -> list[dict]:
-        """The complete checkpoints on disk, newest first (``latest.json``'s first)."""
+        """The complete checkpoints on disk, newest first (``latest.json``'s first, unless a save of its step
+        that did not finish removed it)."""
         latest = self.latest()
+        if latest is not None and not (self.dir / latest["dir"] / COMPLETE).exists():
+            latest = None
         found = [latest] if latest is not None else []
         for marker in sorted(self.dir.glob(f"step*/{COMPLETE}"), reverse=True):
             if latest is None or marker.parent.name != latest["dir"]:
@@ -202,21 +269,46 @@ class Checkpointer:
                     continue
         return found
 
+    def incomplete(self) -> list[Path]:
+        """The step folders without ``complete.json``: saves that did not finish (a full disk, a killed job)."""
+        return sorted(p for p in self.dir.glob("step*") if p.is_dir() and not (p / COMPLETE).exists())
+
     def save(self, progress: dict, shared: dict, per_rank: dict, write=None) -> Path:
         """Write one checkpoint; ``progress`` (json-able; must hold ``step``) goes in ``latest.json``.
         ``write(folder)``: what every rank writes beside its file (collective; a sharded run's DCP entries),
-        before the checkpoint is declared complete."""
+        before the checkpoint is declared complete; returns the files this rank wrote, which get their digests.
+
+        A full disk raises :class:`DiskFull`, one line naming the checkpoint and the fix; a sharded save, whose
+        failure every rank learns, removes the partial folder at once (the others at the next start)."""
         name = f"step{int(progress['step']):09d}"
         folder = self.dir / name
+        if self.env.is_main:  # this step's folder from an earlier attempt: its files, a killed writer's temporary ones
+            shutil.rmtree(folder, ignore_errors=True)
+        barrier()
         folder.mkdir(parents=True, exist_ok=True)
-        atomic_torch_save(per_rank, folder / f"rank{self.env.rank}.pt")
+        mine = [folder / f"rank{self.env.rank}.pt"]
+        try:
+            atomic_torch_save(per_rank, mine[0])
+            if self.env.is_main:
+                mine.append(folder / "shared.pt")
+                atomic_torch_save({"progress": progress, **shared}, mine[-1])
+            for path in write(folder) if write is not None else ():
+                write_digest(path, file_sha256(path))
+                mine.append(path)
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            # alone, or DCP's failure, which every rank raises: no rank writes into the folder any more
+            agreed = self.env.world_size == 1 or getattr(err, "failures", None) is not None
+            if agreed and self.env.is_main:
+                shutil.rmtree(folder, ignore_errors=True)
+            full = _disk_full(err)
+            if full is None:
+                raise
+            raise DiskFull(f"no space left on the disk of the checkpoint {folder} (writing "
+                           f"{Path(full.filename or folder / SHARDED).name}): {_room(self.keep)}") from None
+        # every rank's files are on disk before the checkpoint is declared complete (the gather waits for all)
+        files = sorted(sum(_gather_objects([str(p.relative_to(folder)) for p in mine]), []))
         if self.env.is_main:
-            atomic_torch_save({"progress": progress, **shared}, folder / "shared.pt")
-        if write is not None:
-            write(folder)
-        barrier()  # every rank's file is on disk before the checkpoint is declared complete
-        if self.env.is_main:
-            record = {"world_size": self.env.world_size, **progress}
+            record = {"world_size": self.env.world_size, **progress, "files": files}
             if self.inputs is not None:
                 record["inputs"] = self.inputs
             if self.settings is not None:
@@ -229,19 +321,38 @@ class Checkpointer:
         barrier()
         return folder
 
-    def _read(self, folder: Path) -> tuple[dict | None, str | None]:
-        """(shared + this rank's files, None) or (None, why not)."""
-        loaded = {}
-        for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
-            try:
-                loaded[key] = verified_torch_load(folder / name)
-            except Exception as err:  # changed, truncated or missing: torch.load raises many kinds
-                return None, _unreadable(folder / name, err)
+    def _read(self, folder: Path, files: list[str] | None) -> tuple[dict | None, str | None]:
+        """(shared + this rank's files, None) or (None, why not). Each of ``files`` (those the checkpoint
+        records; None: written before they were, unchecked) is checked against its digest: the ``.pt`` files
+        by the ranks that load them, every other (a sharded run's) by one rank."""
+        loaded, path = {}, None
+        try:
+            for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
+                path = folder / name
+                loaded[key] = verified_torch_load(path, required=files is not None)
+            for name in [f for f in files or () if not f.endswith(".pt")][self.env.rank::self.env.world_size]:
+                path = folder / name
+                verify(path)
+        except Exception as err:  # changed, truncated or missing: torch.load raises many kinds
+            return None, _unreadable(path, err)
         return loaded, None
 
-    def load(self) -> tuple[dict, dict, dict] | None:
+    @staticmethod
+    def _restore(restore, folder: Path) -> str | None:
+        """Why ``restore(folder)`` failed, or None."""
+        try:
+            restore(folder)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # DCP's CheckpointException is a BaseException
+            return _unreadable(folder / SHARDED, err, "folder")
+        return None
+
+    def load(self, restore=None) -> tuple[dict, dict, dict] | None:
         """(progress, shared, this rank's) of the newest checkpoint every rank can read, or None; its folder
-        is ``self.folder`` after."""
+        is ``self.folder`` after. ``restore(folder)``: what loads beyond the ``.pt`` files (collective: a
+        sharded run's model and optimizer, :func:`slamb.load_sharded`); its failure falls back as an
+        unreadable file does."""
         candidates = self.complete()
         if not candidates:
             return None
@@ -252,17 +363,22 @@ class Checkpointer:
         if self.settings is not None:
             check_settings(latest.get("settings"), self.settings, self.dir)
         for i, entry in enumerate(candidates):
-            loaded, why = self._read(self.dir / entry["dir"])
+            folder = self.dir / entry["dir"]
+            if "files" not in entry and self.env.is_main:
+                print(f"checkpoint {folder} records no digests (written before they were): its files load "
+                      "unchecked", flush=True)
+            loaded, why = self._read(folder, entry.get("files"))
             # one rank's unreadable file sends every rank back, so that all resume from the same step; every
             # rank learns which file it was (on a node of its own, rank 0's line is the one a user reads)
-            whys = [why] if self.env.world_size == 1 else _gather_objects(why)
-            why = next((w for w in whys if w is not None), None)
+            why = next((w for w in _gather_objects(why) if w is not None), None)
+            if why is None and restore is not None:
+                why = next((w for w in _gather_objects(self._restore(restore, folder)) if w is not None), None)
             if why is None:
                 shared = loaded["shared"]
-                self.folder = self.dir / entry["dir"]
+                self.folder = folder
                 return shared.pop("progress"), shared, loaded["mine"]
             if i + 1 == len(candidates):
-                raise RuntimeError(why)
+                raise ValueError(why)  # a damaged input: a restart would meet it again
             if self.env.is_main:
                 print(f"{why}: resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
         return None
@@ -282,20 +398,24 @@ def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, sched
         # floating buffers (BatchNorm statistics) are each rank's own under every optimizer: the pipelines
         # do not broadcast them per forward, and the evaluated model averages them (DCP keeps one copy)
         per_rank["buffers"] = {k: v for k, v in module.named_buffers() if v.is_floating_point()}
-    write = (lambda folder: slamb.save_sharded(module, optimizer, folder / SHARDED)) if sharded else None
-    return ckpt.save(progress, shared, per_rank, write)
+
+    def write(folder: Path) -> list[Path]:
+        slamb.save_sharded(module, optimizer, folder / SHARDED)
+        return sharded_files(folder / SHARDED, ckpt.env.rank)
+
+    return ckpt.save(progress, shared, per_rank, write if sharded else None)
 
 
 def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) -> tuple[dict, object] | None:
     """Load the latest checkpoint into the objects; returns (progress, extra) or None to start afresh."""
-    loaded = ckpt.load()
+    module = unwrap(model)
+    sharded = is_fsdp(module)
+    # after wrap_model, as load_sharded needs; inside the fallback: a sharded file that fails sends every rank back
+    loaded = ckpt.load((lambda folder: slamb.load_sharded(module, optimizer, folder / SHARDED)) if sharded else None)
     if loaded is None:
         return None
     progress, shared, mine = loaded
-    module = unwrap(model)
-    if is_fsdp(module):  # after wrap_model, as load_sharded needs
-        slamb.load_sharded(module, optimizer, ckpt.folder / SHARDED)
-    else:
+    if not sharded:
         module.load_state_dict(mine["model"] if "model" in mine else shared["model"])
         optimizer.load_state_dict(mine["optimizer"])
     if mine.get("buffers"):
@@ -334,9 +454,10 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
 def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None) -> dict | None:
     """What :func:`harness.build.run_from_hydra` checks before any worker starts.
 
-    Refuses an empty schedule, an unwritable checkpoint directory, and a resume with other inputs, other
-    settings or another number of workers (``world_size``, where known); with ``trainer.resume=never`` removes
-    the old checkpoints (``clear``: not under torchrun, where every worker runs this). Returns the
+    Refuses an empty schedule, a checkpoint directory that cannot take a checkpoint (unwritable, a full
+    disk), and a resume with other inputs, other settings or another number of workers (``world_size``,
+    where known); with ``trainer.resume=never`` removes the old checkpoints, and otherwise the folders of
+    saves that did not finish (``clear``: not under torchrun, where every worker runs this). Returns the
     summary of a run that already finished with this configuration (nothing to train), else None.
     """
     check_schedule(cfg)
@@ -346,13 +467,16 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | Non
         if clear and ckpt.exists():
             shutil.rmtree(ckpt)
     else:
+        for partial in Checkpointer(run_dir, None).incomplete() if clear else ():
+            print(f"removing {partial}: a checkpoint whose save did not finish", flush=True)
+            shutil.rmtree(partial)
         for entry in Checkpointer(run_dir, None).complete()[:1]:
             check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
             check_settings(entry.get("settings"), run_settings(cfg), ckpt)
             if world_size is not None:
                 check_world_size(entry, world_size, ckpt)
     if lookup(cfg, "trainer.checkpoint.enabled", True):
-        check_writable(ckpt)
+        check_writable(ckpt, lookup(cfg, "trainer.checkpoint.keep", 2))
     if cfg["trainer"]["resume"] == "never":
         return None
     summary, config = run_dir / "metrics.json", run_dir / "config.yaml"

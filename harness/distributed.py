@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed.rendezvous import rendezvous
 
 from slamb import comm
+from .atomic import DiskFull
 
 FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
 
@@ -290,10 +291,10 @@ def resolve_worker(worker):
 
 
 # Worker errors a restart from the last checkpoint meets again: a missing input (the data's files, a model
-# directory) and a value a check rejects (a setting, a damaged input). A restart helps only where the cause lies
-# outside the run's inputs and settings: a killed worker, a lost peer, a device or network fault (RuntimeError,
-# the process group's errors), a signal.
-WILL_RECUR = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError)
+# directory), a value a check rejects (a setting, a damaged input) and a full disk. A restart helps only where
+# the cause lies outside the run's inputs, settings and disk: a killed worker, a lost peer, a device or network
+# fault (RuntimeError, the process group's errors), a signal.
+WILL_RECUR = (FileNotFoundError, NotADirectoryError, IsADirectoryError, ValueError, DiskFull)
 # the exit status of a worker that ended on one of them, and of the command; sysexits' EX_DATAERR. The elastic
 # launcher of :func:`launch` does not restart it; under torchrun, a scheduler's retry policy can key on it
 # (torchrun itself restarts any failure)
@@ -301,15 +302,22 @@ WILL_RECUR_EXIT = 65
 
 
 class WorkerError(Exception):
-    """A worker ended on an error a restart would meet again (:data:`WILL_RECUR`): the launch stopped at the
-    first attempt. ``str()``: one line, the worker's error and its rank."""
+    """A worker's failure in one line (``str()``: the error, its rank and where its traceback is); ``status``:
+    the command's exit status, :data:`WILL_RECUR_EXIT` for an error a restart would meet again
+    (:data:`WILL_RECUR`: the launch stopped at the first attempt), else 1."""
+
+    def __init__(self, line: str, status: int = 1):
+        super().__init__(line)
+        self.status = status
 
 
-def will_recur_line(error: BaseException, rank, traceback_file: str | None = None) -> str:
+def error_line(error: BaseException, rank, traceback_file: str | None = None) -> str:
     message = " ".join(str(error).split())
-    where = f"; its traceback: {traceback_file}" if traceback_file else ""
-    return (f"error: {type(error).__name__} on rank {rank}: {message} (not restarted: a restart from the last "
-            f"checkpoint would fail the same way{where})")
+    notes = [f"its traceback: {traceback_file}"] if traceback_file else []
+    if isinstance(error, WILL_RECUR):
+        notes.insert(0, "not restarted: a restart from the last checkpoint would fail the same way")
+    said = "; ".join(notes)
+    return f"error: {type(error).__name__} on rank {rank}: {message}{f' ({said})' if said else ''}"
 
 
 def keep_traceback(run_dir, rank) -> str | None:
@@ -327,25 +335,33 @@ def keep_traceback(run_dir, rank) -> str | None:
 
 
 def _worker_entry(worker, cfg, run_dir, errors_dir=None):
-    """Elastic-launcher entry point (module level, so spawn can pickle it).
+    """A worker's body: ``worker(cfg, run_dir)``, its error in one line (:func:`error_line`; the traceback in
+    ``run_dir``).
 
-    Under an elastic agent (this launcher's, ``errors_dir`` its folder, or torchrun's), an error that
-    would recur ends the worker with :data:`WILL_RECUR_EXIT` and one line: this launcher prints it once
-    for the job, under torchrun the worker prints it.
+    In the process of :func:`launch` (one worker) the error is a :class:`WorkerError`. Under this launcher's
+    elastic agent (``errors_dir`` its folder) the worker writes the line there and exits (status 1, or
+    :data:`WILL_RECUR_EXIT` for an error that would recur); the launcher prints it once for the job. Under
+    torchrun's agent a worker prints the line of an error that would recur and exits with that status; torchrun
+    reports any other error itself.
     """
     try:
         return resolve_worker(worker)(cfg, run_dir)
-    except WILL_RECUR as e:
-        if "TORCHELASTIC_RUN_ID" not in os.environ:
+    except Exception as e:
+        recurs = isinstance(e, WILL_RECUR)
+        torchrun = errors_dir is None and "TORCHELASTIC_RUN_ID" in os.environ
+        if torchrun and not recurs:
             raise
         rank = os.environ.get("RANK", "0")
-        line = will_recur_line(e, rank, keep_traceback(run_dir, rank))
-        if errors_dir is None:
+        line = error_line(e, rank, keep_traceback(run_dir, rank))
+        status = WILL_RECUR_EXIT if recurs else 1
+        if torchrun:
             print(line, file=sys.stderr, flush=True)
+        elif errors_dir is None:
+            raise WorkerError(line, status) from e
         else:
-            with open(os.path.join(errors_dir, f"rank{rank}.error"), "w") as f:
+            with open(os.path.join(errors_dir, f"rank{rank}.{'error' if recurs else 'fault'}"), "w") as f:
                 f.write(line)
-        raise SystemExit(WILL_RECUR_EXIT) from None
+        raise SystemExit(status) from None
     finally:
         shutdown()
 
@@ -354,35 +370,50 @@ def _worker_entry(worker, cfg, run_dir, errors_dir=None):
 REPORTERS = ("torch.distributed.elastic.multiprocessing.api", "torch.multiprocessing.spawn")
 
 
-class _WillRecurAgent:
-    """What makes torch's elastic agent final about a worker group in which a worker ended on an error that
-    would recur (its line written in ``errors_dir``): no restart, as torch's own agent does for a worker stuck
-    in the kernel, and none of elastic's reports of the failures and the stopping of the other workers (the
-    worker's line says it all; another rank may fail after it, on its lost peer, and be seen first)."""
+class _Reporting:
+    """The one line of a failed launch, in place of elastic's reports (the worker's traceback, then a block
+    for the group, once per attempt): the workers write their lines in ``errors_dir``
+    (``rank<r>.error`` for an error that would recur, ``rank<r>.fault`` for another). After an error that would
+    recur, torch's elastic agent restarts no more, as it does for a worker stuck in the kernel."""
 
     def __init__(self, errors_dir: str):
         self.errors_dir = errors_dir
 
-    def reported(self) -> list[str]:
-        names = sorted(os.listdir(self.errors_dir), key=lambda n: int(re.sub(r"\D", "", n) or 0))
-        return [open(os.path.join(self.errors_dir, n)).read() for n in names]
+    def line(self, failed) -> WorkerError:
+        """The launch's error from elastic's ``ChildFailedError``: the first rank's line that would recur, else
+        the line of the worker that failed first, else (a worker killed, without a line) its exit."""
+        final = sorted((n for n in os.listdir(self.errors_dir) if n.endswith(".error")),
+                       key=lambda n: int(re.sub(r"\D", "", n)))
+        if final:
+            return WorkerError(self._read(final[0]), WILL_RECUR_EXIT)
+        rank, failure = failed.get_first_failure()
+        fault = f"rank{rank}.fault"
+        if failure.exitcode == 1 and os.path.exists(os.path.join(self.errors_dir, fault)):
+            return WorkerError(self._read(fault))
+        how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit status {failure.exitcode}"
+        return WorkerError(f"error: the worker of rank {rank} ended on {how}, without an error of its own (killed, "
+                           "or out of memory: see the system's log)")
 
-    def filter(self, record) -> bool:  # a logging filter of REPORTERS
-        return not os.listdir(self.errors_dir)
+    def _read(self, name: str) -> str:
+        with open(os.path.join(self.errors_dir, name)) as f:
+            return f.read()
+
+    def filter(self, record) -> bool:  # a logging filter of REPORTERS: the launch's line says it
+        return False
 
     def agent_class(self):
         from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-        final = self
+        errors_dir = self.errors_dir
 
-        class WillRecurAgent(LocalElasticAgent):
+        class FinalOnRecurringErrorAgent(LocalElasticAgent):
             def _monitor_workers(self, worker_group):
                 result = super()._monitor_workers(worker_group)
-                if result.is_failed() and os.listdir(final.errors_dir):
+                if result.is_failed() and any(n.endswith(".error") for n in os.listdir(errors_dir)):
                     self._remaining_restarts = 0
                 return result
 
-        return WillRecurAgent
+        return FinalOnRecurringErrorAgent
 
 
 def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: int = 0):
@@ -391,7 +422,8 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
     ``cfg`` must be picklable (a plain dict) when workers are started here.
     In a multi-task SLURM step ``nproc_per_node`` is ignored: each task is a worker.
     Workers started here are restarted up to ``max_restarts`` times, except after an error that would recur
-    (:data:`WILL_RECUR`): :class:`WorkerError` then, at the first attempt.
+    (:data:`WILL_RECUR`). A failure (after the restarts, or at the first attempt for an error that would
+    recur) is a :class:`WorkerError`, one line; a worker's traceback stays in ``run_dir``.
     """
     if slurm_tasks() > 1 and not under_torchrun():
         os.environ.update(slurm_env())
@@ -410,20 +442,17 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
             start_method="spawn", monitor_interval=0.2, logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
-        final = _WillRecurAgent(os.path.join(logs, "will_recur"))
-        os.mkdir(final.errors_dir)
+        reporting = _Reporting(os.path.join(logs, "errors"))
+        os.mkdir(reporting.errors_dir)
         for name in REPORTERS:
-            logging.getLogger(name).addFilter(final)
+            logging.getLogger(name).addFilter(reporting)
         try:
             # launch_agent builds its agent from this module's name: the one way in short of copying it
-            with mock.patch.object(api, "LocalElasticAgent", final.agent_class()):
-                results = api.elastic_launch(config, _worker_entry)(worker, cfg, run_dir, final.errors_dir)
-        except ChildFailedError:
-            lines = final.reported()
-            if not lines:
-                raise
-            raise WorkerError(lines[0]) from None
+            with mock.patch.object(api, "LocalElasticAgent", reporting.agent_class()):
+                results = api.elastic_launch(config, _worker_entry)(worker, cfg, run_dir, reporting.errors_dir)
+        except ChildFailedError as failed:
+            raise reporting.line(failed) from None
         finally:
             for name in REPORTERS:
-                logging.getLogger(name).removeFilter(final)
+                logging.getLogger(name).removeFilter(reporting)
     return results[0]

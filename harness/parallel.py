@@ -85,12 +85,13 @@ def check_parallelism(cfg: dict, world_size: int, shards: bool) -> None:
 
     t = cfg["trainer"]
     parallelism, shard_size = t["parallelism"], t["shard_size"]
+    if parallelism != "ddp" and not shards:  # first: a shard size that fits would not help
+        check_choice("trainer.parallelism", parallelism, PARALLELISMS)
+        raise ValueError(f"invalid trainer.parallelism={parallelism}: this pipeline trains full replicas only; "
+                         "bert.train and swin.train shard. Set trainer.parallelism=ddp")
     shard_groups(parallelism, shard_size, world_size)
     if parallelism == "ddp":
         return
-    if not shards:
-        raise ValueError(f"invalid trainer.parallelism={parallelism}: this pipeline trains full replicas only; "
-                         "bert.train and swin.train shard. Set trainer.parallelism=ddp")
     if cfg.get("init_optimizer_from"):
         raise ValueError(f"invalid trainer.parallelism={parallelism} with init_optimizer_from: an earlier phase's "
                          "optimizer continues under trainer.parallelism=ddp only; set init_optimizer_from=null (a "

@@ -44,6 +44,10 @@ def process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name's closing parenthesis
 
 
+class RunLocked(RuntimeError):
+    """The run directory is another job's (its lock is held): one line naming the holder and the fix."""
+
+
 class RunLock:
     """``<run_dir>/run.lock`` while a job writes the run directory; a second writer gets a clear error.
 
@@ -68,17 +72,22 @@ class RunLock:
             return None
 
     @staticmethod
-    def _alive(holder: dict) -> bool:
+    def _gone(holder: dict) -> str | None:
+        """Why the holder's process is gone (the lock is stale), or None where it may still run."""
         if holder.get("host") != socket.gethostname():
-            return True  # another host's process cannot be checked from here
+            return None  # another host's process cannot be checked from here
+        pid = int(holder["pid"])
         try:
-            os.kill(int(holder["pid"]), 0)  # signal 0: is there such a process, nothing sent
+            os.kill(pid, 0)  # signal 0: is there such a process, nothing sent
         except ProcessLookupError:
-            return False
+            return f"process {pid} is gone"
         except PermissionError:  # there is, run by another user
             pass
         started = holder.get("started")  # absent from locks written before it was recorded
-        return started is None or process_start(int(holder["pid"])) in (None, started)
+        now = process_start(pid)
+        if started is None or now in (None, started):
+            return None
+        return f"process {pid} that wrote it is gone: pid {pid} now names another process, started later"
 
     def _unwritten(self) -> bool:
         """The lock file exists and is not (yet) a record: wait for its holder to write it, up to the grace."""
@@ -100,24 +109,24 @@ class RunLock:
             except FileExistsError:
                 unwritten = self._unwritten()
                 holder = self._holder()
-                if holder is not None and self._alive(holder):
-                    raise RuntimeError(
+                gone = self._gone(holder) if holder is not None else None
+                if holder is not None and gone is None:
+                    raise RunLocked(
                         f"run directory {self.path.parent} is being written by process {holder['pid']} on "
                         f"{holder['host']} (since {holder.get('since')}): wait for it to finish or use another run "
                         f"directory; if that process is gone, delete {self.path}") from None
                 if unwritten:
                     print(f"removing the stale lock {self.path} (empty for over {self.EMPTY_GRACE_S:.0f} s: its "
                           "holder died before writing it)", flush=True)
-                else:
-                    print(f"removing the stale lock {self.path} (process {holder and holder.get('pid')} is gone)",
-                          flush=True)
+                elif holder is not None:  # else the lock was released meanwhile
+                    print(f"removing the stale lock {self.path} ({gone})", flush=True)
                 self.path.unlink(missing_ok=True)
                 continue
             with os.fdopen(fd, "w") as f:
                 json.dump(record, f)
             return
-        raise RuntimeError(f"could not lock run directory {self.path.parent}: another job took it; wait for it "
-                           "to finish or use another run directory")
+        raise RunLocked(f"could not lock run directory {self.path.parent}: another job took it; wait for it "
+                        "to finish or use another run directory")
 
     def release(self) -> None:
         holder = self._holder()

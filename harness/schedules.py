@@ -9,12 +9,24 @@ from slamb.optim.checks import check_range
 from slamb.schedules import MultiStep, WarmupCosine, WarmupExpDecay, WarmupPolyDecay
 
 SCHEDULES = ("constant", "multistep", "warmup_poly", "warmup_exp", "warmup_cosine")
+# the settings each schedule reads beside its name (what a command line may add under ``schedule.``)
+SCHEDULE_SETTINGS = {"constant": (), "multistep": ("milestones", "gamma"),
+                     "warmup_poly": ("warmup_steps", "warmup_fraction", "power"),
+                     "warmup_exp": ("warmup_steps", "warmup_fraction", "decay_rate", "decay_steps", "degree"),
+                     "warmup_cosine": ("warmup_epochs", "warmup_init", "min_ratio")}
+# the steps of an epoch where a check before the workers does not know them (they come from the data): many,
+# so that only a schedule that no data could make valid is refused
+MANY_STEPS = 1000
 
 
 def warmup_steps(cfg, total_steps: int) -> int:
     """``cfg.warmup_steps`` when set, else ``ceil(cfg.warmup_fraction * total_steps)`` (0 when neither)."""
     steps = cfg.get("warmup_steps")
-    return math.ceil(cfg.get("warmup_fraction", 0.0) * total_steps) if steps is None else int(steps)
+    if steps is not None:
+        return int(steps)
+    fraction = cfg.get("warmup_fraction", 0.0)
+    check_range("schedule.warmup_fraction", fraction, 0.0, 1.0, hi_open=True)
+    return math.ceil(fraction * total_steps)
 
 
 def lr_multiplier(cfg, steps_per_epoch: int, total_steps: int):
@@ -44,6 +56,13 @@ class Offset:
 
     def __call__(self, step: int) -> float:
         return self.multiplier(step) + self.ratio
+
+
+def check_lr_schedule(cfg, length: int, steps_per_epoch: int | None = None) -> None:
+    """The schedule config ``cfg`` of a run of ``length`` epochs (steps: ``steps_per_epoch=1``), checked
+    before any worker starts; ``None``: the epoch's steps come from the data (:data:`MANY_STEPS`)."""
+    steps_per_epoch = steps_per_epoch or MANY_STEPS
+    lr_multiplier(cfg, steps_per_epoch, length * steps_per_epoch)
 
 
 def build_lr_scheduler(optimizer, cfg, steps_per_epoch: int, total_steps: int):

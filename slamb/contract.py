@@ -1,7 +1,7 @@
 """What a training loop may expect of every optimizer of the registry.
 
 A loop (the repository's pipelines, a user's own, or a framework's trainer)
-needs to know four things about a distributed optimizer, and asks them here
+needs to know five things about a distributed optimizer, and asks them here
 instead of probing attributes:
 
 * how the model is wrapped (:attr:`communication`): DDP averaging the
@@ -16,7 +16,9 @@ instead of probing attributes:
   optimizer state per rank must be saved and loaded by the same rank;
 * the schedules it follows (:meth:`begin_epoch` at the start of each epoch,
   :meth:`begin_step` before each forward pass): DGC's density warm-up,
-  SLAMB's compression warm-up, JointSpar's round sampling.
+  SLAMB's compression warm-up, JointSpar's round sampling;
+* the steps it dropped itself on NaN/inf gradients (:attr:`nonfinite_skips`,
+  ``nonfinite="skip"``), which a loop counts beside its loss scale's skips.
 
 The package's optimizers inherit :class:`ContractDefaults`; :func:`adopt`
 makes any ``torch.optim`` optimizer satisfy the contract (data-parallel,
@@ -61,6 +63,7 @@ class ContractDefaults:
     params_differ: bool = False
     per_rank_state: bool = False
     takes_sharded: bool = False  # FSDP2's DTensor parameters (slamb.sharding): SLAMB and LAMB
+    nonfinite_skips: int = 0  # steps dropped on NaN/inf gradients (nonfinite="skip"), the same on every rank
     ledger: comm.CommLedger
 
     def add_param_group(self, param_group: dict) -> None:
@@ -117,7 +120,7 @@ def adopt(optimizer):
     if getattr(optimizer, "ledger", None) is None:
         optimizer.ledger = comm.CommLedger()
         optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.ledger.end_step())
-    for name in ("communication", "params_differ", "per_rank_state"):
+    for name in ("communication", "params_differ", "per_rank_state", "nonfinite_skips"):
         if not hasattr(optimizer, name):
             setattr(optimizer, name, getattr(ContractDefaults, name))
     for name, default in (("comm_stats", optimizer.ledger.summary), ("ddp_comm_hook", _noop),

@@ -170,14 +170,22 @@ def _owners(spans, n_tokens: int):
     return score.argmax(0)
 
 
-def make_features(examples: list[Example], tokenizer, *, max_length: int = 384, doc_stride: int = 128,
-                  max_query_length: int = 64) -> Features:
-    """Windows of every example (see the module docstring)."""
+def check_windows(max_length: int, doc_stride: int, max_query_length: int) -> None:
+    """The window settings: room for a context token beside the longest question, and a stride a window can
+    take (a longer one never applies: the windows just would not overlap)."""
     if not (max_query_length >= 1 and max_length >= max_query_length + 4):
         raise ValueError(f"invalid data.max_length={max_length} with data.max_query_length={max_query_length}: "
                          "need max_length >= max_query_length + 4 ([CLS], two [SEP] and a context token)")
-    if doc_stride < 1:
-        raise ValueError(f"invalid data.doc_stride={doc_stride}: must be >= 1 (tokens between window starts)")
+    if not 1 <= doc_stride <= max_length - 4:
+        raise ValueError(f"invalid data.doc_stride={doc_stride}: tokens between window starts, from 1 to "
+                         f"data.max_length - 4 = {max_length - 4} (the most context a window holds); a longer "
+                         "stride would never apply")
+
+
+def make_features(examples: list[Example], tokenizer, *, max_length: int = 384, doc_stride: int = 128,
+                  max_query_length: int = 64) -> Features:
+    """Windows of every example (see the module docstring)."""
+    check_windows(max_length, doc_stride, max_query_length)
     cls, sep, pad = (tokenizer.convert_tokens_to_ids(t) for t in ("[CLS]", "[SEP]", "[PAD]"))
     questions = tokenizer([e.question for e in examples], add_special_tokens=False)["input_ids"]
     contexts = tokenizer([e.context for e in examples], add_special_tokens=False, return_offsets_mapping=True)

@@ -13,14 +13,20 @@ import math
 
 import torch
 
+from harness.settings import check_count
+
 from .data import Example, Features
+
+
+def check_answers(n_best: int, max_answer_length: int) -> None:
+    check_count("eval.n_best", n_best, " (candidate starts and ends per window)")
+    check_count("eval.max_answer_length", max_answer_length, " (tokens)")
 
 
 def postprocess(examples: list[Example], features: Features, start_logits: torch.Tensor, end_logits: torch.Tensor,
                 *, n_best: int = 20, max_answer_length: int = 30) -> tuple[dict[str, str], dict[str, list[dict]]]:
     """(predictions {id: text}, n-best lists {id: [{text, probability, start_logit, end_logit}]})."""
-    if n_best < 1 or max_answer_length < 1:
-        raise ValueError(f"invalid n_best={n_best} / max_answer_length={max_answer_length}: both must be >= 1")
+    check_answers(n_best, max_answer_length)
     if start_logits.shape != features.input_ids.shape or end_logits.shape != features.input_ids.shape:
         raise ValueError(f"logits of shape {tuple(start_logits.shape)} / {tuple(end_logits.shape)} do not match "
                          f"the {tuple(features.input_ids.shape)} features")

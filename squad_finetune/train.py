@@ -33,11 +33,11 @@ from harness.accumulate import split_batch
 from harness.amp import MixedPrecision
 from harness.atomic import atomic_write_json
 from slamb.optim.checks import check_choice
-from harness.schedules import build_lr_scheduler
+from harness.schedules import build_lr_scheduler, check_lr_schedule
 
-from .data import Features, load_squad, load_tokenizer, make_features
+from .data import Features, check_windows, load_squad, load_tokenizer, make_features
 from .evaluate import evaluate_examples
-from .postprocess import postprocess
+from .postprocess import check_answers, postprocess
 
 INPUTS = ("input_ids", "token_type_ids", "attention_mask")
 
@@ -98,12 +98,22 @@ def score(examples, features, logits, cfg, run_dir, env) -> dict[str, float]:
     return evaluate_examples(examples, predictions)
 
 
+def check(cfg: dict) -> None:
+    """This pipeline's settings, before any worker starts (:func:`harness.build.check_settings`) and in
+    :func:`train`: the precision, the windows, the answers' post-processing, the schedule."""
+    # fp16 stays refused: the shared step's loss scaling has not been tried on fine-tuning (bf16 needs none)
+    check_choice("trainer.precision", cfg["trainer"]["precision"], ("fp32", "bf16"))
+    d = cfg["data"]
+    check_windows(d["max_length"], d["doc_stride"], d["max_query_length"])
+    check_answers(cfg["eval"]["n_best"], cfg["eval"]["max_answer_length"])
+    check_lr_schedule(cfg["schedule"], cfg["epochs"])
+
+
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
     harness.check_counts(cfg, "epochs")
-    # fp16 stays refused: the shared step's loss scaling has not been tried on fine-tuning (bf16 needs none)
-    check_choice("trainer.precision", t.precision, ("fp32", "bf16"))
+    check(plain)
     env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
     tokenizer = load_tokenizer(cfg.model.dir, cfg.model.do_lower_case)
@@ -163,7 +173,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("squad_finetune.train:train", cfg)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check)
 
 
 if __name__ == "__main__":

@@ -71,13 +71,18 @@ def transforms(dcfg, img_size: int):
     return train, val
 
 
-def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: int):
-    """(train loader, its sampler, val loader) of this rank."""
-    root = Path(dcfg["dir"])
+def check_classes(root, num_classes: int) -> None:
+    """The ImageFolder layout under ``root`` (:func:`check_layout`), with ``num_classes`` classes."""
     classes = check_layout(root)
     if len(classes) != num_classes:
         raise ValueError(f"data.dir={root} has {len(classes)} classes but model.num_classes={num_classes}: "
                          f"set model.num_classes={len(classes)}")
+
+
+def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: int):
+    """(train loader, its sampler, val loader) of this rank."""
+    root = Path(dcfg["dir"])
+    check_classes(root, num_classes)
     train_tf, val_tf = transforms(dcfg, img_size)
     train_set = ImageDataset(str(root / "train"), transform=train_tf)
     val_set = ImageDataset(str(root / "val"), transform=val_tf)

@@ -19,12 +19,15 @@ def build_model(cfg) -> torch.nn.Module:
     cfg = dict(cfg)
     arch = cfg.pop("arch", None)
     cfg.pop("name", None)
-    if not isinstance(arch, str) or not arch.startswith("swin"):
+    if not isinstance(arch, str) or not arch.startswith("swin") or not timm.is_model(arch):
         raise ValueError(f"invalid model.arch={arch!r}: must name a timm Swin model, e.g. swin_base_patch4_window7_224")
     kwargs = {k: tuple(v) if isinstance(v, list) else v for k, v in cfg.items()}
+    if "depths" in kwargs and "num_heads" in kwargs and len(kwargs["depths"]) != len(kwargs["num_heads"]):
+        raise ValueError(f"invalid model.depths={list(kwargs['depths'])} with model.num_heads="
+                         f"{list(kwargs['num_heads'])}: one number of heads per stage")
     try:
         return timm.create_model(arch, pretrained=False, **kwargs)
-    except TypeError as e:  # an unknown key: name it with the config it came from
+    except (TypeError, IndexError) as e:  # an unknown key, stages that do not match: name the config
         raise ValueError(f"invalid model config for {arch}: {e}") from None
 
 

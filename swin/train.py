@@ -35,8 +35,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import harness
-from harness.amp import MixedPrecision, accumulation_context
-from harness.schedules import build_lr_scheduler
+from harness.amp import MixedPrecision, accumulation_context, check_clip_grad
+from harness.schedules import build_lr_scheduler, check_lr_schedule
+from harness.settings import check_count
 
 
 
@@ -88,6 +89,24 @@ class PhaseTimer:
         now = time.perf_counter()
         self.totals[phase] = self.totals.get(phase, 0.0) + now - self.last
         self.last = now
+
+
+def check(cfg: dict) -> None:
+    """This pipeline's settings and data, before any worker starts (:func:`harness.build.check_settings`): the
+    accumulation, the LR's reference batch, clipping, the schedule, the model (timm's, built on the meta device),
+    mixup, the ImageFolder's classes."""
+    from .data import check_classes, mixup_and_loss
+    from .model import build_model
+
+    check_count("accumulation_steps", cfg["accumulation_steps"], " (micro-batches per optimizer step)")
+    check_count("lr_scaling.reference_batch", cfg["lr_scaling"]["reference_batch"], " (the global batch of "
+                "optimizer.lr)")
+    check_clip_grad(cfg["clip_grad"])
+    check_lr_schedule(cfg["schedule"], cfg["epochs"])
+    with torch.device("meta"):
+        build_model(cfg["model"])
+    mixup_and_loss(cfg["data"], cfg["model"]["num_classes"])
+    check_classes(cfg["data"]["dir"], cfg["model"]["num_classes"])
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -157,7 +176,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check)
 
 
 if __name__ == "__main__":

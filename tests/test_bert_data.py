@@ -239,7 +239,8 @@ def test_default_pattern_follows_nvidia_rule_and_selects_our_shards(shards, tmp_
         ["books_wiki_en_corpus_training_0.hdf5", "books_wiki_en_corpus_training_1.hdf5"]
     for phase in ("bert_phase1", "bert_phase2"):
         assert yaml.safe_load((CONFIGS / "data" / f"{phase}.yaml").read_text())["pattern"] == SHARD_PATTERN
-    with pytest.raises(FileNotFoundError, match=r"no pre-training shards '\*test\*.hdf5' .* \(data.pattern\)"):
+    with pytest.raises(FileNotFoundError,
+                       match=r"no pre-training shards '\*test\*.hdf5' .* \(data.dir, data.pattern\)"):
         find_shards(out, "*test*.hdf5")
 
 

@@ -368,3 +368,115 @@ def test_the_study_bert_rows_do_not_clip_as_their_page_ran(row):
     # the paper rows' LAMB and 1-bit LAMB clip at 1.0; the study (results/study/) compares the optimizers alone,
     # and its committed page ran every row unclipped
     assert compose_root("bert", f"experiment=study/{row}")["clip_grad"] is None
+
+
+# --------------------------------------------------- each pipeline's own settings, before any worker starts
+
+
+def write_bert_shards(folder: Path, n: int = 16, seq_len: int = 32, top_id: int = 87) -> Path:
+    """Two shards of BERT pre-training examples whose token ids reach ``top_id``."""
+    import numpy as np
+
+    from bert.prepare_data import write_shard
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(5, top_id + 1, (n, seq_len))
+    ids[0, 1] = top_id
+    arrays = {"input_ids": ids, "input_mask": np.ones((n, seq_len)), "segment_ids": np.zeros((n, seq_len)),
+              "masked_lm_positions": np.tile(np.arange(1, 6), (n, 1)), "masked_lm_ids": ids[:, 1:6],
+              "next_sentence_labels": rng.integers(0, 2, n)}
+    for i in range(2):
+        write_shard(folder / f"part{i}_training.hdf5", arrays)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> dict:
+    from swin.tiny import write_tiny_imagenet
+
+    root = tmp_path_factory.mktemp("inputs")
+    (root / "squad.json").write_text("{}")
+    return {"cifar10": ["experiment=cifar10/lamb", f"data.dir={root}"],
+            "bert": ["model=bert_tiny", "model.vocab_size=88", f"data.dir={write_bert_shards(root / 'shards')}",
+                     "data.seq_len=32", "data.global_batch=64", "data.micro_batch=8", "steps=100",
+                     "schedule.warmup_steps=10"],
+            "swin": ["model=swin_tiny_test", f"data.dir={write_tiny_imagenet(root / 'imagenet')}", "data.micro_batch=4",
+                     "epochs=3", "schedule.warmup_epochs=1"],
+            "squad": [f"model.dir={root}", f"data.train_file={root / 'squad.json'}",
+                      f"data.dev_file={root / 'squad.json'}"]}
+
+
+def pipeline_checks(root: str, inputs: dict, *overrides: str) -> None:
+    """What ``python -m <root's pipeline> overrides`` checks before any worker starts."""
+    import importlib
+
+    from harness.build import added_settings, check_settings
+
+    module = importlib.import_module({"squad": "squad_finetune", "cifar10": "cifar10"}.get(root, root) + ".train")
+    cfg = compose_root(root, *inputs[root], "trainer.device=cpu", "trainer.nproc_per_node=2", *overrides)
+    check_settings(cfg, shards=root in ("bert", "swin"), check=module.check, added=added_settings(overrides),
+                   optional=getattr(module, "OPTIONAL", ()))
+
+
+@pytest.mark.parametrize("root", ROOTS)
+def test_each_pipelines_inputs_pass_its_own_checks(inputs, root):
+    pipeline_checks(root, inputs)
+    if root == "bert":
+        pipeline_checks(root, inputs, "+init_optimizer_from=/tmp", "+schedule.warmup_fraction=0.1")
+
+
+@pytest.mark.parametrize("root, override, line", [
+    # before, each of these failed or was ignored in the workers: after they started, with exit status 65 or
+    # a traceback (the "before" of each is the message the workers gave, or nothing where it was accepted)
+    ("cifar10", "trainer.threads_per_worker=0", "invalid trainer.threads_per_worker=0: must be an integer >= 1"),
+    ("cifar10", "seed=abc", "invalid seed='abc': must be an integer >= 0 (the initial weights, the data order); "
+                            "fix: correct the override"),
+    ("cifar10", "model.depth=10", "invalid model.depth=10: must be 6n+2"),
+    ("cifar10", "schedule.gamma=0", "invalid schedule.gamma=0: must be a number in (0.0, inf)"),
+    ("cifar10", "schedule.milestones=[150,100]", "invalid schedule.milestones=[150, 100]: must be increasing"),
+    ("cifar10", "trainer.parallelism=hsdp", "invalid trainer.parallelism=hsdp: this pipeline trains full replicas "
+                                            "only"),  # before: first a shard size, then this
+    ("cifar10", "+foo=1", "unknown setting foo=1; known: ['data', 'epochs', 'logger', 'model', 'name', "),
+    ("cifar10", "+data.augmnt=false", "unknown setting data.augmnt=False (did you mean data.augment?); known: "
+                                      "['augment', 'dir', 'eval_batch', 'micro_batch', 'name']; fix: drop "
+                                      "data.augmnt or correct its name (the pipeline's configs/)"),
+    ("cifar10", "+schedule.warmup_fractoin=0.1", "unknown setting schedule.warmup_fractoin=0.1 (did you mean "
+                                                 "schedule.warmup_fraction?)"),
+    ("bert", "model.num_attention_heads=3", "invalid model.num_attention_heads=3: hidden_size=32 is not a multiple"),
+    ("bert", "model.num_hidden_layers=0", "invalid model.num_hidden_layers=0: must be an integer >= 1"),
+    ("bert", "model.vocab_size=50", "invalid model.vocab_size=50: {shards}/part0_training.hdf5 holds token id 87; "
+                                    "set model.vocab_size=88 or more"),  # before: 71-198 lines from the embedding
+    ("bert", "data.seq_len=64", "{shards}/part0_training.hdf5 holds sequences of length 32, the run expects "
+                                "data.seq_len=64"),
+    ("bert", "loss_scale.growth_factor=0.5", "invalid loss_scale.growth_factor=0.5: must be a number in (1.0, inf)"),
+    ("bert", "clip_grad=-1", "invalid clip_grad=-1: must be a number in (0.0, inf)"),
+    ("bert", "steps=10", "invalid schedule.warmup_steps=10: the warm-up must end before the run's steps=10 do; set "
+                         "schedule.warmup_steps to at most 9"),
+    ("bert", "validation.dir=/nonexistent", "no pre-training shards '*.hdf5' in '/nonexistent' (validation.dir, "
+                                            "validation.pattern)"),  # before: blamed data.pattern
+    ("bert", "+init_optimizer_fro=/tmp", "unknown setting init_optimizer_fro='/tmp' (did you mean "
+                                         "init_optimizer_from?)"),
+    ("swin", "model.arch=swin_nonexistent", "invalid model.arch='swin_nonexistent': must name a timm Swin model"),
+    ("swin", "model.depths=[1,1,1]", "invalid model.depths=[1, 1, 1] with model.num_heads=[1, 2]"),
+    ("swin", "lr_scaling.reference_batch=0", "invalid lr_scaling.reference_batch=0: must be an integer >= 1"),
+    ("swin", "accumulation_steps=0", "invalid accumulation_steps=0: must be an integer >= 1"),
+    ("swin", "model.num_classes=5", "data.dir={imagenet} has 4 classes but model.num_classes=5"),
+    ("swin", "data.micro_batch=3", "data.micro_batch=3 must be even with mixup/cutmix"),
+    ("squad", "eval.n_best=0", "invalid eval.n_best=0: must be an integer >= 1"),  # before: after the first epoch
+    ("squad", "eval.max_answer_length=0", "invalid eval.max_answer_length=0: must be an integer >= 1"),
+    ("squad", "data.doc_stride=500", "invalid data.doc_stride=500: tokens between window starts, from 1 to "
+                                     "data.max_length - 4 = 380"),  # before: accepted, the windows just abutted
+    ("squad", "trainer.precision=fp16", "invalid trainer.precision='fp16': must be one of ['fp32', 'bf16']"),
+    ("squad", "schedule.warmup_fraction=1.5", "invalid schedule.warmup_fraction=1.5: must be a share of the steps in "
+                                              "[0, 1)"),
+])
+def test_a_pipelines_bad_setting_is_refused_in_one_line_before_any_worker(inputs, root, override, line):
+    from harness.build import user_error
+
+    with pytest.raises((ValueError, OSError)) as refused:
+        pipeline_checks(root, inputs, override)
+    got = user_error(refused.value, {"name": "lamb"})
+    data_dir = next((a.split("=", 1)[1] for a in inputs[root] if a.startswith("data.dir=")), None)
+    line = line.format(shards=data_dir, imagenet=data_dir)
+    assert got.startswith(f"error: {line}") and "\n" not in got, got

@@ -7,6 +7,7 @@ import errno
 import io
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,11 +20,13 @@ import torch
 import yaml
 
 import harness
+import slamb
 from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
 from harness.tables import load_runs
 from tests import distributed
+from tests.test_bert_pretrain import tiny_data  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
 
@@ -61,13 +64,32 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_older_one_wit
                              "step000000001")
 
 
-def test_a_checkpoint_without_digests_still_loads(tmp_path):
+def test_a_checkpoint_without_digests_still_loads_with_a_notice(tmp_path, capsys):
     """Checkpoints written before the digests were: nothing to check them against, they load as before."""
     ckpt = Checkpointer(tmp_path, solo())
     ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
     for digest in ckpt.dir.glob("step*/*.sha256"):
         digest.unlink()
+    for record in (ckpt.dir / "latest.json", ckpt.dir / "step000000001" / "complete.json"):
+        record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "files"}))
     assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert capsys.readouterr().out == (f"checkpoint {ckpt.dir / 'step000000001'} records no digests (written before "
+                                       "they were): its files load unchecked\n")
+
+
+def test_a_missing_digest_falls_back_naming_it(tmp_path, capsys):
+    # before: the file loaded unchecked, with no notice
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (1, 2):
+        ckpt.save({"step": step}, {"a": step}, {"b": step})
+    (ckpt.dir / "step000000002" / "rank0.pt.sha256").unlink()
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"] == ["rank0.pt", "shared.pt"]
+    assert capsys.readouterr().out == (
+        f"checkpoint file {ckpt.dir / 'step000000002' / 'rank0.pt'} is unreadable (FileNotFoundError: its digest "
+        "rank0.pt.sha256 is missing, though the checkpoint records one: the file cannot be checked); delete that "
+        "checkpoint folder to resume from an older one, or start over with trainer.resume=never: resuming from the "
+        "previous checkpoint, step000000001\n")
 
 
 def damaged_rank_worker(rank, world, run_dir):
@@ -87,7 +109,7 @@ def damaged_rank_worker(rank, world, run_dir):
     try:
         ckpt.load()
         error = None
-    except RuntimeError as e:
+    except harness.distributed.WILL_RECUR as e:  # a damaged input: not restarted
         error = str(e)
     return {"progress": progress, "b": mine["b"][0].item(), "printed": printed.getvalue(), "error": error}
 
@@ -106,6 +128,180 @@ def test_a_damaged_file_on_another_rank_sends_every_rank_back_and_is_named(tmp_p
     assert out[0]["printed"].count("\n") == 1 and out[1]["printed"] == ""
 
 
+# ------------------------------------------------------------------------------- sharded checkpoints
+
+
+def _xor16(path: Path) -> None:
+    """16 bytes inverted in the middle of the file."""
+    data = bytearray(path.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 16] = bytes(b ^ 0xFF for b in data[middle:middle + 16])
+    path.write_bytes(bytes(data))
+
+
+def _unrecorded(folder: Path) -> None:
+    """The checkpoint in ``folder`` as written before digests were: no ``files`` record."""
+    for record in (folder.parent / "latest.json", folder / "complete.json"):
+        entry = json.loads(record.read_text())
+        if entry.get("dir", folder.name) == folder.name:
+            record.write_text(json.dumps({k: v for k, v in entry.items() if k != "files"}))
+
+
+# each case damages a copy of the run whose newest checkpoint is step 3 (of 1-3)
+SHARDED_DAMAGE = {
+    "flipped": lambda ckpt: _xor16(ckpt / "step000000003" / "dcp" / "__0_0.distcp"),
+    "truncated": lambda ckpt: (lambda p: p.write_bytes(p.read_bytes()[:1000]))(
+        ckpt / "step000000003" / "dcp" / "__1_0.distcp"),
+    "removed": lambda ckpt: (ckpt / "step000000003" / "dcp" / "__0_0.distcp").unlink(),
+    "metadata": lambda ckpt: flip_byte(ckpt / "step000000003" / "dcp" / ".metadata"),
+    # a checkpoint without digests: its sharded load, which fails, is inside the fallback too
+    "undigested": lambda ckpt: (_unrecorded(ckpt / "step000000003"),
+                                flip_byte(ckpt / "step000000003" / "dcp" / ".metadata", at=0.1)),
+    "every": lambda ckpt: [_xor16(ckpt / f"step00000000{s}" / "dcp" / "__0_0.distcp") for s in (1, 2, 3)],
+}
+
+
+def sharded_damage_worker(rank, world, cfg, root):
+    """The run (checkpoints after steps 1-4), then each case of :data:`SHARDED_DAMAGE` on a copy rolled back
+    to step 3: its summary (or the error it ended on) and what rank 0 printed."""
+    import shutil
+
+    from bert.train import train
+
+    full = root / "full"
+    out = {"full": train(cfg, str(full))}
+    for name, damage in SHARDED_DAMAGE.items():
+        run = root / name
+        if rank == 0:
+            shutil.copytree(full, run)
+            shutil.rmtree(run / "ckpt" / "step000000004")
+            record = json.loads((run / "ckpt" / "step000000003" / "complete.json").read_text())
+            (run / "ckpt" / "latest.json").write_text(json.dumps({"dir": "step000000003", **record}))
+            damage(run / "ckpt")
+        harness.distributed.barrier()
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            try:
+                out[name] = train(cfg, str(run))
+            except harness.distributed.WILL_RECUR as e:  # not restarted: a restart would meet it again
+                out[name] = f"{type(e).__name__}: {e}"
+        out[f"{name} printed"] = [line for line in printed.getvalue().splitlines() if "unreadable" in line]
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_damage(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    from tests.test_bert_pretrain import ROWS, tiny_cfg
+
+    root = tmp_path_factory.mktemp("sharded_damage")
+    cfg = tiny_cfg(tiny_data, root / "full", *ROWS["lamb"], "trainer.parallelism=fsdp", "steps=4", "log_every=1",
+                   "trainer.checkpoint.every=1", "trainer.checkpoint.keep=4")
+    return root, distributed.run(sharded_damage_worker, 2, cfg, root)
+
+
+def _unreadable_line(path, reason: str) -> str:
+    return (f"checkpoint {path} is unreadable ({reason}); delete that checkpoint folder to resume from an older one, "
+            "or start over with trainer.resume=never")
+
+
+@pytest.mark.multiprocess  # starts workers
+@pytest.mark.parametrize("case, found, reason", [
+    ("flipped", "file step000000003/dcp/__0_0.distcp", "ValueError: its sha256 "),
+    ("truncated", "file step000000003/dcp/__1_0.distcp", "ValueError: its sha256 "),
+    ("removed", "file step000000003/dcp/__0_0.distcp", "FileNotFoundError: [Errno 2] No such file or directory"),
+    ("metadata", "file step000000003/dcp/.metadata", "ValueError: its sha256 "),
+    ("undigested", "folder step000000003/dcp", ""),
+])
+def test_a_damaged_sharded_checkpoint_falls_back_on_every_rank_naming_the_file(sharded_damage, case, found,
+                                                                               reason):
+    """A 2-worker FSDP BERT run's newest checkpoint damaged (before: the flipped bytes loaded silently, a final
+    loss far from the run's; the others failed in load_sharded, outside the fallback, naming no file): every rank
+    resumes from the one before, and the run ends as the undamaged run ends, bit for bit."""
+    root, out = sharded_damage
+    kind, _, name = found.partition(" ")
+    line, = out[0][f"{case} printed"]
+    assert line.startswith(f"checkpoint {kind} {root / case / 'ckpt' / name} is unreadable ({reason}"), line
+    assert line.endswith("start over with trainer.resume=never: resuming from the previous checkpoint, "
+                         "step000000002"), line
+    assert out[0][case]["resumed_from"] == [2]
+    full, resumed = (read_jsonl(root / r / "metrics.jsonl") for r in ("full", case))
+    assert [h["step"] for h in resumed] == [1, 2, 3, 4]
+    keys = ("loss", "mlm_acc", "nsp_acc", "bytes_cum/all")
+    assert [{k: h[k] for k in keys} for h in resumed] == [{k: h[k] for k in keys} for h in full]
+
+
+@pytest.mark.multiprocess  # starts workers
+def test_no_readable_sharded_checkpoint_ends_in_one_error_naming_the_file_on_every_rank(sharded_damage):
+    root, out = sharded_damage
+    oldest = root / "every" / "ckpt" / "step000000001" / "dcp" / "__0_0.distcp"
+    for rank in (0, 1):
+        assert out[rank]["every"].startswith(f"ValueError: checkpoint file {oldest} is unreadable (ValueError: its "
+                                             "sha256 "), out[rank]["every"]
+    assert len(out[0]["every printed"]) == 2  # steps 3 and 2, each fallen back from in one line
+
+
+def test_an_unreadable_latest_json_is_said_once_by_rank_0(tmp_path, capsys):
+    # before: by the launcher's look and by every rank (3 lines with 2 workers)
+    for rank in (0, 1):
+        Checkpointer(tmp_path, solo(rank, 2)).save({"step": 1}, {}, {})
+    (tmp_path / "ckpt" / "latest.json").write_text('{"dir": "step0')
+    assert [e["dir"] for e in Checkpointer(tmp_path, None).complete()] == ["step000000001"]  # the launcher's
+    assert [e["dir"] for e in Checkpointer(tmp_path, solo(1, 2)).complete()] == ["step000000001"]
+    assert capsys.readouterr().out == ""
+    assert [e["dir"] for e in Checkpointer(tmp_path, solo(0, 2)).complete()] == ["step000000001"]
+    assert capsys.readouterr().out == (f"{tmp_path / 'ckpt' / 'latest.json'} is unreadable: looking for complete "
+                                       f"checkpoints in {tmp_path / 'ckpt'}\n")
+
+
+def test_the_next_start_removes_the_folder_of_a_save_that_did_not_finish(tmp_path, capsys):
+    """A rank's save failed (its disk full) while the others' files were on disk: the next start frees their
+    space, in one line (before: they stayed, keeping the disk full)."""
+    from harness.checkpoint import prepare_run
+    from tests.test_harness import _cfg
+
+    for rank in (0, 1):
+        Checkpointer(tmp_path, solo(rank, 2)).save({"step": 1}, {}, {"b": rank})
+    partial = tmp_path / "ckpt" / "step000000002"
+    partial.mkdir()
+    atomic_torch_save({"b": torch.zeros(1000)}, partial / "rank0.pt")
+    assert prepare_run(_cfg(), tmp_path) is None
+    assert capsys.readouterr().out == f"removing {partial}: a checkpoint whose save did not finish\n"
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest.json", "step000000001"]
+
+
+def test_a_step_saved_again_leaves_nothing_of_the_earlier_attempt(tmp_path):
+    """A save killed mid-write left its temporary file; the run resumed from the step before and saves this step
+    again (before: the .tmp file stayed, and the folder kept the earlier attempt's complete.json while written)."""
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": 1})
+    again = ckpt.dir / "step000000002"
+    again.mkdir()
+    (again / ".rank0.pt.tmp4242").write_bytes(b"half a checkpoint")
+    (again / "stale.bin").write_bytes(b"an earlier attempt's")
+    ckpt.save({"step": 2}, {"a": 2}, {"b": 2})
+    assert sorted(p.name for p in again.iterdir()) == ["complete.json", "rank0.pt", "rank0.pt.sha256", "shared.pt",
+                                                       "shared.pt.sha256"]
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+
+
+def test_a_sharded_run_on_another_world_size_is_refused_with_its_own_reason(tmp_path):
+    """load_sharded reshards the model and optimizer; what another world size cannot take is each worker's own
+    state (before: the DDP reason, "per-rank optimizer state cannot be redistributed")."""
+    def write(folder):
+        (folder / "dcp").mkdir()
+        (folder / "dcp" / ".metadata").write_bytes(b"DCP's")
+        return [folder / "dcp" / ".metadata"]
+
+    Checkpointer(tmp_path, solo(0, 2)).save({"step": 1}, {}, {}, write)
+    with pytest.raises(ValueError) as refused:
+        Checkpointer(tmp_path, solo(0, 4)).load()
+    assert str(refused.value) == (
+        f"the checkpoint in {tmp_path / 'ckpt'} was written by 2 workers and this run has 4: its model and optimizer "
+        "would reshard (slamb.load_sharded), but each worker's own state (its RNG streams, communication ledger and "
+        "place in the data, rank<r>.pt) cannot be redistributed. Resume with 2 workers, or use a new run directory "
+        "(trainer.resume=never starts over)")
+
+
 def test_a_failed_write_removes_its_temporary_file(tmp_path):
     def full_disk(f):
         f.write(b"x" * 1000)
@@ -121,6 +317,119 @@ def test_a_failed_write_removes_its_temporary_file(tmp_path):
     with pytest.raises(TypeError, match="cannot pickle this"):
         atomic_torch_save({"x": torch.zeros(100), "y": Unpicklable()}, tmp_path / "shared.pt")
     assert list(tmp_path.iterdir()) == []  # neither the files nor their temporary siblings
+
+
+# ------------------------------------------------------------------------------------- a full disk
+
+
+def _fill(disk: Path, leave: int) -> None:
+    """A file that leaves ``leave`` bytes free on ``disk``."""
+    free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+    with open(disk / "filler", "ab") as f:
+        f.write(bytes(max(0, free - leave)))
+
+
+def _full_disk_worker(rank, world, cfg, disk):
+    """A 2-worker FSDP BERT run on the small disk: 2 steps; then, the disk filled, 2 more, whose first save
+    fails; the launcher's check of the rerun; the rerun once the disk has room."""
+    from bert.train import train
+
+    from harness.checkpoint import prepare_run
+
+    run_dir, out = cfg["run_dir"], {}
+    train({**cfg, "steps": 2}, run_dir)
+    if rank == 0:
+        _fill(Path(disk), leave=400_000)  # less than a checkpoint
+    harness.distributed.barrier()
+    try:
+        train(cfg, run_dir)
+    except harness.distributed.WILL_RECUR as e:  # not restarted: a restart would find the disk full
+        out["error"] = f"{type(e).__name__}: {e}"
+    harness.distributed.barrier()
+    out["folders"] = sorted(p.name for p in (Path(run_dir) / "ckpt").iterdir())
+    if rank == 0:
+        try:
+            prepare_run(cfg, run_dir)
+        except ValueError as e:
+            out["refused"] = str(e)
+        (Path(disk) / "filler").unlink()
+    harness.distributed.barrier()
+    out["resumed_from"] = train(cfg, run_dir)["resumed_from"]
+    return out
+
+
+def _full_disk_main(cfg_file: str, disk: str) -> None:
+    """In a mount namespace whose ``disk`` is a small tmpfs (see the test): a checkpoint's ``.pt`` on the full
+    disk in this process, then :func:`_full_disk_worker` on 2 workers; what they found, as JSON on stdout."""
+    from harness.checkpoint import check_writable
+
+    disk, out = Path(disk), {}
+    ckpt = Checkpointer(disk / "ddp", solo())
+    _fill(disk, leave=100_000)
+    try:
+        ckpt.save({"step": 1}, {}, {"x": torch.zeros(100_000)})  # 400 kB
+    except harness.distributed.WILL_RECUR as e:
+        out["ddp_error"] = f"{type(e).__name__}: {e}"
+    out["ddp_files"] = sorted(str(p.relative_to(disk)) for p in disk.rglob("*"))
+    _fill(disk, leave=0)
+    try:
+        check_writable(disk / "full" / "ckpt", keep=3)
+    except ValueError as e:
+        out["full_refused"] = str(e)
+    (disk / "filler").unlink()
+    cfg = json.loads(Path(cfg_file).read_text())
+    out["sharded"] = distributed.run(_full_disk_worker, 2, cfg, str(disk))
+    print(json.dumps(out))
+
+
+def _can_mount_tmpfs() -> bool:
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           "mount -t tmpfs -o size=1m tmpfs /mnt"], capture_output=True, check=False)
+    return done.returncode == 0
+
+
+@pytest.mark.multiprocess  # starts workers
+def test_a_full_disk_ends_the_save_in_one_line_leaves_no_partial_checkpoint_and_is_refused_before_the_rerun(
+        tiny_data, tmp_path):  # noqa: F811 (the imported fixture)
+    """On a real full disk: an 8 MB tmpfs in a mount namespace of the test's own (gone with it). Before: the
+    sharded save left its partial .distcp files, the rerun's check wrote an empty file (which fits) and died at
+    start-up on an ENOSPC naming no path; a .pt's save ended on torch's 'unexpected pos 704 vs 598'."""
+    from tests.test_bert_pretrain import ROWS, tiny_cfg
+
+    if not shutil.which("unshare") or not _can_mount_tmpfs():
+        pytest.skip("no user and mount namespaces here (unshare --user --mount) for a small tmpfs")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    run_dir = disk / "run"
+    cfg = tiny_cfg(tiny_data, run_dir, *ROWS["lamb"], "trainer.parallelism=fsdp", "steps=4", "log_every=1",
+                   "trainer.checkpoint.every=1", "trainer.checkpoint.keep=4")
+    (tmp_path / "cfg.json").write_text(json.dumps({**cfg, "run_dir": str(run_dir)}))
+    done = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c",
+                           'mount -t tmpfs -o size=8m tmpfs "$2" && exec "$0" -c "import sys, tests.test_faults as t; '
+                           't._full_disk_main(*sys.argv[1:])" "$1" "$2"', sys.executable, str(tmp_path / "cfg.json"),
+                           str(disk)], cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                          timeout=900, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    room = ("free space there (an older checkpoint folder can go), or lower trainer.checkpoint.keep (now {}): a save "
+            "needs room for one more checkpoint beside those kept")
+    # a .pt: the file's own error, naming the checkpoint and the fix; no partial file, nor folder, stays
+    assert out["ddp_error"] == ("DiskFull: no space left on the disk of the checkpoint "
+                                f"{disk / 'ddp/ckpt/step000000001'} (writing rank0.pt): {room.format(2)}")
+    assert out["ddp_files"] == ["ddp", "ddp/ckpt", "filler"]
+    # the check before the workers writes and syncs a block: an empty file would fit
+    assert out["full_refused"] == f"checkpoint directory {disk / 'full/ckpt'} has no space left on its disk: " \
+                                  f"{room.format(3)}"
+    for rank in out["sharded"]:
+        # DCP's save on both ranks, in one line; the partial folder of step 3 is gone
+        assert rank["error"] == ("DiskFull: no space left on the disk of the checkpoint "
+                                 f"{run_dir / 'ckpt' / 'step000000003'} (writing dcp): {room.format(4)}")
+        assert rank["folders"] == ["latest.json", "step000000001", "step000000002"]
+        assert rank["resumed_from"] == [2]  # once room was made: from step 2
+    refused = out["sharded"][0]["refused"]
+    assert refused.startswith(f"checkpoint directory {run_dir / 'ckpt'} has 0.4 MB free on its disk and a checkpoint "
+                              "of this run takes 1.1 MB (step000000002): "), refused
+    assert refused.endswith(room.format(4))
 
 
 # ---------------------------------------------------------------------------------- metrics.jsonl
@@ -251,14 +560,52 @@ def test_a_changed_learning_rate_is_refused_before_any_worker_and_a_longer_run_r
     assert longer.returncode == 0 and f"resumed from {run}/ckpt at epoch 1" in longer.stdout, longer.stderr[-3000:]
 
 
+@pytest.mark.parametrize("name", ["slamb", "lamb", "dgc", "onebit_lamb", "jointspar", "diloco", "powersgd"])
+def test_a_process_group_that_is_not_one_is_refused_by_the_constructor(name):
+    # before: slamb.SLAMB(params, process_group="gloo") was built, and failed at its first step's collective
+    with pytest.raises(ValueError, match=r"^invalid process_group='gloo': must be a torch.distributed process group "
+                                         r"\(dist.new_group\(ranks\)\) or None for the default group"):
+        slamb.create_optimizer(name, torch.nn.Linear(4, 4), process_group="gloo")
+
+
+# ------------------------------------------------------------------------------------- skipped steps
+
+
+@pytest.mark.parametrize("name", ["lamb", "slamb", "jointspar"])
+def test_a_step_the_optimizer_drops_on_nan_gradients_is_counted_and_resumed(name):
+    """optimizer.nonfinite=skip: before, skipped_steps counted the loss scale's skips only (0 here, in fp32)."""
+    from harness.amp import MixedPrecision
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 4)
+    opt = slamb.create_optimizer(name, model, nonfinite="skip")
+    amp = MixedPrecision("fp32", CPU, optimizer=opt)
+    moved = []
+    for step in range(3):
+        opt.begin_step()
+        opt.zero_grad()
+        model(torch.ones(2, 4)).square().sum().backward()
+        if step == 1:  # JointSpar: on a parameter of this round's layers
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("nan")
+        before = [p.detach().clone() for p in model.parameters()]
+        amp.step(opt, model.parameters())
+        moved.append(not all(map(torch.equal, before, model.parameters())))
+    assert moved == [True, False, True] and amp.skipped_steps == 1
+    resumed = MixedPrecision("fp32", CPU)
+    resumed.load_state_dict(amp.state_dict())
+    assert resumed.skipped_steps == 1
+
+
 # ---------------------------------------------------------------------------------------- smaller
 
 
-def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
+def test_a_truncated_hdf5_shard_names_the_file_and_is_not_restarted(tmp_path):
+    """A damaged input, a ValueError (before: an OSError, which elastic restarted), found before any worker
+    starts (check_shards) where its header is cut."""
     import h5py
     import numpy as np
 
-    from bert.data import load_shard, shard_length
+    from bert.data import check_shards, load_shard, shard_length
 
     path = tmp_path / "part_training_0.hdf5"
     with h5py.File(path, "w") as f:
@@ -269,9 +616,9 @@ def test_a_truncated_hdf5_shard_names_the_file(tmp_path):
         f["next_sentence_labels"] = np.zeros(64, np.int32)
     assert shard_length(path) == 64
     path.write_bytes(path.read_bytes()[:3000])  # a copy cut short
-    for read in (lambda: shard_length(path), lambda: load_shard(path, 16)):
-        with pytest.raises(OSError, match=rf"^cannot read the pre-training shard {path} \(.*\): the file is "
-                                          r"truncated or damaged; prepare it again"):
+    for read in (lambda: shard_length(path), lambda: load_shard(path, 16), lambda: check_shards([path], 16, 100)):
+        with pytest.raises(harness.distributed.WILL_RECUR, match=rf"^cannot read the pre-training shard {path} \(.*\): "
+                                                                 r"the file is truncated or damaged; prepare it again"):
             read()
 
 
@@ -281,11 +628,13 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
         record = json.loads((tmp_path / "run.lock").read_text())
     assert record["host"] == socket.gethostname() and record["pid"] == os.getpid() and record["since"]
     assert record["started"] == process_start(os.getpid()) is not None
-    # a pid whose process started at another time is another process: the holder (pid reused) is gone
+    # a pid whose process started at another time is another process: the holder (pid reused) is gone, which
+    # the line says so (before: "process <pid> is gone", of a pid that runs)
     (tmp_path / "run.lock").write_text(json.dumps({**record, "started": "1"}))
     with RunLock(tmp_path):
-        assert f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} is gone)" in \
-            capsys.readouterr().out
+        assert capsys.readouterr().out == (
+            f"removing the stale lock {tmp_path / 'run.lock'} (process {os.getpid()} that wrote it is gone: pid "
+            f"{os.getpid()} now names another process, started later)\n")
     # an empty lock file: its holder is between creating and writing it; once written, it is refused
     (tmp_path / "run.lock").write_text("")
     writer = threading.Timer(0.5, lambda: (tmp_path / "run.lock").write_text(json.dumps(record)))
@@ -300,6 +649,26 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
     with RunLock(tmp_path):
         assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
     assert not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line
+def test_a_second_writer_is_refused_in_one_line_and_writes_nothing_into_the_run_directory(tmp_path):
+    """Before: Hydra had written its .hydra/ files (the first run's overrides.yaml rewritten) and its log there,
+    and the refusal was a 14-line traceback with exit status 1."""
+    from tests.test_cifar10 import TINY, cli
+
+    run = tmp_path / "run"
+    (run / ".hydra").mkdir(parents=True)
+    (run / ".hydra" / "overrides.yaml").write_text("- epochs=1\n")  # the first run's, as Hydra wrote it
+    with RunLock(run):  # the first run, writing
+        before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+        done = cli([*TINY, "experiment=cifar10/lamb", "epochs=2", f"data.dir={tmp_path}", f"hydra.run.dir={run}"])
+        assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+        since = json.loads((run / "run.lock").read_text())["since"]
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr == (f"error: run directory {run} is being written by process {os.getpid()} on "
+                           f"{socket.gethostname()} (since {since}): wait for it to finish or use another run "
+                           f"directory; if that process is gone, delete {run / 'run.lock'}\n")
 
 
 def _world_and_timeout(cfg, run_dir):
@@ -348,6 +717,7 @@ def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_pat
         harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": error}, str(tmp_path),
                        nproc_per_node=2, max_restarts=2)
     assert _starts(tmp_path) == ["0", "0"]  # each worker started once
+    assert raised.value.status == harness.distributed.WILL_RECUR_EXIT
     name = {"missing": "FileNotFoundError", "setting": "ValueError"}[error]
     # the first rank to fail names it; the launcher stops the other
     assert str(raised.value) in [f"error: {name} on rank {r}: {error} on this rank second line (not restarted: a "
@@ -358,10 +728,25 @@ def test_an_error_that_would_recur_is_not_restarted_and_ends_in_one_line(tmp_pat
 
 
 @pytest.mark.multiprocess  # starts workers
-def test_a_fault_that_may_pass_is_still_restarted(tmp_path):
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
-    with pytest.raises(ChildFailedError):
+def test_a_fault_that_may_pass_is_still_restarted_and_ends_in_one_line(tmp_path):
+    # before: elastic's ChildFailedError, its log of each worker's traceback at every attempt (90 lines)
+    with pytest.raises(harness.distributed.WorkerError) as raised:
         harness.launch("tests.test_faults:_count_the_start_and_fail", {"error": "fault"}, str(tmp_path),
                        nproc_per_node=2, max_restarts=1)
     assert _starts(tmp_path) == ["0", "0", "1", "1"]
+    assert raised.value.status == 1 and str(raised.value) in [
+        f"error: RuntimeError on rank {r}: fault on this rank second line (its traceback: "
+        f"{tmp_path / f'error.rank{r}.txt'})" for r in (0, 1)]
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line and its workers
+def test_a_killed_worker_ends_the_command_in_one_line(tmp_path):
+    """Before: elastic's report of the failure and Hydra's traceback, 40 lines and more."""
+    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+
+    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    done = cli([*TINY, "experiment=cifar10/lamb", "epochs=1", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}"],
+               extra_env={harness.distributed.FAULT_ENV: "2"})
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr == ("error: the worker of rank 0 ended on exit status 17, without an error of its own "
+                           "(killed, or out of memory: see the system's log)\n")

@@ -151,9 +151,10 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")
     latest = json.loads((tmp_path / "ckpt/latest.json").read_text())
-    assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3}
+    files = ["rank0.pt", "rank1.pt", "shared.pt"]  # each with its digest beside it
+    assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3, "files": files}
     assert json.loads((tmp_path / "ckpt/step000000003/complete.json").read_text()) == \
-        {"world_size": 2, "epoch": 1, "step": 3}
+        {"world_size": 2, "epoch": 1, "step": 3, "files": files}
 
 
 def test_checkpoint_keeps_the_last_and_refuses_another_world_size(tmp_path):
@@ -189,7 +190,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path
     out = capsys.readouterr().out
     assert f"checkpoint file {newest} is unreadable" in out and "resuming from the previous checkpoint, step000000002" in out
     (ckpt.dir / "step000000002" / "shared.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match=r"step000000002/shared.pt is unreadable .*trainer.resume=never"):
+    with pytest.raises(ValueError, match=r"step000000002/shared.pt is unreadable .*trainer.resume=never"):
         ckpt.load()
 
 

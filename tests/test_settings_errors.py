@@ -56,11 +56,19 @@ CIFAR = ["experiment=cifar10/lamb", "trainer.nproc_per_node=2"]
     ("trainer.checkpoint.keep=0", "error: invalid trainer.checkpoint.keep=0: must be an integer >= 1 (the last "
                                   "checkpoint resumes the run); fix: set trainer.checkpoint.keep to an allowed value"),
     ("trainer.timeout_s=0", "error: invalid trainer.timeout_s=0: must be a number of seconds > 0"),
-    ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3; known: ['checkpoint', 'cudnn_benchmark', "
-                               "'deterministic', 'device', 'max_restarts', "),
-    ("+trainer.checkpoint.evry=5", "error: unknown setting trainer.checkpoint.evry=5; known: ['enabled', 'every', "
-                                   "'keep']; fix: drop trainer.checkpoint.evry or correct its name "
-                                   "(configs/trainer/default.yaml)"),
+    ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3 (did you mean trainer.max_restarts?); "
+                               "known: ['checkpoint', 'cudnn_benchmark', 'deterministic', 'device', 'max_restarts', "),
+    ("+trainer.checkpoint.evry=5", "error: unknown setting trainer.checkpoint.evry=5 (did you mean "
+                                   "trainer.checkpoint.every?); known: ['enabled', 'every', 'keep']; fix: drop "
+                                   "trainer.checkpoint.evry or correct its name (configs/trainer/default.yaml)"),
+    # before: accepted, augmentation stayed on
+    ("+data.augmnt=false", "error: unknown setting data.augmnt=False (did you mean data.augment?); known: "),
+    ("+foo=1", "error: unknown setting foo=1; known: "),  # before: accepted
+    # before: a traceback from the workers
+    ("trainer.threads_per_worker=0", "error: invalid trainer.threads_per_worker=0: must be an integer >= 1"),
+    ("seed=abc", "error: invalid seed='abc': must be an integer >= 0"),  # before: named no setting
+    # before: asked for a shard size first, then refused for this
+    ("trainer.parallelism=hsdp", "error: invalid trainer.parallelism=hsdp: this pipeline trains full replicas only"),
 ])
 def test_a_rejected_setting_ends_the_command_before_any_worker(tmp_path, override, line):
     (tmp_path / "empty").mkdir()  # data that exists, so that the check of each setting is what ends the command
@@ -81,7 +89,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path)
                            f"data.dir={tmp_path / 'empty'}", "trainer.checkpoint.enabled=false",
                            f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False, env={**os.environ, "WANDB_MODE": "offline"})
-    assert done.returncode == 1 and "CIFAR-10 not found" in done.stderr
+    assert done.returncode == 65 and done.stderr.startswith("error: FileNotFoundError on rank 0: CIFAR-10 not found")
 
 
 def test_resuming_with_other_inputs_or_another_world_size_is_refused_before_any_worker(tmp_path):
@@ -109,6 +117,28 @@ def test_a_batch_that_does_not_split_over_the_workers_is_refused_before_any_work
     stderr = refused(module, [*args, f"data.dir={tmp_path / 'absent'}"] if module == "bert.train" else args,
                      tmp_path / "run")
     assert stderr.startswith(line), stderr
+
+
+@pytest.mark.parametrize("module, args, line", [
+    # before: each failed in the workers, after they started (exit status 65, or a traceback of 71-198 lines)
+    ("swin.train", ["model.arch=swin_nonexistent"], "error: invalid model.arch='swin_nonexistent': must name a timm "
+                                                    "Swin model"),
+    ("swin.train", ["lr_scaling.reference_batch=0"], "error: invalid lr_scaling.reference_batch=0: must be an integer "
+                                                     ">= 1"),
+    ("bert.train", ["model=bert_tiny", "model.vocab_size=50", "data.seq_len=32", "data.global_batch=64",
+                    "data.micro_batch=8"], "error: invalid model.vocab_size=50: {data}/part0_training.hdf5 holds token "
+                                           "id 87; set model.vocab_size=88 or more"),
+    ("squad_finetune.train", ["eval.n_best=0"], "error: invalid eval.n_best=0: must be an integer >= 1"),
+])
+def test_a_pipelines_own_bad_setting_ends_the_command_before_any_worker(tmp_path, module, args, line):
+    from tests.test_configs import write_bert_shards
+
+    data = write_bert_shards(tmp_path / "shards") if module == "bert.train" else tmp_path
+    (tmp_path / "squad.json").write_text("{}")
+    inputs = {"squad_finetune.train": [f"model.dir={tmp_path}", f"data.train_file={tmp_path / 'squad.json'}",
+                                       f"data.dev_file={tmp_path / 'squad.json'}"]}.get(module, [f"data.dir={data}"])
+    stderr = refused(module, [*args, *inputs, "trainer.nproc_per_node=2"], tmp_path / "run")
+    assert stderr.startswith(line.format(data=data)), stderr
 
 
 @pytest.mark.parametrize("root", ROOTS)

@@ -225,7 +225,7 @@ def test_fp16_overflow_on_one_rank_is_skipped_by_all_ranks(step_results):
         assert set(r["ledger"]["last_step"]) == {"control", "all"}  # nothing else was sent
         assert not r["skipped2"] and r["moved"] and r["steps"] == 2
         assert r["norm"] == pytest.approx((rank + 1) * n ** 0.5, rel=1e-4)  # unscaled before clipping
-        assert r["state"] == {"scale": 512.0, "good_steps": 1, "skipped_steps": 1}
+        assert r["state"] == {"scale": 512.0, "good_steps": 1, "skipped_steps": 1, "dropped_steps": 0}
 
 
 def test_precision_setting_is_checked():

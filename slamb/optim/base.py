@@ -27,7 +27,8 @@ from torch.optim import Optimizer
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from ..sharding import check_state_shapes, is_sharded, local
-from .checks import NONFINITE_POLICIES, check_choice, nonfinite_candidates, nonfinite_error, nonfinite_exact
+from .checks import (NONFINITE_POLICIES, check_choice, check_process_group, nonfinite_candidates, nonfinite_error,
+                     nonfinite_exact)
 from .flat import param_labels
 from .precision import state_dtype
 
@@ -58,6 +59,7 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
 
     def _setup(self, *, process_group, nonfinite: str, ledger) -> None:
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
+        check_process_group(process_group)
         self.process_group = process_group
         self.nonfinite = nonfinite
         self.ledger = ledger or comm.CommLedger()
@@ -150,6 +152,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         if decision == NONFINITE and self.nonfinite == "raise":
             bad_ids = [have[i] for i in torch.nonzero(bad).flatten().tolist()] if bad is not None else []
             raise nonfinite_error(f"{type(self).__name__}: ", param_labels(self, bad_ids))
+        if decision == NONFINITE:  # nonfinite="skip"
+            self.nonfinite_skips += 1
         if decision in (NONFINITE, NO_GRADIENT):  # every rank skips: nothing is sent, no state changes
             self.ledger.end_step()
             return loss, None

@@ -38,7 +38,7 @@ from .. import comm
 from ..averaging import average_tensors_
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from ..ddp import no_comm_hook
-from .checks import check_betas, check_choice, check_range
+from .checks import check_betas, check_choice, check_process_group, check_range
 from .lamb import LAMB
 from .precision import state_dtype, working_copies
 
@@ -99,6 +99,7 @@ class DiLoCo(ContractDefaults, Optimizer):
         self.outer_lr = float(outer_lr)
         self.outer_momentum = float(outer_momentum)
         self.sync_interval = sync_interval
+        check_process_group(process_group)
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
         self._step = 0

@@ -81,7 +81,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import NO_DDP, ContractDefaults
-from .checks import NONFINITE_POLICIES, check_choice, check_lr, check_range, nonfinite_skip
+from .checks import NONFINITE_POLICIES, check_choice, check_lr, check_process_group, check_range, nonfinite_skip
 from .flat import FlatLayout, check_layouts_agree, param_labels
 from .lamb_math import safe_ratio
 from .masks import step_seed
@@ -235,6 +235,7 @@ class JointSpar(ContractDefaults, Optimizer):
         self.trust_coeff = float(trust_coeff)
         self.lars_exclude_1d = lars_exclude_1d
         self.seed = seed
+        check_process_group(process_group)
         self.process_group = process_group
         self.foreach = True if foreach is None else foreach
         self.nonfinite = nonfinite
@@ -408,6 +409,7 @@ class JointSpar(ContractDefaults, Optimizer):
             averaged = [v.view(s) for v, s in zip(torch.split(flat, [layers[i].numel() for i in idx]), shapes)]
         if nonfinite_skip(averaged, [self._names[i] for i in idx], self.nonfinite, ledger=None,
                           where="JointSpar: ", agree=False):
+            self.nonfinite_skips += 1
             self._active, self._active_idx = None, []
             self.ledger.end_step()
             return loss

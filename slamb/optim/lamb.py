@@ -18,7 +18,7 @@ from .. import comm
 from ..contract import ContractDefaults
 from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
 from . import fused as fused_passes
-from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, nonfinite_skip
+from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, check_process_group, nonfinite_skip
 from .flat import FlatLayout
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
 from .precision import promote_state_, state_dtype, working_copies, write_back_
@@ -200,6 +200,7 @@ class LAMB(ContractDefaults, Optimizer):
         self.fused = fused
         self._fused = FusedBuckets(self)  # the flat buffers and compiled graphs of fused=True
         self.nonfinite = nonfinite
+        check_process_group(process_group)
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
         self.shards = sharded_topology([p for g in self.param_groups for p in g["params"]], process_group)
@@ -248,6 +249,7 @@ class LAMB(ContractDefaults, Optimizer):
         if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
                           where="LAMB: ", agree=sharded,
                           screened=None if buckets is None else [flat.grad for _, flat, _, _ in buckets]):
+            self.nonfinite_skips += 1
             self.ledger.end_step()
             return loss
         if buckets is not None and self._fused.step(buckets):

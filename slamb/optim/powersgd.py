@@ -54,7 +54,7 @@ from torch.optim.sgd import sgd
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from .checks import check_choice, check_range
+from .checks import check_choice, check_process_group, check_range
 from .precision import promote_state_, working_copies, write_back_
 
 _KEY = "powersgd"
@@ -172,6 +172,7 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
             raise ValueError(f"invalid seed={seed!r}: must be an integer")
         super().__init__(params, lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                          nesterov=nesterov)
+        check_process_group(process_group)
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
         self.powersgd = PowerSGDState(
