@@ -28,7 +28,7 @@ import torch
 
 from . import comm
 from .contract import rank_stamp
-from .sharding import is_sharded, local, reshard
+from .sharding import is_prepared, is_sharded, local, reshard
 from .topology import MeshTopology, whole_group
 
 __all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]
@@ -292,7 +292,7 @@ def load_sharded(model, optimizer, directory) -> None:
 
     Collective: every rank calls it, after building the model and the optimizer as the run was saved
     (the same parameters, the same optimizer and settings), sharded on any mesh, and after
-    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards):
+    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards: a load before it is refused):
 
     * the same replica count: each replica resumes its own parameters and state, bit for bit;
     * another shard count: DCP reshards each saved tensor onto the new shards;
@@ -307,6 +307,11 @@ def load_sharded(model, optimizer, directory) -> None:
     import torch.distributed.checkpoint as dcp
 
     topology = _sharded_topology(optimizer, "load")
+    if not is_prepared(optimizer):
+        raise RuntimeError("slamb.load_sharded before slamb.wrap_model, which starts every replica from replica 0's "
+                           "shards and would overwrite what the other replicas load: call model = "
+                           "slamb.wrap_model(model, optimizer) first, then slamb.load_sharded(model, optimizer, "
+                           "directory)")
     names = _param_names(model, optimizer)
     saved_md = _read_metadata(directory)
     head = {_META: None}
