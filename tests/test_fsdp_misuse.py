@@ -16,11 +16,11 @@ import torch
 
 import slamb
 from tests import distributed
-from tests.test_fsdp import hsdp_mesh, loss_of, make_model, slamb_settings
+from tests.test_fsdp import hsdp_mesh, make_model, slamb_settings
+from tests.test_fsdp_checkpoint import BLOCKS, shards, train
 
 pytestmark = pytest.mark.multiprocess
 
-BLOCKS = (torch.nn.Linear, torch.nn.LayerNorm)
 SAVED_AT, STEPS = 2, 4  # sync_interval 2: the replicas differ at the save (after step 2)
 
 
@@ -28,17 +28,6 @@ def build_optimizer(kind, params):
     if kind == "slamb":
         return slamb.SLAMB(params, **slamb_settings({}))
     return slamb.LAMB(params, lr=0.02, weight_decay=0.01)
-
-
-def train(model, opt, rank, steps):
-    for t in steps:
-        opt.zero_grad(set_to_none=True)
-        loss_of(model, rank, t).backward()
-        opt.step()
-
-
-def shards(model):
-    return [p.to_local().detach().clone() for p in model.parameters()]
 
 
 def attempt(call) -> str | None:
