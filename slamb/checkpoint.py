@@ -28,7 +28,7 @@ import torch
 
 from . import comm
 from .contract import rank_stamp
-from .sharding import is_sharded, local, reshard
+from .sharding import is_prepared, is_sharded, local, reshard
 from .topology import MeshTopology, whole_group
 
 __all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]
@@ -286,13 +286,28 @@ def _mean(values: list, what: str):
     return first
 
 
+def _elastic_line(meta: dict, topology: MeshTopology, state: dict, name: str) -> str:
+    """What a load onto another replica count starts every replica from, at which step. ``state``: the loaded
+    per-parameter state (LAMB counts its steps per parameter, SLAMB once, in ``meta``)."""
+    step = meta["extra"].get("step")
+    if step is None:
+        step = max((int(s["step"]) for s in state.values() if "step" in s), default=0)
+    if meta["copies"] == 1:  # a data-parallel optimizer's replicas, or a single saved one: the same state
+        start = "the saved parameters and optimizer state"
+    else:
+        start = "the mean of the saved replicas' parameters and moments"
+    ages = ", with their mask ages" if any("staleness" in s for s in state.values()) else ""
+    return (f"{meta['n_replicas']} saved replicas -> {topology.n_replicas}: every replica starts from {start}{ages} "
+            f"({name}, step {step})")
+
+
 @torch.no_grad()
 def load_sharded(model, optimizer, directory) -> None:
     """Load what :func:`save_sharded` wrote into an FSDP2/HSDP ``model`` and its ``optimizer``.
 
     Collective: every rank calls it, after building the model and the optimizer as the run was saved
     (the same parameters, the same optimizer and settings), sharded on any mesh, and after
-    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards):
+    :func:`slamb.wrap_model` (which starts every replica from replica 0's shards: a load before it is refused):
 
     * the same replica count: each replica resumes its own parameters and state, bit for bit;
     * another shard count: DCP reshards each saved tensor onto the new shards;
@@ -307,6 +322,11 @@ def load_sharded(model, optimizer, directory) -> None:
     import torch.distributed.checkpoint as dcp
 
     topology = _sharded_topology(optimizer, "load")
+    if not is_prepared(optimizer):
+        raise RuntimeError("slamb.load_sharded before slamb.wrap_model, which starts every replica from replica 0's "
+                           "shards and would overwrite what the other replicas load: call model = "
+                           "slamb.wrap_model(model, optimizer) first, then slamb.load_sharded(model, optimizer, "
+                           "directory)")
     names = _param_names(model, optimizer)
     saved_md = _read_metadata(directory)
     head = {_META: None}
@@ -321,10 +341,6 @@ def load_sharded(model, optimizer, directory) -> None:
     copies = meta["copies"]
     same = copies == 1 or copies == topology.n_replicas
     sources = [topology.replica if copies > 1 else 0] if same else list(range(copies))
-    if meta["n_replicas"] != topology.n_replicas and comm.rank() == 0:
-        _log.warning("slamb.load_sharded: %d saved replicas -> %d: every replica starts from the mean of the saved "
-                     "replicas' parameters and moments, with their mask ages and step %s", meta["n_replicas"],
-                     topology.n_replicas, meta["extra"].get("step", ""))
 
     mesh = _shard_mesh(topology)
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -359,6 +375,8 @@ def load_sharded(model, optimizer, directory) -> None:
     for pname, k in by_param:
         state.setdefault(index[pname], {})[k] = _mean([wanted[f"replica{c}"]["optim"][pname][k] for c in sources],
                                                      f"{pname}.{k}")
+    if meta["n_replicas"] != topology.n_replicas and comm.rank() == 0:
+        _log.warning("slamb.load_sharded: %s", _elastic_line(meta, topology, state, name))
     groups = [{**g, "params": [index[p] for p in g["params"]]} for g in meta["param_groups"]]
     sd = {"state": state, "param_groups": groups}
     key = getattr(optimizer, "state_key", "")

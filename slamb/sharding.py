@@ -22,14 +22,20 @@ compare optimizers), and under HSDP with a data-parallel optimizer its gradient 
 replicas (``"grads"``, level ``"replicate"``, as DDP's), so the ledger holds what crosses each mesh dimension.
 
 :func:`shard_model` calls ``fully_shard`` per block and on the root; :func:`slamb.wrap_model` on such
-a module makes its gradient reduction the one the optimizer needs (:func:`prepare_fsdp`).
+a module makes its gradient reduction the one the optimizer needs (:func:`prepare_fsdp`). Built in another
+order, or without ``wrap_model``, a run would go wrong silently (the replicas keep the weights each rank built,
+FSDP's collectives stay out of the ledger, an optimizer built before ``fully_shard`` holds the tensors it
+replaced and trains nothing): the optimizers refuse such a step, and :func:`slamb.load_sharded` such a load,
+in one line naming the order.
 """
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
 from .topology import MeshTopology, mesh_topology
@@ -40,10 +46,18 @@ except ImportError:  # a torch without DTensor: nothing is sharded
     DTensor = Replicate = Shard = None
 
 __all__ = ["local", "is_sharded", "sharded_topology", "chunk_rows", "shard_offsets", "sum_squares_", "reduce_squares",
-           "shard_model", "prepare_fsdp", "reshard", "full_state_dict", "refuse_sharded", "check_state_shapes"]
+           "shard_model", "prepare_fsdp", "is_prepared", "check_prepared", "refuse_replaced", "reshard",
+           "full_state_dict", "refuse_sharded", "check_state_shapes"]
 
 # the optimizers that take sharded parameters, named where another refuses them
 SHARDED_OPTIMIZERS = "SLAMB or LAMB"
+BUILD_AFTER = ("build the optimizer after slamb.shard_model, on model.parameters() (fully_shard replaces a module's "
+               "parameters by their shards), then model = slamb.wrap_model(model, optimizer)")
+
+# the optimizers prepare_fsdp has prepared an FSDP2 model for
+_PREPARED: weakref.WeakSet = weakref.WeakSet()
+# the parameters shard_model replaced by their shards: an optimizer built on them would step tensors no module uses
+_REPLACED = WeakIdKeyDictionary()
 
 
 def is_sharded(t) -> bool:
@@ -168,10 +182,39 @@ def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch
     else:
         chosen = blocks
     picked = [m for m in model.modules() if m is not model and chosen(m)]
+    before = list(model.parameters())
     for m in reversed(picked):  # children before their parents
         fully_shard(m, mesh=mesh, **fsdp_kwargs)
     fully_shard(model, mesh=mesh, **fsdp_kwargs)
+    sharded = {id(p) for p in model.parameters()}
+    for p in before:
+        if id(p) not in sharded:
+            _REPLACED[p] = True
     return model
+
+
+def refuse_replaced(name: str, params) -> None:
+    """One line where ``params`` (an optimizer's, none of which got a gradient) are tensors :func:`shard_model`
+    replaced by their shards: the optimizer was built before it and would train nothing."""
+    if any(p in _REPLACED for p in params):
+        raise RuntimeError(f"{name} was built on the parameters slamb.shard_model replaced by their FSDP2 shards, so "
+                           f"they get no gradient and it trains nothing: {BUILD_AFTER}")
+
+
+def is_prepared(optimizer) -> bool:
+    """Whether :func:`slamb.wrap_model` has prepared an FSDP2 model for ``optimizer``."""
+    return optimizer in _PREPARED
+
+
+def check_prepared(optimizer) -> None:
+    """Refuse, in one line, a step of ``optimizer`` on sharded parameters before :func:`slamb.wrap_model`: the
+    replicas would keep the weights each rank built, and FSDP's collectives (under HSDP its all-reduce of every
+    gradient, which SLAMB's exchange replaces) would stay out of the ledger."""
+    if not is_prepared(optimizer):
+        raise RuntimeError(f"{type(optimizer).__name__}: a step on FSDP2 parameters whose model slamb.wrap_model has "
+                           "not prepared (the replicas would keep the weights each rank built, and FSDP's collectives "
+                           "would be missing from the ledger): call model = slamb.wrap_model(model, optimizer) before "
+                           "the first step")
 
 
 def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
@@ -184,10 +227,15 @@ def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
     """
     from .contract import GRADIENT_ALLREDUCE
 
-    topology = getattr(optimizer, "shards", None)
-    if not isinstance(topology, MeshTopology):
-        raise ValueError(f"slamb.wrap_model got an FSDP2 module for {type(optimizer).__name__}, which takes no "
-                         f"sharded parameters; {SHARDED_OPTIMIZERS} does")
+    name = type(optimizer).__name__
+    if not getattr(optimizer, "takes_sharded", False):
+        raise ValueError(f"slamb.wrap_model got an FSDP2 module for {name}, which takes no sharded parameters; "
+                         f"{SHARDED_OPTIMIZERS} does")
+    reshard(model)  # the root's parameters are the DTensors again after an evaluation's forward
+    own = {id(p) for p in model.parameters()}
+    if not all(id(p) in own for g in optimizer.param_groups for p in g["params"]):
+        raise ValueError(f"slamb.wrap_model: {name} holds other parameters than the FSDP2 model's: {BUILD_AFTER}")
+    topology = optimizer.shards
     _broadcast_replicas(model, topology)
     dense = optimizer.communication == GRADIENT_ALLREDUCE
     modules = fsdp_modules(model)
@@ -195,6 +243,7 @@ def prepare_fsdp(model: torch.nn.Module, optimizer) -> torch.nn.Module:
         for m in modules:
             _reduce_over_shards_only(m, topology)
     _record_fsdp_collectives(model, modules, optimizer.ledger, replicas=topology.replicate if dense else None)
+    _PREPARED.add(optimizer)
     return model
 
 

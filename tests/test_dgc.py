@@ -278,8 +278,8 @@ def test_ledger_bytes_per_step_equal_the_formula(two_ranks):
                 assert stats["sparse_values"]["payload"] == max(counts) * vsize
                 assert stats["sparse_indices"]["payload"] == max(counts) * isize
                 assert stats["grads"]["payload"] == dense_numel * vsize  # the biases, all-reduced
-                # 4 B non-finite agreement + 8 B count; at the first step 6 int64 for the layout check
-                assert stats["control"]["payload"] == 4 + 8 + (6 * 8 if step == 0 else 0)
+                # 4 B non-finite agreement + 8 B count; at the first step 7 int64 for the layout and start check
+                assert stats["control"]["payload"] == 4 + 8 + (7 * 8 if step == 0 else 0)
                 assert stats["all"]["payload"] == sum(v["payload"] for k, v in stats.items() if k != "all")
                 assert stats["sparse_values"]["wire"] == (n - 1) * max(counts) * vsize
                 assert stats["grads"]["wire"] == 2 * (n - 1) / n * dense_numel * vsize

@@ -258,6 +258,19 @@ def test_two_replicas_resume_as_one_from_their_mean(runs, target):
     line = ranks[0][target]["log"][0]
     print(line)
     assert "2 saved replicas -> 1" in line and "mean" in line and "\n" not in line
+    assert "with their mask ages" in line and line.endswith(f"(SLAMB, step {SAVED_AT})")
+
+
+def test_lamb_on_another_replica_count_says_what_it_starts_from_and_at_which_step(runs):
+    """LAMB's replicas are the same (its checkpoint holds one copy): no mean and no mask ages; its step, counted per
+    parameter, in the line."""
+    logs = [r["lamb 2->4 shards"]["log"] for r in runs["four"]]
+    assert len(logs[0]) == 1 and not any(logs[1:])
+    line = logs[0][0]
+    print(line)
+    assert "2 saved replicas -> 1: every replica starts from the saved parameters and optimizer state" in line
+    assert "mask ages" not in line and "mean" not in line and "\n" not in line
+    assert line.endswith(f"(LAMB, step {SAVED_AT})")
 
 
 def test_one_replica_resumes_as_two_each_from_it(runs):

@@ -154,6 +154,41 @@ def test_evaluation_and_save_model_see_the_ranks_average_and_leave_each_rank_its
     assert [r["eval_loss"] for r in res] == pytest.approx([expected] * 2, rel=1e-6)
 
 
+def plain_save_state_worker(rank, n, ckpt):
+    """accelerate's own save_state of a SLAMB run prepared by accelerator.prepare, loaded after the integration's
+    prepare: the error it raises."""
+    from accelerate import Accelerator
+
+    import slamb.integrations.accelerate as integration
+
+    accelerator = Accelerator(cpu=True)
+    model, opt, loader = accelerator.prepare(*_setup(rank))
+    for x, y in list(loader)[:2]:
+        accelerator.backward(F.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+    accelerator.save_state(ckpt)
+    accelerator = Accelerator(cpu=True)
+    integration.prepare(accelerator, *_setup(rank))
+    try:
+        accelerator.load_state(ckpt)
+    except FileNotFoundError as e:
+        return str(e)
+    return None
+
+
+def test_a_checkpoint_of_plain_prepare_is_refused_in_one_line_naming_it():
+    with tempfile.TemporaryDirectory() as d:
+        res = support.run(plain_save_state_worker, 2, os.path.join(d, "ckpt"))
+    print(res[0])
+    for rank, message in enumerate(res):
+        assert message is not None and "\n" not in message, message
+        for words in ("saved by accelerator.save_state after a plain accelerator.prepare",
+                      "rank 0's SLAMB state (optimizer.bin)", f"optimizer.rank{rank}-of-2.pt",
+                      "resume from a checkpoint slamb.integrations.accelerate.prepare saved"):
+            assert words in message, message
+
+
 def refused_worker(rank, n):
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU case, on any machine
     from accelerate import Accelerator

@@ -49,7 +49,7 @@ def _params(model) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1).clone() for p in getattr(model, "module", model).parameters()])
 
 
-def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", evaluate=False):
+def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", evaluate=False, max_grad_norm=0.0):
     from transformers import Trainer, TrainingArguments
 
     import slamb
@@ -59,7 +59,8 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", eva
     model = Tiny()
     args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=STEPS, save_steps=SAVE_AT,
                              save_strategy="steps" if out_dir else "no", logging_steps=1000, use_cpu=True,
-                             report_to=[], learning_rate=0.02, lr_scheduler_type="constant", max_grad_norm=0.0,
+                             report_to=[], learning_rate=0.02, lr_scheduler_type="constant",
+                             max_grad_norm=max_grad_norm,
                              disable_tqdm=True, seed=0, per_device_eval_batch_size=8)
     out = {}
 
@@ -106,8 +107,8 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", eva
     return out
 
 
-def _run(plain=False, out_dir=None, resume=False, overflow_at=None, name="slamb", evaluate=False):
-    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at, name, evaluate)
+def _run(plain=False, out_dir=None, resume=False, overflow_at=None, name="slamb", evaluate=False, max_grad_norm=0.0):
+    return support.run(train_worker, 2, plain, out_dir, resume, overflow_at, name, evaluate, max_grad_norm)
 
 
 def test_slamb_gradients_stay_local_and_the_ledger_is_every_byte_sent():
@@ -176,3 +177,59 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank():
     res = _run(overflow_at=2)
     assert [r["skipped"] for r in res] == [1, 1]
     assert [r["steps"] for r in res] == [STEPS - 1] * 2
+
+
+def test_max_grad_norm_clips_each_ranks_own_gradient_and_sends_nothing():
+    """What TrainingArguments' max_grad_norm means under SLAMB (docs/integrations.md): each rank's local gradient is
+    scaled to the bound by its own norm (the ranks' norms are not averaged first), and no byte is sent for it."""
+    bound = 1e-3  # below every local gradient's norm: every step is clipped
+    res = _run(max_grad_norm=bound)
+    for r in res:
+        norms = [float(g.norm()) for g in r["grads"]]
+        assert norms == pytest.approx([bound] * STEPS, rel=1e-4), norms
+        assert r["sent"][1:] == r["ledger"][1:], (r["sent"], r["ledger"])
+    assert not any(torch.allclose(a, b) for a, b in zip(res[0]["grads"], res[1]["grads"]))
+
+
+def plain_checkpoint_worker(rank, n, out_dir):
+    """A plain Trainer's checkpoint of a SLAMB run, resumed by SLAMBTrainer; and a SLAMBTrainer given
+    TrainingArguments(optim=...). The error each raises."""
+    from transformers import Trainer, TrainingArguments
+
+    import slamb
+    from slamb.integrations.huggingface import SLAMBTrainer
+
+    def trainer(cls, **more):
+        torch.manual_seed(0)
+        model = Tiny()
+        args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=SAVE_AT,
+                                 save_steps=SAVE_AT, use_cpu=True, report_to=[], disable_tqdm=True, **more)
+        return cls(model=model, args=args, train_dataset=Pairs(),
+                   optimizers=(slamb.create_optimizer("slamb", model, **SETTINGS), None))
+
+    def error(call):
+        try:
+            call()
+        except (ValueError, FileNotFoundError) as e:
+            return str(e)
+        return None
+
+    trainer(Trainer).train()
+    checkpoint = os.path.join(out_dir, f"checkpoint-{SAVE_AT}")
+    return {"resume": error(lambda: trainer(SLAMBTrainer).train(resume_from_checkpoint=checkpoint)),
+            "optim": error(lambda: trainer(SLAMBTrainer, optim="adafactor")),
+            "optim_args": error(lambda: trainer(SLAMBTrainer, optim_args="beta1=0.9"))}
+
+
+def test_a_plain_trainers_checkpoint_and_an_optim_setting_are_refused_in_one_line_naming_them():
+    with tempfile.TemporaryDirectory() as d:
+        res = support.run(plain_checkpoint_worker, 2, d)
+    for rank, r in enumerate(res):
+        expected = {"resume": ["saved by a plain transformers.Trainer", "rank 0's SLAMB state (optimizer.pt)",
+                               f"optimizer.rank{rank}-of-2.pt", "resume from a checkpoint SLAMBTrainer saved"],
+                    "optim": ["optim='adafactor'", "optimizer_name='slamb'", "leave optim"],
+                    "optim_args": ["optim_args='beta1=0.9'", "leave optim"]}
+        for case, words in expected.items():
+            assert r[case] is not None and "\n" not in r[case], (case, r[case])
+            assert all(w in r[case] for w in words), (case, r[case])
+    print("\n".join(res[0].values()))

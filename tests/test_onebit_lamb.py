@@ -274,9 +274,9 @@ def test_bytes_per_step_warmup_dense_then_one_bit(trained):
     for t, tally in enumerate(trained[0]["per_step"], start=1):
         if t <= FREEZE:
             assert tally["grads"]["payload"] == 4 * numel
-            # step 1 also checks once that every rank lays out the same parameters (3 int64)
+            # step 1 also checks once that every rank lays out and starts from the same parameters (4 int64)
             assert set(tally) == ({"grads", "control", "all"} if t == 1 else {"grads", "all"})
-            assert t > 1 or tally["control"]["payload"] == 24
+            assert t > 1 or tally["control"]["payload"] == 32
         else:
             assert "grads" not in tally  # no gradient all-reduce after freeze_step
             assert tally["momentum_1bit"]["payload"] == padded // 8 + padded // (8 * world)

@@ -25,8 +25,8 @@ import weakref
 
 from ..averaging import average_tensors_
 from ..contract import NO_DDP
-from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_undistributed, register_comm_hook,
-                      save_local_model, unwrap_optimizer)
+from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_framework_checkpoint,
+                      refuse_undistributed, register_comm_hook, save_local_model, unwrap_optimizer)
 
 __all__ = ["prepare", "averaged", "save_model"]
 
@@ -85,6 +85,8 @@ def prepare(accelerator, model, optimizer, *others):
         from .. import load_optimizer
 
         directory = reading.pop()
+        refuse_framework_checkpoint(opt, directory, "optimizer.bin", "accelerator.save_state after a plain "
+                                    "accelerator.prepare", "slamb.integrations.accelerate.prepare", state_dict)
         if opt.per_rank_state:
             load_optimizer(opt, directory)
         if opt.params_differ:  # accelerate loads the models (the ranks' average) first: the rank's own lands last

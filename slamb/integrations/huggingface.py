@@ -19,7 +19,20 @@ differ), ``save_model()`` saves the ranks' average, ``evaluate()`` and
 (``begin_epoch``, ``begin_step``) run at the trainer's epoch and step starts.
 Every optimizer of the registry works the same way. On the CPU, pass
 ``TrainingArguments(use_cpu=True)``: without it each process trains alone
-(``SLAMBTrainer`` refuses to).
+(``SLAMBTrainer`` refuses to). ``TrainingArguments(optim=...)`` and
+``optim_args`` name none of these optimizers: left at their defaults, or
+refused. A checkpoint saved by a plain ``Trainer`` holds rank 0's optimizer
+state only: resuming from it is refused, naming it.
+
+``max_grad_norm`` (``TrainingArguments``' default 1.0) clips the gradient the
+optimizer steps with: under SLAMB (and every optimizer that keeps its
+gradients local) that is each rank's own, so each rank's local gradient is
+scaled by its own norm, that of a mini-batch of 1/n of the global batch
+(larger and noisier than the averaged gradient's that DDP clips), and no byte
+is sent for it, as the pipelines' ``clip_grad`` does. The trust ratio sets a
+layer's step from its parameters' norm, not from the gradient's scale:
+clipping changes how much a step weighs in the moments, not the step's size.
+``max_grad_norm=0`` turns it off (docs/integrations.md).
 """
 from __future__ import annotations
 
@@ -28,17 +41,18 @@ import os
 import torch
 from accelerate.utils import DistributedDataParallelKwargs
 from torch.nn.parallel import DistributedDataParallel
-from transformers import Trainer, TrainerCallback
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from .. import create_optimizer, load_optimizer, save_optimizer
 from ..contract import GRADIENT_ALLREDUCE, NO_DDP, adopt
 from ..registry import optimizer_class
-from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_undistributed, register_comm_hook,
-                      save_local_model, unwrap_optimizer)
+from .support import (load_local_model, rank_agreed_scaler, ranks_average, refuse_framework_checkpoint,
+                      refuse_undistributed, register_comm_hook, save_local_model, unwrap_optimizer)
 
 __all__ = ["SLAMBTrainer"]
 
-SCHEDULER_NAME = "scheduler.pt"  # transformers' name for the scheduler state in checkpoint-N/
+SCHEDULER_NAME = "scheduler.pt"  # transformers' names for the scheduler and optimizer states in checkpoint-N/
+OPTIMIZER_NAME = "optimizer.pt"
 
 
 class _Schedules(TrainerCallback):
@@ -54,6 +68,22 @@ class _Schedules(TrainerCallback):
         self.trainer.base_optimizer.begin_step()
 
 
+def refuse_optim(args: TrainingArguments | None, optimizer_name: str) -> None:
+    """Refuse, in one line, ``TrainingArguments(optim=..., optim_args=...)`` set to other than their defaults:
+    ``SLAMBTrainer``'s optimizer is ``optimizer_name``'s (or the one given), and transformers' names hold none of
+    the registry's."""
+    if args is None:
+        return
+    default = TrainingArguments.__dataclass_fields__["optim"].default
+    if args.optim != default or args.optim_args is not None:
+        given = f"optim={getattr(args.optim, 'value', args.optim)!r}" + (
+            f", optim_args={args.optim_args!r}" if args.optim_args is not None else "")
+        raise ValueError(f"SLAMBTrainer ignores TrainingArguments({given}): its optimizer is "
+                         f"optimizer_name={optimizer_name!r} (one of slamb.OPTIMIZERS, settings in optimizer_settings) "
+                         "or the one in optimizers=(optimizer, scheduler); leave optim and optim_args at their "
+                         "defaults")
+
+
 class SLAMBTrainer(Trainer):
     """``transformers.Trainer`` for the optimizers of the registry (SLAMB by default).
 
@@ -64,6 +94,7 @@ class SLAMBTrainer(Trainer):
     """
 
     def __init__(self, *args, optimizer_name: str = "slamb", optimizer_settings: dict | None = None, **kwargs):
+        refuse_optim(kwargs.get("args", args[1] if len(args) > 1 else None), optimizer_name)
         self.optimizer_name = optimizer_name
         self.optimizer_settings = dict(optimizer_settings or {})
         given = (kwargs.get("optimizers") or (None, None))[0]
@@ -137,6 +168,7 @@ class SLAMBTrainer(Trainer):
         opt = self.base_optimizer
         if checkpoint is None or not (opt.per_rank_state or opt.params_differ):
             return super()._load_optimizer_and_scheduler(checkpoint)
+        refuse_framework_checkpoint(opt, checkpoint, OPTIMIZER_NAME, "a plain transformers.Trainer", "SLAMBTrainer")
         load_optimizer(opt, checkpoint)
         if opt.params_differ:  # after DDP's broadcast of rank 0's copy at wrapping
             load_local_model(self.model, checkpoint)

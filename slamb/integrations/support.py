@@ -13,6 +13,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import comm
 from ..averaging import averaged_model
+from ..checkpoint import optimizer_file
 from ..contract import NO_DDP, adopt
 from ..ddp import comm_hook
 
@@ -73,6 +74,31 @@ def ranks_average(model: torch.nn.Module, optimizer):
     if optimizer is None or not unwrap_optimizer(optimizer).params_differ or comm.world_size() == 1:
         return contextlib.nullcontext()
     return averaged_model(model)
+
+
+def refuse_framework_checkpoint(optimizer, directory, saved_file: str, saved_by: str, saver: str,
+                                state: dict | None = None) -> None:
+    """Refuse, in one line, resuming ``optimizer`` (whose state is each rank's own) from a checkpoint the framework
+    saved without the integration (``saved_by``): its one optimizer file ``saved_file`` (``state``, read from it
+    where not given) holds rank 0's state, and its model rank 0's copy. Another optimizer's state, or the per-rank
+    files of another world, are left to :func:`slamb.load_optimizer`, which names them."""
+    directory = Path(directory)
+    if optimizer_file(optimizer, directory).is_file() or any(directory.glob("optimizer.rank*-of-*.pt")):
+        return
+    if state is None:
+        try:
+            state = torch.load(directory / saved_file, map_location="cpu", weights_only=True)
+        except Exception:  # absent or unreadable: slamb.load_optimizer says what the directory holds
+            return
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    # this optimizer's hyper-parameters (an LR scheduler adds initial_lr to the groups it has seen)
+    if not (groups and set(optimizer.param_groups[0]) - {"params", "initial_lr"} <= set(groups[0])):
+        return
+    name = type(optimizer).__name__
+    raise FileNotFoundError(
+        f"{directory} was saved by {saved_by}, which keeps rank 0's {name} state ({saved_file}) and rank 0's model "
+        f"only, not each rank's own ({optimizer_file(optimizer, directory).name}): the ranks cannot resume from it; "
+        f"resume from a checkpoint {saver} saved, or load only its model and start {name} afresh")
 
 
 def local_model_file(directory) -> Path:

@@ -26,7 +26,7 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from ..sharding import check_state_shapes, is_sharded, local
+from ..sharding import check_prepared, check_state_shapes, is_sharded, local, refuse_replaced
 from .checks import (NONFINITE_POLICIES, check_choice, check_process_group, nonfinite_candidates, nonfinite_error,
                      nonfinite_exact)
 from .flat import param_labels
@@ -119,6 +119,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         ``agree=False`` decides locally: for gradients that are already averaged, hence the same on
         every rank. The layout is fixed (or grown) before the step touches any state.
         """
+        if self._layout_ids is None and self._sharded:
+            check_prepared(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -155,6 +157,8 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
         if decision == NONFINITE:  # nonfinite="skip"
             self.nonfinite_skips += 1
         if decision in (NONFINITE, NO_GRADIENT):  # every rank skips: nothing is sent, no state changes
+            if decision == NO_GRADIENT and self._layout_ids is None:
+                refuse_replaced(type(self).__name__, everything)
             self.ledger.end_step()
             return loss, None
         if self._layout_ids is None:

@@ -249,7 +249,9 @@ class DGC(LocalStateOptimizer):
         if self._sparse is not None and self.index_dtype == torch.int32 and self._sparse.numel >= 2**31:
             raise ValueError(f"int32_indices=True, but the compressed tensors hold {self._sparse.numel} elements, "
                              "more than int32 positions can address: use int32_indices=False")
-        check_layouts_agree((self._sparse, self._dense), ledger=self.ledger, group=self.process_group, who="DGC")
+        layouts = (self._sparse, self._dense)
+        start = [p for lay in layouts if lay is not None for p in lay.params] if self._step == 0 else None
+        check_layouts_agree(layouts, ledger=self.ledger, group=self.process_group, who="DGC", start=start)
         self._flat = {}
         for lay, keys in ((self._sparse, ("momentum", "accumulation", "decay_momentum")),
                           (self._dense, ("momentum",))):

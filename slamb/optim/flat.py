@@ -27,8 +27,25 @@ def param_labels(optimizer, ids: list[int]) -> list[str]:
     return [f"{everything[i][0] or f'param[{i}]'} {tuple(everything[i][1].shape)}" for i in ids]
 
 
-def check_layouts_agree(layouts, *, ledger, group, who: str) -> None:
-    """Every rank must lay out the same tensors, or a packed entry means different things on each."""
+# the integer type of each element size: a tensor's bits read as integers
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bit_sum(tensors) -> torch.Tensor:
+    """The sum of ``tensors``' bit patterns read as integers (a 0-d int64, wrapping): the same on ranks holding
+    the same values whatever order the reduction takes (a float sum's last bits depend on its threads), and
+    different, but for a coincidence, where any value differs."""
+    total = torch.zeros((), dtype=torch.int64, device=tensors[0].device)
+    for t in tensors:
+        t = t.detach().contiguous()
+        total += t.view(_BITS[t.element_size()]).sum(dtype=torch.int64)
+    return total
+
+
+def check_layouts_agree(layouts, *, ledger, group, who: str, start=None) -> None:
+    """Every rank must lay out the same tensors, or a packed entry means different things on each; and at a
+    run's first step every rank must hold the same ``start`` parameters (where given: DDP's broadcast at
+    :func:`slamb.wrap_model` gives every rank rank 0's). Both in one all-gather."""
     n = comm.world_size(group)
     live = [lay for lay in layouts if lay is not None]
     if n == 1 or not live:
@@ -38,14 +55,25 @@ def check_layouts_agree(layouts, *, ledger, group, who: str) -> None:
         numels = lay.numels if lay is not None else []
         sig += [sum(numels), len(numels), sum((i + 1) * k for i, k in enumerate(numels)) % (2**31)]
     mine = torch.tensor(sig, dtype=torch.long, device=live[0].device)
-    everyone = torch.empty(n * len(sig), dtype=torch.long, device=live[0].device)
+    if start is not None:
+        mine = torch.cat([mine, bit_sum(start).view(1)])
+    everyone = torch.empty(n * mine.numel(), dtype=torch.long, device=live[0].device)
     comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=ledger, group=group)
-    if not bool((everyone.view(n, -1) == mine).all()):
+    rows = everyone.view(n, -1)
+    if bool((rows == mine).all()):
+        return
+    if not bool((rows[:, :len(sig)] == mine[:len(sig)]).all()):
         raise RuntimeError(
             f"{who}: the ranks disagree on the parameters with gradients at the first step (numel, tensors, "
-            f"checksum per rank: {everyone.view(n, -1).tolist()}); every rank must build the same model and "
+            f"checksum per rank: {rows[:, :len(sig)].tolist()}); every rank must build the same model and "
             "compute gradients for the same parameters"
         )
+    others = [i for i, bits in enumerate(rows[:, -1].tolist()) if bits != int(rows[0, -1])]
+    raise RuntimeError(
+        f"{who}: the ranks start from different parameters (those of worker(s) {others} differ from worker 0's): "
+        "call model = slamb.wrap_model(model, optimizer) before the first step, which starts every rank from rank "
+        "0's, or build the model from the same seed on every rank"
+    )
 
 
 class FlatLayout:

@@ -16,7 +16,8 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
-from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
+from ..sharding import (check_prepared, check_state_shapes, local, reduce_squares, refuse_replaced, sharded_topology,
+                        sum_squares_)
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, check_process_group, nonfinite_skip
 from .flat import FlatLayout
@@ -235,12 +236,16 @@ class LAMB(ContractDefaults, Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.shards is not None:
+            check_prepared(self)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         work = [(g, params) for g, params in work if params]
+        if not work:
+            refuse_replaced("LAMB", [p for g in self.param_groups for p in g["params"]])
         grads = [local(p.grad) for _, params in work for p in params]
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
         # averaged gradients are the same on every rank, but each rank of a shard group holds another shard

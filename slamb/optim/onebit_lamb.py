@@ -207,7 +207,8 @@ class OnebitLamb(LocalStateOptimizer):
         if not ids:
             raise ValueError("OnebitLamb: no parameter has a gradient: nothing to optimize")
         layout = FlatLayout.of(self, ids)
-        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="OnebitLamb")
+        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="OnebitLamb",
+                            start=layout.params if self._step == 0 else None)
         self._flat = {key: layout.adopt(self.state, key, fill) for key, fill in _FLAT.items()}
         self._scalar = {key: layout.adopt(self.state, key, fill, per_tensor=True) for key, fill in _SCALAR.items()}
         self._layout, self._layout_ids = layout, ids

@@ -337,7 +337,8 @@ class SLAMB(LocalStateOptimizer):
         if not ids:
             raise ValueError("SLAMB: no parameter has a gradient: nothing to optimize")
         layout = FlatLayout.of(self, ids, align=fused_passes.BLOCK if self.fused else 1)
-        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB")
+        check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB",
+                            start=layout.params if self._step == 0 else None)
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq")}
         self._age = self._adopt_age(layout)
