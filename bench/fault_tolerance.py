@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from harness.distributed import forkserver
+
 KILLED = -signal.SIGKILL
 WHERE = ("step", "sync", "send")  # the collective of the step, SLAMB's parameter sync, sending a joining replica's state
 
@@ -248,15 +250,12 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
     """Run ``job`` in ``out``; returns per replica its step log and its end state (see the module's doc).
 
     Raises if a replica fails other than by an injected fault, or the job outlasts ``limit`` seconds."""
-    import torch._dynamo  # noqa: F401  (the step's first call imports it: once here, not in every replica)
-
-    import slamb.integrations.torchft  # noqa: F401
-
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    # the replicas inherit the imports; the parent never starts torchft's runtime (its servers and clients run
-    # in the children), so forking it is safe
-    fork = multiprocessing.get_context("fork")
+    # forks of a fork server that imported this module, never of the caller: a caller that ran autograd cannot be
+    # forked, and spawning would import torch and torchft again for every replica
+    # (the step's first call imports torch._dynamo: once there, not in every replica)
+    fork = multiprocessing.get_context(forkserver(__name__, "slamb.integrations.torchft", "torch._dynamo"))
     started: list = []
 
     def start(target, args, name):

@@ -30,12 +30,15 @@ import datetime
 import gc
 import importlib
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import socket
 import subprocess
 import sys
 import tempfile
+import types
 import uuid
 
 import torch
@@ -416,6 +419,46 @@ class _Reporting:
         return FinalOnRecurringErrorAgent
 
 
+# imported once by the fork server rather than by every worker
+_PRELOAD = ("torch", "torch.distributed", "harness.distributed")
+_server_started_in: tuple | None = None  # the environment and directory the fork server was started in
+
+
+def forkserver(*modules: str) -> str:
+    """The ``forkserver`` start method, its server having imported torch and ``modules``.
+
+    A spawned worker imports torch and its function's module again: 5-15 s of CPU on a small machine, most of a
+    short multi-process test's cost and of a pipeline's start. A fork server's children are forks of one process
+    that did those imports once. It is a fresh interpreter, never a fork of the caller (whose threads, autograd's
+    among them, must not be forked), and it is restarted when the caller's modules, environment or directory have
+    changed since it started, so its children start as spawned ones would.
+    """
+    global _server_started_in
+    preload = [*_PRELOAD, *(name for m in modules for name in _imports_of(m))]
+    started_in = (preload, dict(os.environ), os.getcwd())
+    if started_in != _server_started_in:
+        multiprocessing.forkserver._forkserver._stop()
+        multiprocessing.set_forkserver_preload(preload)
+        _server_started_in = started_in
+    return "forkserver"
+
+
+def _imports_of(module: str) -> list[str]:
+    """``[module]``, or the modules its names come from where it runs as ``__main__`` (``python -m``): each
+    child runs the caller's main module again, as ``__mp_main__``, which warns where the module was imported
+    already and is quick where what it imports was."""
+    main = sys.modules["__main__"]
+    if getattr(getattr(main, "__spec__", None), "name", None) != module:
+        return [module]
+    names = {v.__name__ if isinstance(v, types.ModuleType) else getattr(v, "__module__", None)
+             for v in vars(main).values()}
+    return sorted(n for n in names if isinstance(n, str) and n in sys.modules and n not in ("__main__", module))
+
+
+def _worker_module(worker) -> str:
+    return worker.__module__ if callable(worker) else str(worker).partition(":")[0]
+
+
 def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: int = 0):
     """Run ``worker(cfg, run_dir)`` on every worker; returns rank 0's result.
 
@@ -440,7 +483,7 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
         config = api.LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=nproc_per_node, run_id=uuid.uuid4().hex,
             rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{free_port()}", max_restarts=max_restarts,
-            start_method="spawn", monitor_interval=0.2, logs_specs=DefaultLogsSpecs(log_dir=logs),
+            start_method=forkserver(_worker_module(worker)), monitor_interval=0.2, logs_specs=DefaultLogsSpecs(log_dir=logs),
         )
         reporting = _Reporting(os.path.join(logs, "errors"))
         os.mkdir(reporting.errors_dir)

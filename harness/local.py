@@ -13,7 +13,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .distributed import free_port, shutdown
+from .distributed import forkserver, free_port, shutdown
+
+
+def spawn(entry, args: tuple, nprocs: int, module: str) -> None:
+    """``torch.multiprocessing.spawn(entry, args, nprocs)`` through a fork server that imported ``module``."""
+    mp.start_processes(entry, args=args, nprocs=nprocs, join=True, start_method=forkserver(module))
 
 
 def _entry(rank, fn, world_size, port, outdir, args):
@@ -35,9 +40,9 @@ def _entry(rank, fn, world_size, port, outdir, args):
 def run_local(fn, world_size: int, *args) -> list:
     """``fn(rank, world_size, *args)`` in ``world_size`` gloo processes on 127.0.0.1; the results by rank.
 
-    ``fn`` must be a module-level function (it is pickled into spawned processes).
+    ``fn`` must be a module-level function (it is pickled into the worker processes).
     An exception in any worker is raised here.
     """
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=True)
+        spawn(_entry, (fn, world_size, free_port(), outdir, args), world_size, fn.__module__)
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -13,10 +13,10 @@ from collections import Counter
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch._C._distributed_c10d import Backend as C10dBackend
 
 from harness.distributed import free_port, shutdown
+from harness.local import spawn
 
 
 def _nbytes(tensors) -> int:
@@ -122,7 +122,7 @@ def _entry(rank, fn, world_size, port, outdir, args):
 def run(fn, world_size: int, *args) -> list:
     """``fn(rank, world_size, *args)`` in ``world_size`` processes on a recording process group; results by rank."""
     with tempfile.TemporaryDirectory() as outdir:
-        mp.spawn(_entry, args=(fn, world_size, free_port(), outdir, args), nprocs=world_size, join=True)
+        spawn(_entry, (fn, world_size, free_port(), outdir, args), world_size, fn.__module__)
         return [torch.load(os.path.join(outdir, f"{r}.pt"), weights_only=False) for r in range(world_size)]
 
 

@@ -742,9 +742,10 @@ def test_a_fault_that_may_pass_is_still_restarted_and_ends_in_one_line(tmp_path)
 @pytest.mark.multiprocess  # runs the pipeline's command line and its workers
 def test_a_killed_worker_ends_the_command_in_one_line(tmp_path):
     """Before: elastic's report of the failure and Hydra's traceback, 40 lines and more."""
-    from tests.test_cifar10 import TINY, cli, write_tiny_cifar
+    from cifar10.data import write_digits
+    from tests.test_cifar10 import TINY, cli
 
-    data = write_tiny_cifar(tmp_path / "cifar-10-batches-py", n_train=64, n_test=16)
+    data = write_digits(tmp_path / "cifar-10-batches-py", 64, 16)
     done = cli([*TINY, "experiment=cifar10/lamb", "epochs=1", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}"],
                extra_env={harness.distributed.FAULT_ENV: "2"})
     assert done.returncode == 1, done.stderr[-3000:]

@@ -75,6 +75,15 @@ def heal_bytes(res) -> tuple[int, int]:
 
 
 @pytest.mark.multiprocess
+def test_replicas_start_from_a_caller_that_ran_a_compiled_backward(tmp_path):
+    # a compiled backward starts autograd's device threads, after which a fork of the caller cannot run
+    # backward: the replicas must not be forks of the caller (the test suite's process has done both)
+    x = torch.ones(3, requires_grad=True)
+    torch.compile(lambda t: (t * 2).sum())(x).backward()
+    run(Job(steps=3, sync_interval=2, replicas=2), tmp_path)
+
+
+@pytest.mark.multiprocess
 def test_slamb_survives_a_kill_in_the_exchange_and_in_a_sync_with_a_late_joiner(tmp_path):
     job = Job(steps=17, sync_interval=4, late=((2, 2),),
               faults=(Fault(replica=2, step=5, where="step"), Fault(replica=1, step=13, where="sync")))

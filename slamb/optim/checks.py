@@ -51,13 +51,15 @@ def check_adam_group(group: dict) -> None:
 
 
 def check_process_group(process_group) -> None:
-    """A ``torch.distributed`` process group (``dist.new_group``) or None (the default group): anything else, a
-    backend's name such as ``"gloo"`` for one, would fail only at the first step's collective."""
+    """A ``torch.distributed`` process group (``dist.new_group``), a :class:`slamb.comm.Collectives` (a torchft
+    job's replicas) or None (the default group): anything else, a backend's name such as ``"gloo"`` for one,
+    would fail only at the first step's collective."""
     from torch.distributed import ProcessGroup
 
     from ..topology import MeshTopology, NodeTopology
 
-    if process_group is not None and not isinstance(process_group, (ProcessGroup, NodeTopology, MeshTopology)):
+    if process_group is not None and not isinstance(process_group,
+                                                    (ProcessGroup, comm.Collectives, NodeTopology, MeshTopology)):
         raise ValueError(f"invalid process_group={process_group!r}: must be a torch.distributed process group "
                          "(dist.new_group(ranks)) or None for the default group; a backend is chosen by "
                          "dist.init_process_group(backend)")
