@@ -4,8 +4,8 @@ of the heal-policy measurement.
     python -m bench.fault_tolerance --policies        # the heal policies compared (digits MLP), a table on stdout
     python -m bench.fault_tolerance --undo-cost resnet110   # the commit-safe step against the plain one
 
-:func:`run_job` starts a lighthouse and one process per replica group (forked: no interpreter start per
-replica), each training the same model under :class:`slamb.integrations.torchft.FaultTolerant`;
+:func:`run_job` starts a lighthouse and one process per replica group (forks of a fork server that imported
+this module: no interpreter start per replica), each training the same model under :class:`slamb.integrations.torchft.FaultTolerant`;
 :class:`Fault` kills a replica's process with SIGKILL at a chosen point (in a step's collective, in a
 parameter sync, as it sends its state to a joining replica), and the runner relaunches it, as a job
 scheduler would. Each replica writes a line per step it tried (``replica<i>.jsonl``: the step, the loss,
