@@ -1,6 +1,6 @@
 """docs/integrations.md: each framework's example, extracted from the page and run as written on the CPU with
 its CPU command (2 gloo processes, 4 for FSDP2). Each prints the held-out loss of the ranks' average, on every rank.
-And the README's FSDP2 snippet, with SLAMB and with the LAMB its comment names, on 4 gloo processes (HSDP 2 x 2)."""
+And the FSDP2 snippet of docs/sharding.md, with SLAMB and with the LAMB its comment names, on 4 gloo processes (HSDP 2 x 2)."""
 from __future__ import annotations
 
 import os
@@ -63,9 +63,9 @@ def test_the_example_runs_as_written_on_the_cpu(tmp_path, name):
     assert any((tmp_path / "final").iterdir())
 
 
-def readme_fsdp_snippet() -> str:
-    """The README's FSDP2 snippet: the Python block that shards a model."""
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+def fsdp_snippet() -> str:
+    """docs/sharding.md's FSDP2 snippet: the Python block that shards a model."""
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "sharding.md").read_text(), re.S)
     return next(b for b in blocks if "slamb.shard_model" in b)
 
 
@@ -92,7 +92,7 @@ def run_snippet(rank, world, code):
     loader = list(zip(x, x[..., :4].argmax(-1)))  # each rank its own 6 batches of 8
     scope = dict(os=os, torch=torch, slamb=slamb, MyModel=MyModel, TransformerLayer=TransformerLayer, loader=loader,
                  nodes=2, gpus_per_node=world // 2)
-    exec(compile(code, "README.md", "exec"), scope)
+    exec(compile(code, "docs/sharding.md", "exec"), scope)
     model = scope["model"]
     slamb.sharding.reshard(model)
     return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "state": scope["state"],
@@ -106,8 +106,8 @@ def on_the_cpu(code: str) -> str:
 
 
 @pytest.mark.parametrize("optimizer", ["SLAMB", "LAMB"])
-def test_the_readmes_fsdp_snippet_runs_with_slamb_and_with_lamb(optimizer):
-    code = on_the_cpu(readme_fsdp_snippet())
+def test_the_fsdp_snippet_runs_with_slamb_and_with_lamb(optimizer):
+    code = on_the_cpu(fsdp_snippet())
     if optimizer == "LAMB":  # the line its comment names instead of SLAMB's
         slamb_line = next(line for line in code.splitlines() if line.startswith("opt = slamb.SLAMB("))
         lamb_line = re.search(r"# or: (slamb\.LAMB\(.*\))", code)[1]
