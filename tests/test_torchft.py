@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import slamb
-from bench.fault_tolerance import Fault, Job, Task, make_optimizer, run_job
+from bench.fault_tolerance import (Fault, Job, Task, make_optimizer, page_row, render_page, run_job, time_to,
+                                   undo_cost)
 from slamb.integrations.torchft import FaultTolerant, ManagedGroup, Undo
 
 # the tests' model (bench.fault_tolerance.Task, "tiny"): Linear(32, 64), ReLU, Linear(64, 4)
@@ -208,3 +209,31 @@ def test_settings_torchft_cannot_run_are_refused_before_anything_starts():
         FaultTolerant(group, model, slamb.LAMB(model.parameters()), heal="reset")
     with pytest.raises(ValueError, match="DGC under torchft"):
         FaultTolerant(group, model, slamb.DGC(model.parameters()))
+
+
+@pytest.mark.multiprocess
+def test_the_page_states_what_its_runs_logged(tmp_path):
+    """bench.fault_tolerance --page's numbers of one job (the digits MLP, a replica killed once), recomputed from
+    the replicas' logs; the page renders them."""
+    job = Job(task="digits", steps=9, sync_interval=4, lr=0.01, faults=(Fault(replica=1, step=5),))
+    res = run(job, tmp_path)
+    row = page_row(job, res)
+    log = res[0]["log"]
+    done = {e["step"]: e for e in log if e["committed"]}
+    assert [s for s, _, _ in row["synced"]] == [1, 5, 9]  # the steps after which every replica holds the average
+    assert [a for _, _, a in row["synced"]] == [done[s]["accuracy"] for s in (1, 5, 9)]
+    assert row["final_accuracy"] == res[0]["end"]["accuracy"] == done[9]["accuracy"]
+    assert row["uncommitted"] == sum(not e["committed"] for e in log) >= 1
+    assert len(row["lost_s"]) >= 1 and all(x < job.timeout for x in row["lost_s"])
+    numel = 64 * 128 + 128 + 128 * 10 + 10
+    assert row["heals"] == 1 and row["heal_bytes"] == 4 * (3 * numel + numel // 2)  # params, m, v; int16 ages
+    assert len(row["relaunch_s"]) == 1
+    record = {"command": "c", "started": "s", "wall_s": 60.0, "load_avg": [1.0, 1.0], "hardware": "CPU",
+              "revision": {"commit": "0" * 40, "dirty": False}, "torch": torch.__version__, "seeds": [0],
+              "target": 100 * row["final_accuracy"] - 1, "relaunch_s": 1.0, "runs": [row],
+              "undo": undo_cost([(64, 128), (128,)], steps=2)}
+    page = render_page(record)
+    reached = time_to(row, record["target"])
+    assert reached == next(t for _, t, a in row["synced"] if 100 * a >= record["target"])
+    assert f"| SLAMB under torchft | {100 * row['final_accuracy']:.2f} ± 0.00 | {reached:.1f} ± 0.0 |" in page
+    assert f"| 1.0 per run | {row['heal_bytes']:,} |" in page
