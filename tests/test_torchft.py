@@ -4,6 +4,7 @@ replica group, started by the tests (:func:`bench.fault_tolerance.run_job`)."""
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import pytest
 import torch
@@ -230,10 +231,12 @@ def test_the_page_states_what_its_runs_logged(tmp_path):
     assert len(row["relaunch_s"]) == 1
     record = {"command": "c", "started": "s", "wall_s": 60.0, "load_avg": [1.0, 1.0], "hardware": "CPU",
               "revision": {"commit": "0" * 40, "dirty": False}, "torch": torch.__version__, "seeds": [0],
-              "target": 100 * row["final_accuracy"] - 1, "relaunch_s": 1.0, "runs": [row],
+              "target": 100 * row["final_accuracy"] - 1, "relaunch_s": 1.0, "start_s": 5.0,
+              "runs": [{**row, "per_failure_s": 2.5}],
               "undo": undo_cost([(64, 128), (128,)], steps=2)}
     page = render_page(record)
     reached = time_to(row, record["target"])
     assert reached == next(t for _, t, a in row["synced"] if 100 * a >= record["target"])
     assert f"| SLAMB under torchft | {100 * row['final_accuracy']:.2f} ± 0.00 | {reached:.1f} ± 0.0 |" in page
+    assert f"| 1 | 2.5 ± 0.0 | {statistics.median(row['lost_s']):.2f} |" in page
     assert f"| 1.0 per run | {row['heal_bytes']:,} |" in page
