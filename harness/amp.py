@@ -165,9 +165,10 @@ class MixedPrecision:
         norm = None
         if clip_grad is not None and clip_grad > 0:
             norm = torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
-        before = optimizer.nonfinite_skips
+        # a torch optimizer the contract has not adopted drops no step of its own
+        before = getattr(optimizer, "nonfinite_skips", 0)
         self.scaler.step(optimizer)
-        self.dropped_steps += optimizer.nonfinite_skips - before
+        self.dropped_steps += getattr(optimizer, "nonfinite_skips", 0) - before
         self._update()
         return False, norm
 
