@@ -194,7 +194,7 @@ def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> Non
         while ft.committed_steps < job.steps:
             (out / f"joining{index}").unlink(missing_ok=True)  # at once it asks to join: the others go on
             # a replica the runner starts once the others committed this many steps joins at the next one
-            while any(int(f.read_text() or 0) <= ft.committed_steps for f in out.glob("joining*")):
+            while any(after <= ft.committed_steps for after in _joining(out)):
                 time.sleep(0.01)
             began = time.time()
             ft.start_step()
@@ -214,6 +214,18 @@ def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> Non
                 "steps": getattr(opt, "steps", None), "committed": ft.committed_steps, **task.evaluate(),
                 "attempt": attempt}, out / f"replica{index}.pt")
     group.shutdown()
+
+
+def _joining(out: Path) -> list[int]:
+    """The committed steps the replicas about to join wait for; a file its replica removed meanwhile (it asked to
+    join) is no wait."""
+    steps = []
+    for f in out.glob("joining*"):
+        try:
+            steps.append(int(f.read_text() or 0))
+        except FileNotFoundError:
+            pass
+    return steps
 
 
 def _child(target, args, log: Path) -> None:
