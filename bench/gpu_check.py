@@ -131,7 +131,7 @@ def _version(package: str) -> str:
 
 def api_probe() -> dict:
     """The torch APIs the library relies on, as this torch has them: FSDP2's public hooks and the private state
-    :mod:`slamb.sharding` re-points (no public switch exists), DTensor and DeviceMesh, DCP, the collectives'
+    :mod:`slamb.ddp` re-points (no public switch exists), DTensor and DeviceMesh, DCP, the collectives'
     names (:mod:`slamb.comm` takes the older where the newer is missing) and inductor's deterministic settings."""
     import inspect
 

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 
 from slamb import average_model, averaged_model, comm
-from slamb.sharding import full_state_dict
+from slamb.ddp import full_state_dict
 from .atomic import atomic_torch_save, atomic_write_json
 from .checkpoint import open_run, save_training, unwrap
 from .distributed import barrier, maybe_inject_fault

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import slamb
+from slamb.ddp import fsdp_modules
 from slamb.optim.checks import check_choice
-from slamb.sharding import fsdp_modules
 
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
 MESH_DIMS = ("replicate", "shard")

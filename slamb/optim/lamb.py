@@ -16,8 +16,8 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
-from ..sharding import (check_prepared, check_state_shapes, local, reduce_squares, refuse_replaced, sharded_topology,
-                        sum_squares_)
+from ..ddp import check_prepared, refuse_replaced
+from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
 from . import fused as fused_passes
 from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, check_process_group, nonfinite_skip
 from .flat import FlatLayout
