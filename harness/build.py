@@ -238,7 +238,7 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     world_size = planned_world_size(t["nproc_per_node"])
     check_data(cfg.get("data") or {}, world_size)
-    check_parallelism(cfg, world_size, shards)
+    check_parallelism(cfg, world_size, shards, build_optimizer)
     check_inputs_exist(cfg)
     check_schedule(cfg)  # the run's length before its schedule
     if check is not None:
