@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from slamb import registry
-from slamb.optim.checks import check_choice
+from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
@@ -20,7 +20,7 @@ from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
 from .schedules import SCHEDULE_SETTINGS
-from .settings import check_count, check_schedule, covers
+from .settings import check_schedule, covers
 
 RESUME = ("auto", "never")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"

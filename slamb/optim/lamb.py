@@ -19,7 +19,8 @@ from ..contract import ContractDefaults
 from ..ddp import check_prepared, refuse_replaced
 from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
 from . import fused as fused_passes
-from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, check_process_group, nonfinite_skip
+from .checks import (NONFINITE_POLICIES, check_adam_group, check_choice, check_fused, check_process_group,
+                     nonfinite_skip)
 from .flat import FlatLayout
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
 from .precision import promote_state_, state_dtype, working_copies, write_back_
@@ -190,10 +191,7 @@ class LAMB(ContractDefaults, Optimizer):
                  foreach: bool | None = None, nonfinite: str = "raise", process_group=None,
                  ledger: comm.CommLedger | None = None, fused: bool = False):
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        check_choice("fused", fused, (False, True))
-        if fused and foreach is False:
-            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
-                             "and foreach=False asks for the per-tensor reference; set only one of them")
+        check_fused(fused, foreach)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp)
         super().__init__(params, defaults)

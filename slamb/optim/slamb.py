@@ -38,7 +38,7 @@ from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from . import fused as fused_passes
 from .base import LocalStateOptimizer, eager_under_compile
-from .checks import check_adam_group, check_choice, check_range
+from .checks import check_adam_group, check_choice, check_count, check_fused, check_range
 from .exchange import FlatMomentum, MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, BernoulliMask, Selection, make_mask
@@ -179,15 +179,10 @@ class SLAMB(LocalStateOptimizer):
         check_choice("variant", variant, VARIANTS)
         check_choice("hierarchy", hierarchy, HIERARCHIES)
         check_choice("overlap", overlap, (False, True))
-        check_choice("fused", fused, (False, True))
-        if fused and foreach is False:
-            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
-                             "and foreach=False asks for the per-tensor reference; set only one of them")
+        check_fused(fused, foreach)
         check_choice("mask", mask, (None, *MASK_POLICIES))
-        if not (isinstance(sync_interval, int) and sync_interval >= 1):
-            raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
-        if not (isinstance(min_compress_numel, int) and min_compress_numel >= 0):
-            raise ValueError(f"invalid min_compress_numel={min_compress_numel!r}: must be an integer >= 0")
+        check_count("sync_interval", sync_interval)
+        check_count("min_compress_numel", min_compress_numel, minimum=0)
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype)
                                            and (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
             raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None, a floating torch.dtype or torch.int8")
