@@ -579,13 +579,6 @@ def memory_part(check) -> dict:
     return {"rows": rows, "failed": any("error" in r for r in rows)}
 
 
-def memory_rows(res: dict) -> list[dict]:
-    """The peak-memory rows of a page's JSON, of either layout."""
-    if "format" not in res:
-        return res.get("memory", [])
-    return res.get("parts", {}).get("memory", {}).get("rows", [])
-
-
 PARTS = {"environment": environment_part, "bandwidth": bandwidth_part,
          "tests": lambda check: tests_part(check, TEST_FILES, test_selection(1), check.pytest_args),
          "step": lambda check: step_part(check, "bert_large", STEP_ROWS),
