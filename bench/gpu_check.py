@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 
+from bench.optimizer_step import measured
 from harness.run import git_revision
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -846,10 +847,8 @@ def render(res: dict) -> str:
                   "step (`bench.kernels`); host syncs: what `torch.cuda.set_sync_debug_mode` reports in one step; "
                   "fallback: why a fused row's compile failed (its steps then timed the multi-tensor path).", ""]
         lines += _step_lines("bert_large", step)
-        lines += ["| target | limit | measured | |", "|---|---:|---:|---|"]
-        for t in step["targets"]:
-            value = "–" if t["value"] is None else f"{t['value']:.2f}"
-            lines.append(f"| {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
+        lines += ["| target | limit | measured |", "|---|---:|---:|"]
+        lines += [f"| {t['target']} | {t['limit']} | {measured(t)} |" for t in step["targets"]]
         lines.append("")
         for r in step["rows"]:
             if "profile" in r:
