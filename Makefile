@@ -51,8 +51,8 @@ test-quick: $(STAMP)
 TORCH_OLDEST  := 2.11.0
 COMPAT        := .venv-compat
 COMPAT_STAMP  := $(COMPAT)/.installed
-COMPAT_TESTS  := tests/test_fused.py tests/test_precision.py tests/test_gpu_paths.py tests/test_kernels.py \
-                 tests/test_comm.py tests/test_gpu.py
+COMPAT_TESTS  := tests/test_fused.py tests/test_precision.py tests/test_gpu_paths.py tests/test_masks.py \
+                 tests/test_kernels.py tests/test_comm.py tests/test_gpu.py
 # and with workers: FSDP2/HSDP and DCP (each module's tests read one run of its workers), the collectives on 3
 # ranks, the GPU check run as a command
 COMPAT_WORKERS := tests/test_fsdp.py tests/test_fsdp_checkpoint.py tests/test_gpu_check.py \

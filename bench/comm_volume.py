@@ -29,6 +29,7 @@ import torch
 
 import slamb
 from harness.local import run_local
+from slamb.comm import CONTROL, PARAMS
 
 PHASE1_STEPS, ONEBIT_WARMUP = 7038, 1000
 MEASURE_STEPS = 3
@@ -111,12 +112,12 @@ def per_step_figures(label: str, steps: list[dict]) -> dict:
     if name == "slamb":  # step 1 syncs the parameters; the others do not
         h = OPTIMIZERS[label][1]["sync_interval"]
         syncs = math.ceil(PHASE1_STEPS / h)
-        sync_payload, sync_wire = steps[0]["params"]
+        sync_payload, sync_wire = steps[0][PARAMS]
         row["phase1_payload"] = PHASE1_STEPS * row["step_payload"] + syncs * sync_payload
         row["phase1_wire"] = PHASE1_STEPS * row["step_wire"] + syncs * sync_wire
         row["step_payload_amortised"] = row["step_payload"] + sync_payload / h
     elif name == "onebit_lamb":  # step 1 is warm-up (dense gradients), then 1-bit momentum
-        row["warmup_payload"] = total(steps[0], 0, skip=("control",))
+        row["warmup_payload"] = total(steps[0], 0, skip=(CONTROL,))
         row["phase1_payload"] = ONEBIT_WARMUP * total(steps[0], 0) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_payload"]
         row["phase1_wire"] = ONEBIT_WARMUP * total(steps[0], 1) + (PHASE1_STEPS - ONEBIT_WARMUP) * row["step_wire"]
     elif name == "powersgd":  # the first start_powerSGD_iter steps all-reduce the whole gradient
@@ -126,13 +127,13 @@ def per_step_figures(label: str, steps: list[dict]) -> dict:
     elif name == "diloco":  # nothing between outer steps; the parameters all-reduced every H steps
         h = OPTIMIZERS[label][1]["sync_interval"]
         row = {"step_payload": total(steps[0], 0), "step_wire": total(steps[0], 1)}
-        sync_payload, sync_wire = last["params"]
+        sync_payload, sync_wire = last[PARAMS]
         row["phase1_payload"] = PHASE1_STEPS * row["step_payload"] + PHASE1_STEPS // h * sync_payload
         row["phase1_wire"] = PHASE1_STEPS * row["step_wire"] + PHASE1_STEPS // h * sync_wire
         row["step_payload_amortised"] = row["step_payload"] + sync_payload / h
     elif name.startswith("jointspar"):  # a random set of layers each round: average the rounds
-        row["step_payload"] = sum(total(s, 0, skip=("params",)) for s in steps) / len(steps)
-        row["step_wire"] = sum(total(s, 1, skip=("params",)) for s in steps) / len(steps)
+        row["step_payload"] = sum(total(s, 0, skip=(PARAMS,)) for s in steps) / len(steps)
+        row["step_wire"] = sum(total(s, 1, skip=(PARAMS,)) for s in steps) / len(steps)
     row.setdefault("phase1_payload", PHASE1_STEPS * row["step_payload"])
     row.setdefault("phase1_wire", PHASE1_STEPS * row["step_wire"])
     row.setdefault("step_payload_amortised", row["phase1_payload"] / PHASE1_STEPS)

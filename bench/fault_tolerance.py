@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from harness.distributed import forkserver
+from slamb.comm import HEAL
 
 KILLED = -signal.SIGKILL
 WHERE = ("step", "sync", "send")  # the collective of the step, SLAMB's parameter sync, sending a joining replica's state
@@ -388,7 +389,7 @@ def policy_row(job: Job, out: Path) -> dict:
     res = run_job(job, out, limit=1800.0)
     row = {"heal": job.heal if job.faults else "uninterrupted", "seed": job.seed,
            "accuracy": res[0]["end"]["accuracy"], "test_loss": res[0]["end"]["test_loss"],
-           "heal_bytes": sum(e["bytes"].get("heal", 0) for q in res for e in res[q]["log"])}
+           "heal_bytes": sum(e["bytes"].get(HEAL, 0) for q in res for e in res[q]["log"])}
     if not job.faults:
         return row
     kill, r = job.faults[0].step, job.faults[0].replica

@@ -9,7 +9,7 @@ Tier 1 needs torch, triton, pytest, transformers, omegaconf and antlr4 alone, an
   the torch APIs the library relies on (:func:`api_probe`);
 * bandwidth: the HBM copy bandwidth, and the per-tensor sums of BERT-Large's block layout by the 1-D segment
   reduction the fused step runs against the 2-D one, timed by CUDA events;
-* tests: the gpu-marked tests of ``tests/test_gpu.py`` but tier 2's, each with a time limit, streamed to the page
+* tests: the gpu-marked tests (:data:`TEST_FILES`) but tier 2's, each with a time limit, streamed to the page
   as each ends;
 * step: the optimizer step on BERT-Large's shapes in one fresh process with an empty inductor cache: the floor,
   torch's fused AdamW, multi-tensor LAMB, fused LAMB and fused SLAMB v2, each with its first step (a fused row's
@@ -47,12 +47,14 @@ from pathlib import Path
 
 import torch
 
+from bench.optimizer_step import measured
 from harness.run import git_revision
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "gpu"
 FORMAT = 2  # the JSON's layout; a page without it is an earlier check's, rendered as it was (render_v1)
-TEST_FILE = "tests/test_gpu.py"  # every gpu-marked test lives here (tests/test_gpu_check.py checks it)
+# every gpu-marked test lives in these (tests/test_gpu_check.py checks it)
+TEST_FILES = ("tests/test_gpu.py", "tests/test_masks.py")
 # the gpu-marked tests of tier 2: several processes each, or a whole example run
 TIER2_TESTS = ("test_two_gloo_ranks_on_one_gpu_exchange_as_on_the_cpu",
                "test_overlap_hook_on_cuda_equals_the_plain_exchange",
@@ -131,7 +133,7 @@ def _version(package: str) -> str:
 
 def api_probe() -> dict:
     """The torch APIs the library relies on, as this torch has them: FSDP2's public hooks and the private state
-    :mod:`slamb.sharding` re-points (no public switch exists), DTensor and DeviceMesh, DCP, the collectives'
+    :mod:`slamb.ddp` re-points (no public switch exists), DTensor and DeviceMesh, DCP, the collectives'
     names (:mod:`slamb.comm` takes the older where the newer is missing) and inductor's deterministic settings."""
     import inspect
 
@@ -230,16 +232,16 @@ def test_selection(tier: int) -> str:
     return f"not ({names})" if tier == 1 else names
 
 
-def tests_part(check, path: str, selection: str, extra: list[str] = ()) -> dict:
-    """The gpu-marked tests of ``path`` that ``selection`` (``-k``) picks, in one pytest process, each under
+def tests_part(check, paths: tuple[str, ...], selection: str, extra: list[str] = ()) -> dict:
+    """The gpu-marked tests of ``paths`` that ``selection`` (``-k``) picks, in one pytest process, each under
     :data:`TEST_TIMEOUT`, each result on the page as it comes (:mod:`bench.gpu_tests`); at ``check``'s time for
     the tests the run is ended and the tests it did not reach are listed as not run."""
     got = check.part  # filled as the tests end: the page shows them at once
     with tempfile.TemporaryDirectory() as tmp:
         stream = Path(tmp) / "stream.jsonl"
         cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "bench.gpu_tests",
-               f"--stream={stream}", f"--test-timeout={TEST_TIMEOUT:g}", path, "-k", selection, *extra]
-        got.update(command=" ".join(["python -m pytest -q -m gpu", path, "-k", f'"{selection}"', *extra]), rows=[],
+               f"--stream={stream}", f"--test-timeout={TEST_TIMEOUT:g}", *paths, "-k", selection, *extra]
+        got.update(command=" ".join(["python -m pytest -q -m gpu", *paths, "-k", f'"{selection}"', *extra]), rows=[],
                    collected=0)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         log = open(Path(tmp) / "output.txt", "w+")
@@ -578,17 +580,10 @@ def memory_part(check) -> dict:
     return {"rows": rows, "failed": any("error" in r for r in rows)}
 
 
-def memory_rows(res: dict) -> list[dict]:
-    """The peak-memory rows of a page's JSON, of either layout."""
-    if "format" not in res:
-        return res.get("memory", [])
-    return res.get("parts", {}).get("memory", {}).get("rows", [])
-
-
 PARTS = {"environment": environment_part, "bandwidth": bandwidth_part,
-         "tests": lambda check: tests_part(check, TEST_FILE, test_selection(1), check.pytest_args),
+         "tests": lambda check: tests_part(check, TEST_FILES, test_selection(1), check.pytest_args),
          "step": lambda check: step_part(check, "bert_large", STEP_ROWS),
-         "more_tests": lambda check: tests_part(check, TEST_FILE, test_selection(2), check.pytest_args),
+         "more_tests": lambda check: tests_part(check, TEST_FILES, test_selection(2), check.pytest_args),
          "memory": memory_part, "steps": steps_part, "bert_xl": bert_xl_part, "deterministic": deterministic_part,
          "repeatable": repeatable_part, "bert_demo": bert_demo_part}
 CPU_PARTS = ("environment",)  # what runs without CUDA
@@ -852,10 +847,8 @@ def render(res: dict) -> str:
                   "step (`bench.kernels`); host syncs: what `torch.cuda.set_sync_debug_mode` reports in one step; "
                   "fallback: why a fused row's compile failed (its steps then timed the multi-tensor path).", ""]
         lines += _step_lines("bert_large", step)
-        lines += ["| target | limit | measured | |", "|---|---:|---:|---|"]
-        for t in step["targets"]:
-            value = "–" if t["value"] is None else f"{t['value']:.2f}"
-            lines.append(f"| {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
+        lines += ["| target | limit | measured |", "|---|---:|---:|"]
+        lines += [f"| {t['target']} | {t['limit']} | {measured(t)} |" for t in step["targets"]]
         lines.append("")
         for r in step["rows"]:
             if "profile" in r:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import tempfile
@@ -581,13 +582,16 @@ def render(per_row: dict, models: dict[str, dict], fit: dict, micro_batch: int, 
 CALIBRATION_PAGE = ROOT / "results" / "gpu" / "nvidia-h100-80gb-hbm3.json"
 
 
+def memory_rows(res: dict) -> list[dict]:
+    """The peak-memory rows of a GPU check's JSON (``bench.gpu_check``), of either layout."""
+    if "format" not in res:
+        return res.get("memory", [])
+    return res.get("parts", {}).get("memory", {}).get("rows", [])
+
+
 def calibration_gb(page: Path = CALIBRATION_PAGE) -> dict[int, float]:
     """BERT-Large's activations in GB by micro-batch, as `make gpu-check` measured them: LAMB's rows (SLAMB
     v2's differ by 0.01)."""
-    import json
-
-    from bench.gpu_check import memory_rows
-
     rows = memory_rows(json.loads(page.read_text()))
     return {r["micro_batch"]: r["activations_gb"] for r in rows if r["optimizer"] == "lamb" and "activations_gb" in r}
 

@@ -28,7 +28,7 @@ Memory, from one fresh process per optimizer:
   computing leaf ops; a GPU's device kernels) and, in brackets, the ops dispatched from the host.
 
 Writes ``results/bench/optimizer_step.md`` (``--quick``: ``runs/bench/``; or ``--out``), with the
-targets of the fused steps computed as met or missed from the measured rows.
+measured values of the fused steps' targets beside them.
 """
 from __future__ import annotations
 
@@ -365,6 +365,13 @@ def targets(rows) -> list[dict]:
     return out
 
 
+def measured(t: dict, fmt: str = ".2f") -> str:
+    """A target's measured value as a page shows it: the value, or why there is none."""
+    if t["value"] is not None:
+        return format(t["value"], fmt)
+    return "– (its compile failed)" if t["verdict"].startswith("refused") else "–"
+
+
 def _q(q) -> str:
     return f"{q[1]:.2f}x ({q[0]:.2f}-{q[2]:.2f})"
 
@@ -408,11 +415,11 @@ def render(rows, device: str) -> str:
                 "path and no figure of theirs is the fused step's: "
                 + "; ".join(f"{r['model']} {r['optimizer']}: `{r['fallback']}`" for r in fell) + "."]
     out += ["", "## Targets", "", "Computed from the rows above (medians of the paired ratios).", "",
-            "| model | target | limit | measured | |", "|---|---|---:|---:|---|"]
+            "| model | target | limit | measured |", "|---|---|---:|---:|"]
     for t in targets(rows):
         # a state's words to 5 places: the aligned layout's padding is a few in 100,000 on BERT's tensors
-        value = "-" if t["value"] is None else f"{t['value']:.5f}" if "state" in t["target"] else f"{t['value']:.2f}"
-        out.append(f"| {t['model']} | {t['target']} | {t['limit']} | {value} | {t['verdict']} |")
+        value = measured(t, ".5f" if "state" in t["target"] else ".2f")
+        out.append(f"| {t['model']} | {t['target']} | {t['limit']} | {value} |")
     out += ["",
             "Rows: `lamb`, `slamb_*` are this package's (`*_fused`: `fused=True`); `adamw_foreach` / `adamw_fused` are torch's AdamW; `timm_lamb` is timm's "
             "`Lamb` (with its default global gradient-norm clipping). `adamw_fused` steps beside every row: vs fused "

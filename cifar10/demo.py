@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, fmt_bytes, load_runs
+from slamb.comm import CONTROL, GRADS, MOMENTUM, MOMENTUM_DENSE, PARAMS
 
 from .data import write_digits
 
@@ -29,8 +30,8 @@ TABLE = "demo_digits_resnet8"  # the rows' paper.table
 SEEDS = (0, 1, 2)
 # the ledger's kinds as the demo reports them, in its columns; SLAMB's exchange records its sampled entries and
 # the always-averaged tensors it packs beside them as kinds of their own
-KINDS = (("grads", "gradients"), ("momentum", "momentum, sampled"),
-         ("momentum_dense", "momentum, always-averaged tensors"), ("params", "parameter sync"), ("control", "control"))
+KINDS = ((GRADS, "gradients"), (MOMENTUM, "momentum, sampled"), (MOMENTUM_DENSE, "momentum, always-averaged tensors"),
+         (PARAMS, "parameter sync"), (CONTROL, "control"))
 
 
 def kind_columns(row: dict) -> dict[str, float]:

@@ -9,7 +9,7 @@ the gradient communication on the last one only
 """
 from __future__ import annotations
 
-from .settings import check_count
+from slamb.optim.checks import check_count
 
 
 def accumulation_steps(global_batch: int, micro_batch: int, world_size: int) -> int:

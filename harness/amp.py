@@ -38,7 +38,7 @@ import time
 import torch
 
 from slamb.amp import RankAgreedGradScaler
-from slamb.optim.checks import check_choice, check_range
+from slamb.optim.checks import check_choice, check_count, check_range
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,8 +50,7 @@ def check_loss_scale(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, 
     check_range("loss_scale.init_scale", init_scale, 0.0, lo_open=True)
     check_range("loss_scale.growth_factor", growth_factor, 1.0, lo_open=True)
     check_range("loss_scale.backoff_factor", backoff_factor, 0.0, 1.0, lo_open=True, hi_open=True)
-    if isinstance(growth_interval, bool) or not (isinstance(growth_interval, int) and growth_interval >= 1):
-        raise ValueError(f"invalid loss_scale.growth_interval={growth_interval!r}: must be an integer >= 1")
+    check_count("loss_scale.growth_interval", growth_interval)
 
 
 def check_clip_grad(clip_grad) -> None:

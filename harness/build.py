@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from slamb import registry
-from slamb.optim.checks import check_choice
+from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, lookup, run_inputs
@@ -20,7 +20,7 @@ from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
 from .schedules import SCHEDULE_SETTINGS
-from .settings import check_count, check_schedule, covers
+from .settings import check_schedule, covers
 
 RESUME = ("auto", "never")
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -238,7 +238,7 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     world_size = planned_world_size(t["nproc_per_node"])
     check_data(cfg.get("data") or {}, world_size)
-    check_parallelism(cfg, world_size, shards)
+    check_parallelism(cfg, world_size, shards, build_optimizer)
     check_inputs_exist(cfg)
     check_schedule(cfg)  # the run's length before its schedule
     if check is not None:

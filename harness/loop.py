@@ -31,13 +31,13 @@ from typing import Callable
 import torch
 
 from slamb import average_model, averaged_model, comm
-from slamb.sharding import full_state_dict
+from slamb.ddp import full_state_dict
+from slamb.optim.checks import check_count
 from .atomic import atomic_torch_save, atomic_write_json
 from .checkpoint import open_run, save_training, unwrap
 from .distributed import barrier, maybe_inject_fault
 from .run import comm_metrics, comm_totals
 from .tables import compressed_share, fmt_bytes
-from .settings import check_count
 
 # Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
 # warm-up): logged each period to show the schedule the run followed. Reporting only; nothing branches on them.

@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 
 import slamb
+from slamb.ddp import fsdp_modules
 from slamb.optim.checks import check_choice
-from slamb.sharding import fsdp_modules
 
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
 MESH_DIMS = ("replicate", "shard")
@@ -73,16 +73,14 @@ def _one_rank_mesh():
         dist.destroy_process_group()
 
 
-def check_parallelism(cfg: dict, world_size: int, shards: bool) -> None:
+def check_parallelism(cfg: dict, world_size: int, shards: bool, build_optimizer) -> None:
     """Clear errors, before any worker starts, for a ``trainer.parallelism`` the run cannot have: a pipeline
     that does not shard (``shards`` False), a shard size that does not divide the workers, or an optimizer (or
     one of its settings) that takes no sharded parameters.
 
-    The optimizer decides: it is built from its config on FSDP2 parameters of a one-rank mesh and refuses
-    them as it would in the workers (``foreach=False``, ``overlap``, ``hierarchy``, the optimizers other than SLAMB
-    and LAMB)."""
-    from .build import build_optimizer
-
+    The optimizer decides: ``build_optimizer(model, cfg["optimizer"])`` builds it on FSDP2 parameters of a one-rank
+    mesh, where it refuses them as it would in the workers (``foreach=False``, ``overlap``, ``hierarchy``, the
+    optimizers other than SLAMB and LAMB)."""
     t = cfg["trainer"]
     parallelism, shard_size = t["parallelism"], t["shard_size"]
     if parallelism != "ddp" and not shards:  # first: a shard size that fits would not help

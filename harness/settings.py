@@ -24,6 +24,8 @@ from __future__ import annotations
 
 from omegaconf import OmegaConf
 
+from slamb.optim.checks import check_count
+
 from .schedules import warmup_steps
 
 OPERATIONAL, LABEL, INPUT = "operational", "label", "input"
@@ -60,13 +62,6 @@ def lookup(cfg, dotted: str, default=None):
             return default
         node = node.get(key, default)
     return node
-
-
-def check_count(key: str, value, why: str = "", minimum: int = 1) -> None:
-    """A setting that counts something (epochs, steps, workers) must be an integer >= ``minimum`` (1); ``why``
-    ends the message."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"invalid {key}={value!r}: must be an integer >= {minimum}{why}")
 
 
 def check_schedule(cfg) -> None:

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import yaml
 
+from slamb.comm import MOMENTUM, MOMENTUM_DENSE
 from .run import read_jsonl
 from .settings import INPUT_KEYS, effective_config, flatten, lookup
 
@@ -383,7 +384,7 @@ CSV_SKIP = ("settings", "members", "bytes_by_kind")
 def compressed_share(kinds: dict) -> float | None:
     """The part of SLAMB's momentum bytes that were sampled entries, as the ledger measured them: kind
     ``momentum`` over it and ``momentum_dense`` (the always-averaged tensors); None where neither was sent."""
-    sampled, dense = kinds.get("momentum", 0), kinds.get("momentum_dense", 0)
+    sampled, dense = kinds.get(MOMENTUM, 0), kinds.get(MOMENTUM_DENSE, 0)
     return sampled / (sampled + dense) if sampled + dense else None
 
 

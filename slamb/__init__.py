@@ -5,10 +5,9 @@ from .averaging import average_model, averaged_model
 from .checkpoint import load_optimizer, load_sharded, save_optimizer, save_sharded
 from .comm import CommLedger
 from .contract import DistributedOptimizer, adopt
-from .ddp import wrap_model
+from .ddp import shard_model, wrap_model
 from .optim import DGC, LAMB, SLAMB, DiLoCo, JointSpar, OnebitLamb, PowerSGD
 from .registry import OPTIMIZERS, create_optimizer, param_groups_weight_decay
-from .sharding import shard_model
 
 __version__ = "0.1.0"
 __all__ = [

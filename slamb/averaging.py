@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .sharding import local, reshard, sharded_topology
+from .ddp import reshard
+from .sharding import local, sharded_topology
 
 
 def _floating(tensors) -> list[torch.Tensor]:

@@ -28,7 +28,8 @@ import torch
 
 from . import comm
 from .contract import rank_stamp
-from .sharding import is_prepared, is_sharded, local, reshard
+from .ddp import is_prepared, reshard
+from .sharding import is_sharded, local
 from .topology import MeshTopology, whole_group
 
 __all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]

@@ -51,6 +51,30 @@ import torch.distributed as dist
 
 from .topology import MeshTopology, NodeTopology
 
+# The kinds the ledger keeps bytes apart by: CommLedger.record refuses any other, and a reader (the tables,
+# the demos, the benches) names a kind by its constant here.
+KINDS = (
+    "grads",  # gradients: DDP's all-reduce, a dense optimizer's, the averaging inside a node
+    "momentum",  # SLAMB's sampled momentum entries
+    "momentum_dense",  # SLAMB's always-averaged tensors, packed beside the sampled entries
+    "momentum_1bit",  # 1-bit LAMB's compressed momentum
+    "scales",  # the scales of compressed values (1-bit LAMB, int8)
+    "params",  # parameter syncs and broadcasts
+    "control",  # small agreements: scales, flags, counts
+    "norms",  # the per-shard sums of squares of the trust ratios (FSDP2)
+    "residual",  # DGC's residuals averaged at a density change
+    "sparse_values",  # DGC's selected gradient entries
+    "sparse_indices",  # and their indices
+    "powersgd_p",  # PowerSGD's factors
+    "powersgd_q",
+    "heal",  # a joining replica's state (torchft)
+    "eval",  # the ranks' models averaged for an evaluation
+    "fsdp_all_gather",  # FSDP2's own collectives: what sharding costs whatever the optimizer
+    "fsdp_reduce_scatter",
+)
+(GRADS, MOMENTUM, MOMENTUM_DENSE, MOMENTUM_1BIT, SCALES, PARAMS, CONTROL, NORMS, RESIDUAL, SPARSE_VALUES,
+ SPARSE_INDICES, POWERSGD_P, POWERSGD_Q, HEAL, EVAL, FSDP_ALL_GATHER, FSDP_REDUCE_SCATTER) = KINDS
+
 # a collective's kind, or the kinds of a packed buffer's runs in order: ((kind, entries), ...)
 Kind = str | tuple[tuple[str, int], ...]
 
@@ -199,7 +223,10 @@ class CommLedger:
         self.steps = 0
 
     def record(self, kind: str, op: str, payload_bytes: int, n: int, level: str | None = None) -> None:
-        """``level``: where the collective runs (``"intra"``/``"inter"`` node, ``"world"``), kept apart too."""
+        """``kind``: one of :data:`KINDS`. ``level``: where the collective runs (``"intra"``/``"inter"`` node,
+        ``"world"``), kept apart too."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown ledger kind {kind!r}: must be one of {list(KINDS)} (slamb.comm.KINDS)")
         if n <= 1:
             return
         one = Tally(int(payload_bytes), payload_bytes * wire_factor(op, n), 1)
@@ -497,10 +524,7 @@ def all_reduce_mean_(tensor: torch.Tensor, *, kind: Kind, ledger: CommLedger | N
     if comm_dtype is not None and comm_dtype != tensor.dtype:
         unscale = None
         if comm_dtype == torch.float16 and tensor.numel():
-            peak = tensor.abs().amax().to(torch.float32).reshape(1)
-            if ledger is not None:
-                ledger.record("control", "all_reduce", _nbytes(peak), n)
-            _all_reduce(peak, dist.ReduceOp.MAX, group)  # the ranks agree on one scale
+            peak = agree_max(tensor.abs().amax(), ledger=ledger, group=group)  # the ranks agree on one scale
             scale = fp16_scale(peak, n)
             wire, unscale = (tensor * scale).to(comm_dtype), scale.reciprocal_()
         else:

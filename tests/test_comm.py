@@ -33,8 +33,16 @@ def test_ledger_steps_totals_and_state_dict():
     copy = comm.CommLedger()
     copy.load_state_dict(ledger.state_dict())
     assert copy.summary()["total"] == ledger.summary()["total"] and copy.steps == 2
-    ledger.record("x", "all_reduce", 10, 1)  # one rank: nothing is sent, nothing recorded
-    assert "x" not in ledger.summary()["total"]
+    ledger.record("heal", "all_reduce", 10, 1)  # one rank: nothing is sent, nothing recorded
+    assert "heal" not in ledger.summary()["total"]
+
+
+def test_the_ledger_refuses_a_kind_it_does_not_keep():
+    ledger = comm.CommLedger()
+    for n in (1, 4):  # a misspelt kind is caught on one rank too
+        with pytest.raises(ValueError, match=r"unknown ledger kind 'momentum_sampled': must be one of \['grads'"):
+            ledger.record("momentum_sampled", "all_reduce", 10, n)
+    assert ledger.summary()["total"] == {"all": {"payload": 0, "wire": 0, "calls": 0}}
 
 
 def test_ledger_keeps_each_level_apart_and_in_its_totals():
@@ -60,15 +68,15 @@ def collectives_worker(rank, world):
     ledger = comm.CommLedger()
     out = {}
     x = torch.arange(6, dtype=torch.float32) + 10 * rank
-    out["mean"] = comm.all_reduce_mean_(x.clone(), kind="a", ledger=ledger)
+    out["mean"] = comm.all_reduce_mean_(x.clone(), kind="grads", ledger=ledger)
     h = torch.full((6,), 40000.0).half()  # the sum over ranks would overflow fp16
-    out["mean16"] = comm.all_reduce_mean_(h, kind="b", ledger=ledger)
+    out["mean16"] = comm.all_reduce_mean_(h, kind="momentum", ledger=ledger)
     gathered = torch.empty(world * 3, dtype=torch.int64)
-    out["gather"] = comm.all_gather_into_tensor(gathered, torch.full((3,), rank), kind="c", ledger=ledger)
+    out["gather"] = comm.all_gather_into_tensor(gathered, torch.full((3,), rank), kind="params", ledger=ledger)
     a2a = torch.empty(world * 2, dtype=torch.uint8)
     src = torch.arange(world * 2, dtype=torch.uint8) + 100 * rank
-    out["a2a"] = comm.all_to_all_single(a2a, src, kind="d", ledger=ledger)
-    out["bcast"] = comm.broadcast_(torch.full((5,), float(rank)), src=1, kind="e", ledger=ledger)
+    out["a2a"] = comm.all_to_all_single(a2a, src, kind="residual", ledger=ledger)
+    out["bcast"] = comm.broadcast_(torch.full((5,), float(rank)), src=1, kind="heal", ledger=ledger)
     out["any_false"] = comm.agree_any(torch.tensor(False), ledger=ledger)
     out["any_true"] = comm.agree_any(torch.tensor(rank == world - 1), ledger=ledger)
     ledger.end_step()
@@ -88,11 +96,11 @@ def test_collectives_and_their_bytes_on_three_ranks():
         assert out["bcast"].tolist() == [1.0] * 5
         assert out["any_false"] is False and out["any_true"] is True
         s = out["stats"]
-        assert s["a"] == {"payload": 24, "wire": 24 * 4 / 3, "calls": 1}
-        assert s["b"]["payload"] == 12
-        assert s["c"] == {"payload": 24, "wire": 48.0, "calls": 1}
-        assert s["d"] == {"payload": 6, "wire": 4.0, "calls": 1}
-        assert s["e"]["payload"] == 20
+        assert s["grads"] == {"payload": 24, "wire": 24 * 4 / 3, "calls": 1}
+        assert s["momentum"]["payload"] == 12
+        assert s["params"] == {"payload": 24, "wire": 48.0, "calls": 1}
+        assert s["residual"] == {"payload": 6, "wire": 4.0, "calls": 1}
+        assert s["heal"]["payload"] == 20
         assert s["control"] == {"payload": 8, "wire": 8 * 4 / 3, "calls": 2}
 
 
@@ -133,9 +141,10 @@ def fp16_worker(rank, world):
     ledger = comm.CommLedger()
     gen = torch.Generator().manual_seed(rank)
     x = torch.randn(1000, generator=gen) * 1e-6  # fp16's subnormals start at 6e-5
-    mean = comm.all_reduce_mean_(x.clone(), kind="m", ledger=ledger, comm_dtype=torch.float16)
-    pending = comm.all_reduce_mean_(x.clone(), kind="m", ledger=ledger, comm_dtype=torch.float16, async_op=True)
-    exact = comm.all_reduce_mean_(x.double(), kind="x", ledger=None)
+    mean = comm.all_reduce_mean_(x.clone(), kind="momentum", ledger=ledger, comm_dtype=torch.float16)
+    pending = comm.all_reduce_mean_(x.clone(), kind="momentum", ledger=ledger, comm_dtype=torch.float16,
+                                    async_op=True)
+    exact = comm.all_reduce_mean_(x.double(), kind="momentum", ledger=None)
     ledger.end_step()
     return mean, pending.wait(), exact, ledger.summary()["last_step"]
 
@@ -145,5 +154,5 @@ def test_fp16_exchange_on_two_ranks_keeps_small_values():
     for mean, later, exact, stats in distributed.run(fp16_worker, 2):
         assert mean.dtype == torch.float32 and torch.equal(mean, later)
         assert float((mean.double() - exact).norm() / exact.norm()) < 2e-3
-        assert stats["m"]["payload"] == 2 * 1000 * 2  # fp16 on the wire
+        assert stats["momentum"]["payload"] == 2 * 1000 * 2  # fp16 on the wire
         assert stats["control"] == {"payload": 8, "wire": 8.0, "calls": 2}  # the agreed scale, once per call

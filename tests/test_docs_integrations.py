@@ -94,7 +94,7 @@ def run_snippet(rank, world, code):
                  nodes=2, gpus_per_node=world // 2)
     exec(compile(code, "docs/sharding.md", "exec"), scope)
     model = scope["model"]
-    slamb.sharding.reshard(model)
+    slamb.ddp.reshard(model)
     return {"params": [p.full_tensor().detach().clone() for p in model.parameters()], "state": scope["state"],
             "start": list(MyModel().parameters())}
 

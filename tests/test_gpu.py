@@ -13,7 +13,6 @@ import pytest
 import torch
 
 import slamb
-from slamb.optim import masks
 from tests import distributed
 from tests.test_registry import SETTINGS
 
@@ -95,48 +94,6 @@ def test_optimizer_on_cuda_equals_cpu(name, path):
     for a, b, s in zip(cpu, cuda, start):
         assert not torch.equal(a, s) or a.dim() == 0, name  # the step moved it
         torch.testing.assert_close(b, a, rtol=RTOL, atol=ATOL)
-
-
-@pytest.mark.parametrize("policy", ["cyclic", "bernoulli"])
-def test_mask_positions_on_cuda_equal_the_cpus(policy):
-    """The masks are functions of (seed, step, k, position) on every device: over 24M coordinates the
-    positions CUDA draws are the CPU's, so ranks on different devices pack the same entries."""
-    numel = 24_000_000
-    cls = masks.CyclicMask if policy == "cyclic" else masks.BernoulliMask
-    cpu, cuda = cls(numel, 3, CPU), cls(numel, 3, CUDA)
-    for step, k in ((1, 0.1), (2, 0.1), (57, 0.01), (1000, 0.003)):
-        a, b = cpu(step, k), cuda(step, k)
-        assert b.device.type == "cuda"
-        assert a.numel() > 0.5 * k * numel
-        assert torch.equal(b.cpu(), a), (policy, step, k)
-
-
-def test_compiled_bernoulli_draw_on_cuda_equals_the_cpus():
-    """A fused optimizer's draw, one Triton kernel per chunk (the int64 hash, the float estimate, the integer
-    comparisons), gives the eager CPU draw's positions, over one chunk and several (k = 0.5: 3 chunks)."""
-    from slamb.optim import fused
-
-    numel = 24_000_000
-    cpu, cuda = masks.BernoulliMask(numel, 3, CPU), masks.BernoulliMask(numel, 3, CUDA, fused.Passes("SLAMB"))
-    for step, k in ((1, 0.1), (2, 0.1), (3, 0.5), (57, 0.01), (1000, 0.003)):
-        assert torch.equal(cuda(step, k).cpu(), cpu(step, k)), (step, k)
-    assert cuda.passes.failed is None and len(cuda.passes.compiled) == 5
-
-
-def test_the_draw_below_k_1e_3_on_cuda_equals_the_cpus():
-    """Below k = 1e-3 the draw's estimate is float64 (float32's error would reach a gap): at k = 5e-4, eager and
-    compiled (one Triton kernel per chunk) on CUDA, the CPU's positions."""
-    from slamb.optim import fused
-
-    numel, k = 24_000_000, 5e-4
-    cpu = masks.BernoulliMask(numel, 5, CPU)
-    eager, compiled = masks.BernoulliMask(numel, 5, CUDA), masks.BernoulliMask(numel, 5, CUDA, fused.Passes("SLAMB"))
-    for step in (1, 2, 1000):
-        want = cpu(step, k)
-        assert want.numel() > 0.5 * k * numel
-        assert torch.equal(eager(step, k).cpu(), want), step
-        assert torch.equal(compiled(step, k).cpu(), want), step
-    assert compiled.passes.failed is None and compiled._dtype == torch.float64
 
 
 def _freshness(bits, log2_b3):

@@ -63,8 +63,8 @@ def test_every_gpu_marked_test_is_in_one_tier():
         return {line for line in proc.stdout.splitlines() if "::" in line}
 
     every = collected("tests")
-    assert len(every) >= 60 and {i.split("::")[0] for i in every} == {gpu_check.TEST_FILE}
-    tiers = [collected(gpu_check.TEST_FILE, "-k", gpu_check.test_selection(t)) for t in (1, 2)]
+    assert len(every) >= 60 and {i.split("::")[0] for i in every} == set(gpu_check.TEST_FILES)
+    tiers = [collected(*gpu_check.TEST_FILES, "-k", gpu_check.test_selection(t)) for t in (1, 2)]
     assert tiers[0] | tiers[1] == every and not tiers[0] & tiers[1]
     for name in gpu_check.TIER2_TESTS:
         assert any(f"::{name}" in i for i in tiers[1]), name
@@ -134,7 +134,7 @@ def test_the_tests_part_streams_each_result_limits_each_test_and_stops_at_its_ti
     monkeypatch.setattr(gpu_check, "TEST_TIMEOUT", 2.0)
     check = Recorded("test_after_the_long_one")
     check.part = {}
-    got = gpu_check.tests_part(check, str(sample), "not skipped_by_name")
+    got = gpu_check.tests_part(check, (str(sample),), "not skipped_by_name")
     rows = {r["test"].split("::")[1]: r for r in got["rows"]}
     assert {k: r["outcome"] for k, r in rows.items()} == {
         "test_ok": "passed", "test_bad": "failed", "test_skipped": "skipped", "test_setup_fails": "error",
@@ -279,7 +279,7 @@ def test_a_tiered_page_renders_every_part_it_holds():
     assert lines["| slamb_v2_fused"].endswith("| 1.5 | 7 | 1 | RuntimeError: no compiler |")
     assert lines["| lamb_fused"].endswith("| 1.5 | 7 | 1 | none |")
     assert lines["| floor"].endswith("| – | – | – | – |")
-    assert "| slamb_v2_fused step / torch's fused AdamW step | 2.0 | – | refused: its compile failed |" in page
+    assert "| slamb_v2_fused step / torch's fused AdamW step | 2.0 | – (its compile failed) |" in page
     assert "Kernels of one lamb_fused step (it misses a target)" in page
     assert "| `triton_red_fused_0` | 1 | 0.5 |" in page
     assert "past 2^31 (1,000 entries)" in page and "fallback: none" in page

@@ -54,6 +54,7 @@ import math
 import torch
 
 from .. import comm
+from ..optim.checks import check_count
 
 __all__ = ["pack_bits", "unpack_bits", "compress", "decompress", "chunk_size", "ErrorFeedback",
            "compressed_allreduce"]
@@ -123,8 +124,7 @@ class ErrorFeedback:
     """
 
     def __init__(self, numel: int, world_size: int, rank: int, *, device=None, dtype=torch.float32):
-        if not (isinstance(numel, int) and numel >= 1):
-            raise ValueError(f"invalid numel={numel!r}: must be an integer >= 1")
+        check_count("numel", numel)
         if not (isinstance(world_size, int) and world_size >= 1 and 0 <= rank < world_size):
             raise ValueError(f"invalid world_size={world_size!r}, rank={rank!r}: need 0 <= rank < world_size")
         self.numel, self.world_size, self.rank = numel, world_size, rank

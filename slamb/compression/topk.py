@@ -39,7 +39,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..optim.checks import check_range
+from ..optim.checks import check_count, check_range
 
 __all__ = ["MIN_SAMPLE_TOPK", "Selection", "num_selected", "sample_stride", "sampled_topk_mask", "sampled_topk"]
 
@@ -109,8 +109,7 @@ def sampled_topk_mask(
     check_range("sample_ratio", sample_ratio, 0.01, 1.0)
     check_range("lower", lower, 0.0, 1.0, lo_open=True)
     check_range("upper", upper, 1.0)
-    if not (isinstance(max_iters, int) and max_iters >= 0):
-        raise ValueError(f"invalid max_iters={max_iters!r}: must be an integer >= 0")
+    check_count("max_iters", max_iters, minimum=0)
 
     mask = torch.empty(importance.shape, dtype=torch.bool, device=importance.device) if out is None else out
     segments = importance.split(list(sizes))
@@ -178,7 +177,6 @@ def sampled_topk(x: torch.Tensor, k: int, *, generator: torch.Generator | None =
     ``sample_ratio``, ``lower``, ``upper``, ``max_iters``.
     """
     flat = x.detach().reshape(-1)
-    if not (isinstance(k, int) and 1 <= k):
-        raise ValueError(f"invalid k={k!r}: must be an integer >= 1")
+    check_count("k", k)
     sel = sampled_topk_mask(flat.abs(), [flat.numel()], [min(k, flat.numel())], generator=generator, **kwargs)
     return sel.mask.nonzero().view(-1)

@@ -26,7 +26,8 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from ..sharding import check_prepared, check_state_shapes, is_sharded, local, refuse_replaced
+from ..ddp import check_prepared, refuse_replaced
+from ..sharding import check_state_shapes, is_sharded, local
 from .checks import (NONFINITE_POLICIES, check_choice, check_process_group, nonfinite_candidates, nonfinite_error,
                      nonfinite_exact)
 from .flat import param_labels

@@ -30,6 +30,21 @@ def check_range(name: str, value, lo=None, hi=None, *, lo_open=False, hi_open=Fa
 MAX_LR = 100.0  # far above any recipe (LARS at batch 32k peaks near 30); a larger step overflows the update
 
 
+def check_count(key: str, value, why: str = "", minimum: int = 1) -> None:
+    """A setting that counts something (epochs, steps, workers) must be an integer >= ``minimum`` (1); ``why``
+    ends the message."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"invalid {key}={value!r}: must be an integer >= {minimum}{why}")
+
+
+def check_fused(fused, foreach) -> None:
+    """``fused`` a bool, and not beside ``foreach=False``."""
+    check_choice("fused", fused, (False, True))
+    if fused and foreach is False:
+        raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
+                         "and foreach=False asks for the per-tensor reference; set only one of them")
+
+
 def check_lr(lr) -> None:
     # 0 is a common first value of a warm-up schedule; the finite bound catches lr=1e300 before an update overflows
     check_range("lr", lr, 0.0, MAX_LR)

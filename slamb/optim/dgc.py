@@ -66,7 +66,7 @@ import torch
 from .. import comm
 from ..compression.topk import num_selected, sampled_topk_mask
 from ..ddp import no_comm_hook
-from .checks import check_lr, check_range
+from .checks import check_count, check_lr, check_range
 from .base import LocalStateOptimizer, eager_under_compile
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 
@@ -146,8 +146,7 @@ class DGC(LocalStateOptimizer):
                              "0 < lower <= 1 <= upper, e.g. DGC's (0.8, 1.3)")
         check_range("density_bounds[0]", density_bounds[0], 0.0, 1.0, lo_open=True)
         check_range("density_bounds[1]", density_bounds[1], 1.0)
-        if not (isinstance(max_adjust_iters, int) and max_adjust_iters >= 0):
-            raise ValueError(f"invalid max_adjust_iters={max_adjust_iters!r}: must be an integer >= 0")
+        check_count("max_adjust_iters", max_adjust_iters, minimum=0)
         if clip_norm is not None:
             check_range("clip_norm", clip_norm, 0.0, lo_open=True)
         for name, flag in (("momentum_masking", momentum_masking), ("fp16_values", fp16_values),
@@ -190,8 +189,7 @@ class DGC(LocalStateOptimizer):
 
     def density_at(self, epoch: int) -> float:
         """The warm-up schedule: ``warmup_densities[epoch]`` while it lasts, then the target density."""
-        if not (isinstance(epoch, int) and epoch >= 0):
-            raise ValueError(f"invalid epoch={epoch!r}: must be an integer >= 0 (epochs count from 0)")
+        check_count("epoch", epoch, " (epochs count from 0)", minimum=0)
         return self.warmup_densities[epoch] if epoch < len(self.warmup_densities) else self.target_density
 
     def begin_epoch(self, epoch: int) -> float:

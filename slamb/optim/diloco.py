@@ -38,7 +38,7 @@ from .. import comm
 from ..averaging import average_tensors_
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
 from ..ddp import no_comm_hook
-from .checks import check_betas, check_choice, check_process_group, check_range
+from .checks import check_betas, check_choice, check_count, check_process_group, check_range
 from .lamb import LAMB
 from .precision import state_dtype, working_copies
 
@@ -84,8 +84,7 @@ class DiLoCo(ContractDefaults, Optimizer):
         check_range("outer_momentum", outer_momentum, 0.0, 1.0, hi_open=True)
         check_range("weight_decay", weight_decay, 0.0)
         check_betas(betas)
-        if not (isinstance(sync_interval, int) and not isinstance(sync_interval, bool) and sync_interval >= 1):
-            raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
+        check_count("sync_interval", sync_interval)
         if inner == "adamw":
             self.inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         elif inner == "lamb":

@@ -9,6 +9,7 @@ biases and LayerNorm in a group with ``weight_decay=0``.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -16,10 +17,12 @@ from torch.optim import Optimizer
 
 from .. import comm
 from ..contract import ContractDefaults
-from ..sharding import (check_prepared, check_state_shapes, local, reduce_squares, refuse_replaced, sharded_topology,
-                        sum_squares_)
+from ..ddp import check_prepared, refuse_replaced
+from ..sharding import check_state_shapes, local, reduce_squares, sharded_topology, sum_squares_
+from ..topology import MeshTopology
 from . import fused as fused_passes
-from .checks import NONFINITE_POLICIES, check_adam_group, check_choice, check_process_group, nonfinite_skip
+from .checks import (NONFINITE_POLICIES, check_adam_group, check_choice, check_fused, check_process_group,
+                     nonfinite_skip)
 from .flat import FlatLayout
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
 from .precision import promote_state_, state_dtype, working_copies, write_back_
@@ -77,6 +80,129 @@ def lamb_apply_(params, u, c, norms, *, lr, trust_clamp):
     return trust, (p_norm > 0) & (u_norm > 0)
 
 
+@dataclasses.dataclass(frozen=True)
+class LambHyper:
+    """A parameter group's settings, as its step reads them."""
+
+    lr: float
+    b1: float
+    b2: float
+    eps: float
+    wd: float
+    bias_correction: bool
+    trust_clamp: tuple[float, float] | None
+
+    @classmethod
+    def of(cls, group: dict) -> LambHyper:
+        b1, b2 = group["betas"]
+        return cls(group["lr"], b1, b2, group["eps"], group["weight_decay"], group["bias_correction"],
+                   group["trust_clamp"])
+
+
+def lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers, *, foreach: bool, fused: Prepared | None = None,
+         shards: MeshTopology | None = None, ledger: comm.CommLedger | None = None) -> bool:
+    """LAMB's step in ``torch.optim.adam.adam``'s shape: per parameter group, lists of its local tensors
+    (parameters, gradients, moments, step counters) and its :class:`LambHyper`.
+
+    ``fused`` (the flat buffers :meth:`FusedBuckets.prepare` gathered these tensors into) runs the compiled
+    passes, else ``foreach`` the multi-tensor path, else the per-tensor reference. Under FSDP2 (``shards``) a
+    trust ratio is the whole tensor's: each shard's sums of squares summed over the shard group in one
+    all-reduce, recorded in ``ledger``. Returns False where the fused passes failed to compile before any tensor
+    changed (the caller then runs the multi-tensor path)."""
+    if fused is not None:
+        impl = _fused_lamb
+    elif foreach:
+        impl = _multi_tensor_lamb
+    else:
+        impl = _single_tensor_lamb
+    return impl(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers, fused=fused, shards=shards, ledger=ledger)
+
+
+def _advance(state_steps) -> int:
+    """The group's step counters advanced; the step number they now hold (the same in every tensor)."""
+    for s in state_steps:
+        s += 1
+    return int(state_steps[0])
+
+
+def _single_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers, *, fused, shards, ledger) -> bool:
+    for ps, gs, ms, vs, steps, h in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers):
+        t = _advance(steps)
+        work, gs = working_copies(ps), working_copies(gs)
+        for p, g, m, v in zip(work, gs, ms, vs):
+            lamb_reference(p, g, m, v, t=t, lr=h.lr, b1=h.b1, b2=h.b2, eps=h.eps, wd=h.wd,
+                           bias_correction=h.bias_correction, trust_clamp=h.trust_clamp)
+        write_back_(ps, work)
+    return True
+
+
+def _multi_tensor_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers, *, fused, shards, ledger) -> bool:
+    staged = []
+    for ps, gs, ms, vs, steps, h in zip(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers):
+        t = _advance(steps)
+        work, gs = working_copies(ps), working_copies(gs)
+        u, c = lamb_direction(work, gs, ms, vs, t=t, b1=h.b1, b2=h.b2, eps=h.eps, wd=h.wd,
+                              bias_correction=h.bias_correction)
+        staged.append((ps, work, u, c, lamb_norms(work, u, c), h))
+    # every group's trust ratios at once: a sharded tensor's norms are summed over its shards in one collective
+    whole = reduce_squares([norms for *_, norms, _ in staged], shards, ledger)
+    for (ps, work, u, c, _, h), norms in zip(staged, whole):
+        lamb_apply_(work, u, c, norms, lr=h.lr, trust_clamp=h.trust_clamp)
+        write_back_(ps, work)
+    return True
+
+
+def _fused_lamb(params, grads, exp_avgs, exp_avg_sqs, state_steps, hypers, *, fused, shards, ledger) -> bool:
+    """The tensors' step as the two compiled passes of :mod:`slamb.optim.fused` per flat bucket of ``fused``
+    (whose buffers the tensors are views of)."""
+    fused.passes.begin_step()
+    for flat, state, steps in fused.buckets:
+        try:
+            _fused_bucket(fused.passes, flat, state, steps, hypers, shards, ledger)
+        except fused_passes.CompileFailed:
+            return False
+    return True
+
+
+def _fused_bucket(passes, flat, state, steps, hypers, shards, ledger) -> None:
+    layout = flat.layout
+    rows = []
+    for gi, lo, _ in layout.groups:
+        h = hypers[gi]
+        t = int(steps[lo]) + 1
+        c, eps = bias_folding(t, h.b1, h.b2, h.eps) if h.bias_correction else (1.0, h.eps)
+        lo_, hi_ = h.trust_clamp or (0.0, math.inf)
+        rows.append([1 - h.b1, h.b2, 1 - h.b2, c, eps, h.wd, h.lr, lo_, hi_])
+    index = passes.index([r for r, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)], layout.device)
+    cols = fused_passes.table(rows, index, layout.device).unbind(1)
+    zeros = torch.zeros_like(cols[0])
+    moment_table = torch.stack([*cols[:6], zeros, zeros], 1)  # no age: the dense and written columns unread
+    p = flat.view(flat.params())
+    g = flat.view(flat.grad)  # gathered by prepare()
+    m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
+    sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
+    sums = sum_squares_(sums, shards, ledger)  # a shard's sums: the whole tensors' (one collective)
+    steps.add_(1)
+    p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
+    trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
+    inf = torch.full_like(trust, math.inf)
+    table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
+    passes(fused_passes.update_pass, p, m, v, None, flat.per_block(table))
+    flat.store()
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The flat buckets of one fused step, their gradients gathered: ``(FlatStep, moments, step counters)``."""
+
+    passes: fused_passes.Passes
+    buckets: list
+
+    def screened(self) -> list[torch.Tensor]:
+        """The flat gradient buffers, which the non-finite screen reads."""
+        return [flat.grad for flat, _, _ in self.buckets]
+
+
 class FusedBuckets:
     """``LAMB(fused=True)``'s flat buffers: per (device, dtype), the parameters with gradients, adopted into an
     aligned layout (:class:`slamb.optim.fused.FlatStep`), their moments and step counters, whose per-parameter
@@ -100,64 +226,24 @@ class FusedBuckets:
         steps = layout.adopt(opt.state, "step", per_tensor=True, dtype=torch.float32, device="cpu")
         return tuple(id(p) for _, p in members), flat, state, steps
 
-    def prepare(self, work) -> list | None:
-        """The buckets of ``work`` (per parameter group: the group and its parameters with gradients), their
-        gradients gathered into the flat buffers (which the non-finite screen then reads), or None where
-        ``torch.compile`` has failed: the caller runs the multi-tensor path."""
+    def prepare(self, work) -> Prepared | None:
+        """The buckets of ``work`` (per parameter group with gradients: the group and those parameters; a
+        bucket's layout numbers the groups as ``work`` lists them), their gradients gathered into the flat
+        buffers, or None where ``torch.compile`` has failed: the caller runs the multi-tensor path."""
         if self.passes.failed is not None:
             return None
-        groups = {id(g): i for i, g in enumerate(self.optimizer.param_groups)}
         members: dict = {}
-        for group, params in work:
+        for gi, (_, params) in enumerate(work):
             for p in params:
-                members.setdefault((p.device, p.dtype), []).append((groups[id(group)], p))
+                members.setdefault((p.device, p.dtype), []).append((gi, p))
         buckets = []
         for key, ps in members.items():
             bucket = self.buckets.get(key)
             if bucket is None or bucket[0] != tuple(id(p) for _, p in ps):
                 bucket = self.buckets[key] = self._bucket(ps)
             bucket[1].grads([local(p.grad) for _, p in ps])
-            buckets.append(bucket)
-        return buckets
-
-    def step(self, buckets) -> bool:
-        """The step of the :meth:`prepare`d ``buckets`` as the two compiled passes of :mod:`slamb.optim.fused`
-        each. Returns False where ``torch.compile`` failed before any tensor changed: the caller runs the
-        multi-tensor path."""
-        self.passes.begin_step()
-        for bucket in buckets:
-            try:
-                self._run(self.optimizer, *bucket[1:])
-            except fused_passes.CompileFailed:
-                return False
-        return True
-
-    def _run(self, opt, flat, state, steps) -> None:
-        layout, passes = flat.layout, self.passes
-        rows = []
-        for gi, lo, _ in layout.groups:
-            h = opt.param_groups[gi]
-            b1, b2 = h["betas"]
-            t = int(steps[lo]) + 1
-            c, eps = bias_folding(t, b1, b2, h["eps"]) if h["bias_correction"] else (1.0, h["eps"])
-            lo_, hi_ = h["trust_clamp"] or (0.0, math.inf)
-            rows.append([1 - b1, b2, 1 - b2, c, eps, h["weight_decay"], h["lr"], lo_, hi_])
-        index = passes.index([r for r, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)], layout.device)
-        cols = fused_passes.table(rows, index, layout.device).unbind(1)
-        zeros = torch.zeros_like(cols[0])
-        moment_table = torch.stack([*cols[:6], zeros, zeros], 1)  # no age: the dense and written columns unread
-        p = flat.view(flat.params())
-        g = flat.view(flat.grad)  # gathered by prepare()
-        m, v = flat.view(state["exp_avg"]), flat.view(state["exp_avg_sq"])
-        sums = flat.sums(passes(fused_passes.moments_pass, p, g, m, v, None, flat.per_block(moment_table)))
-        sums = sum_squares_(sums, opt.shards, opt.ledger)  # a shard's sums: the whole tensors' (one collective)
-        steps.add_(1)
-        p_norm, u_norm = sums.clamp_min(0).sqrt().unbind(1)
-        trust = trust_ratio(p_norm, u_norm, (cols[7], cols[8]))  # per-tensor bounds
-        inf = torch.full_like(trust, math.inf)
-        table = torch.stack([cols[3], cols[4], cols[5], zeros, trust, zeros, -inf, inf, cols[6], zeros], 1)
-        passes(fused_passes.update_pass, p, m, v, None, flat.per_block(table))
-        flat.store()
+            buckets.append(bucket[1:])
+        return Prepared(self.passes, buckets)
 
 
 class LAMB(ContractDefaults, Optimizer):
@@ -190,10 +276,7 @@ class LAMB(ContractDefaults, Optimizer):
                  foreach: bool | None = None, nonfinite: str = "raise", process_group=None,
                  ledger: comm.CommLedger | None = None, fused: bool = False):
         check_choice("nonfinite", nonfinite, NONFINITE_POLICIES)
-        check_choice("fused", fused, (False, True))
-        if fused and foreach is False:
-            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
-                             "and foreach=False asks for the per-tensor reference; set only one of them")
+        check_fused(fused, foreach)
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                         bias_correction=bias_correction, trust_clamp=trust_clamp)
         super().__init__(params, defaults)
@@ -250,48 +333,27 @@ class LAMB(ContractDefaults, Optimizer):
         names = [f"{tuple(p.shape)}" for _, params in work for p in params]
         # averaged gradients are the same on every rank, but each rank of a shard group holds another shard
         sharded = self.shards is not None
-        buckets = self._fused.prepare(work) if self.fused else None
+        prepared = self._fused.prepare(work) if self.fused else None
         if nonfinite_skip(grads, names, self.nonfinite, ledger=self.ledger if sharded else None, group=self.shards,
-                          where="LAMB: ", agree=sharded,
-                          screened=None if buckets is None else [flat.grad for _, flat, _, _ in buckets]):
+                          where="LAMB: ", agree=sharded, screened=None if prepared is None else prepared.screened()):
             self.nonfinite_skips += 1
             self.ledger.end_step()
             return loss
-        if buckets is not None and self._fused.step(buckets):
-            self.ledger.end_step()
-            return loss
-        todo = []  # per group: its tensors and hyper-parameters
-        for group, params in work:
+        for _, params in work:
             for p in params:
                 state = self.state[p]
                 if not state:
                     state["step"] = torch.tensor(0.0)
                     state["exp_avg"] = torch.zeros_like(p, dtype=state_dtype(p.dtype))
                     state["exp_avg_sq"] = torch.zeros_like(p, dtype=state_dtype(p.dtype))
-            states = [self.state[p] for p in params]
-            for s in states:
-                s["step"] += 1
-            b1, b2 = group["betas"]
-            hyper = dict(t=int(states[0]["step"]), lr=group["lr"], b1=b1, b2=b2, eps=group["eps"],
-                         wd=group["weight_decay"], bias_correction=group["bias_correction"],
-                         trust_clamp=group["trust_clamp"])
-            todo.append(([local(p) for p in params], [local(p.grad) for p in params],
-                         [local(s["exp_avg"]) for s in states], [local(s["exp_avg_sq"]) for s in states], hyper))
-        staged = []
-        for params, gs, ms, vs, hyper in todo:
-            work, gs = working_copies(params), working_copies(gs)
-            if self.foreach:
-                direction = {k: v for k, v in hyper.items() if k not in ("lr", "trust_clamp")}
-                u, c = lamb_direction(work, gs, ms, vs, **direction)
-                staged.append((params, work, u, c, lamb_norms(work, u, c), hyper))
-            else:
-                for p, g, m, v in zip(work, gs, ms, vs):
-                    lamb_reference(p, g, m, v, **hyper)
-                write_back_(params, work)
-        # every group's trust ratios at once: a sharded tensor's norms are summed over its shards in one collective
-        whole = reduce_squares([norms for *_, norms, _ in staged], self.shards, self.ledger)
-        for (params, work, u, c, _, hyper), norms in zip(staged, whole):
-            lamb_apply_(work, u, c, norms, lr=hyper["lr"], trust_clamp=hyper["trust_clamp"])
-            write_back_(params, work)
+        states = [[self.state[p] for p in params] for _, params in work]
+        tensors = ([[local(p) for p in params] for _, params in work],
+                   [[local(p.grad) for p in params] for _, params in work],
+                   [[local(s["exp_avg"]) for s in group] for group in states],
+                   [[local(s["exp_avg_sq"]) for s in group] for group in states],
+                   [[s["step"] for s in group] for group in states],
+                   [LambHyper.of(group) for group, _ in work])
+        if not lamb(*tensors, foreach=self.foreach, fused=prepared, shards=self.shards, ledger=self.ledger):
+            lamb(*tensors, foreach=True, shards=self.shards, ledger=self.ledger)  # torch.compile failed: unchanged
         self.ledger.end_step()
         return loss

@@ -76,7 +76,7 @@ import torch
 from .. import comm
 from ..compression.onebit import ErrorFeedback, compressed_allreduce
 from ..ddp import RecordingState, no_comm_hook, recording_allreduce_hook
-from .checks import check_adam_group, check_range
+from .checks import check_adam_group, check_count, check_range
 from .base import LocalStateOptimizer, eager_under_compile
 from .flat import FlatLayout, check_layouts_agree, param_labels, params_with_grad
 from .lamb import lamb_foreach
@@ -153,9 +153,8 @@ class OnebitLamb(LocalStateOptimizer):
                  factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
                  reset_error_on_load: bool = False, foreach: bool | None = None, nonfinite: str = "raise",
                  process_group=None, ledger: comm.CommLedger | None = None):
-        if not (isinstance(freeze_step, int) and not isinstance(freeze_step, bool) and freeze_step >= 1):
-            raise ValueError(f"invalid freeze_step={freeze_step!r}: must be an integer >= 1 (the warm-up steps; "
-                             "the frozen v and LAMB coefficients come from them)")
+        check_count("freeze_step", freeze_step,
+                    " (the warm-up steps; the frozen v and LAMB coefficients come from them)")
         check_range("coeff_beta", coeff_beta, 0.0, 1.0, hi_open=True)
         check_range("factor_min", factor_min, 0.0, lo_open=True)
         check_range("factor_max", factor_max, factor_min)

@@ -54,7 +54,7 @@ from torch.optim.sgd import sgd
 
 from .. import comm
 from ..contract import OPTIMIZER_HOOK, ContractDefaults, check_rank_stamp, rank_stamp
-from .checks import check_choice, check_process_group, check_range
+from .checks import check_choice, check_count, check_process_group, check_range
 from .precision import promote_state_, working_copies, write_back_
 
 _KEY = "powersgd"
@@ -156,16 +156,13 @@ class PowerSGD(ContractDefaults, torch.optim.SGD):
         check_range("lr", lr, 0.0)
         check_range("momentum", momentum, 0.0, 1.0, hi_open=True)
         check_range("weight_decay", weight_decay, 0.0)
-        if not (isinstance(matrix_approximation_rank, int) and matrix_approximation_rank >= 1):
-            raise ValueError(f"invalid matrix_approximation_rank={matrix_approximation_rank!r}: "
-                             "must be an integer >= 1")
+        check_count("matrix_approximation_rank", matrix_approximation_rank)
         check_choice("use_error_feedback", use_error_feedback, (True, False))
         check_choice("warm_start", warm_start, (True, False))
         low = 2 if use_error_feedback or warm_start else 0
-        if not (isinstance(start_powerSGD_iter, int) and start_powerSGD_iter >= low):
-            raise ValueError(f"invalid start_powerSGD_iter={start_powerSGD_iter!r}: must be an integer >= {low}"
-                             + (" with use_error_feedback or warm_start (DDP rebuilds its buckets after the first "
-                                "backward), or turn both off" if low else ""))
+        check_count("start_powerSGD_iter", start_powerSGD_iter,
+                    " with use_error_feedback or warm_start (DDP rebuilds its buckets after the first backward), or "
+                    "turn both off" if low else "", minimum=low)
         check_range("min_compression_rate", min_compression_rate, 0.0)
         check_range("orthogonalization_epsilon", orthogonalization_epsilon, 0.0)
         if not isinstance(seed, int):

@@ -38,11 +38,11 @@ from ..topology import HIERARCHIES, node_topology
 from ..ddp import no_comm_hook
 from . import fused as fused_passes
 from .base import LocalStateOptimizer, eager_under_compile
-from .checks import check_adam_group, check_choice, check_range
+from .checks import check_adam_group, check_choice, check_count, check_fused, check_range
 from .exchange import FlatMomentum, MomentumExchange, overlap_hook
 from .flat import FlatLayout, check_layouts_agree, params_with_grad
 from .masks import MASK_POLICIES, BernoulliMask, Selection, make_mask
-from .slamb_update import MAX_INT16_AGE, SlambLayout, slamb_update_
+from .slamb_update import MAX_INT16_AGE, SlambHyper, SlambLayout, slamb_update_
 
 VARIANTS = {"v1": "cyclic", "v2": "bernoulli"}
 
@@ -179,15 +179,10 @@ class SLAMB(LocalStateOptimizer):
         check_choice("variant", variant, VARIANTS)
         check_choice("hierarchy", hierarchy, HIERARCHIES)
         check_choice("overlap", overlap, (False, True))
-        check_choice("fused", fused, (False, True))
-        if fused and foreach is False:
-            raise ValueError("invalid fused=True with foreach=False: the fused step replaces the multi-tensor one "
-                             "and foreach=False asks for the per-tensor reference; set only one of them")
+        check_fused(fused, foreach)
         check_choice("mask", mask, (None, *MASK_POLICIES))
-        if not (isinstance(sync_interval, int) and sync_interval >= 1):
-            raise ValueError(f"invalid sync_interval={sync_interval!r}: must be an integer >= 1")
-        if not (isinstance(min_compress_numel, int) and min_compress_numel >= 0):
-            raise ValueError(f"invalid min_compress_numel={min_compress_numel!r}: must be an integer >= 0")
+        check_count("sync_interval", sync_interval)
+        check_count("min_compress_numel", min_compress_numel, minimum=0)
         if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype)
                                            and (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
             raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None, a floating torch.dtype or torch.int8")
@@ -475,18 +470,13 @@ class SLAMB(LocalStateOptimizer):
 
     def _update(self, t: int, sel: Selection, grads, exchange) -> None:
         """Steps 2 and 4-7 (:func:`slamb_update_`); where ``torch.compile`` fails, on the multi-tensor path."""
-        groups = []
-        for gi, lo, hi in self._layout.groups:
-            group = self.param_groups[gi]
-            b1, b2 = group["betas"]
-            groups.append((lo, hi, dict(t=t, lr=group["lr"], b1=b1, b2=b2, eps=group["eps"], wd=group["weight_decay"],
-                                        b3=group["beta3"], c_min=group["c_min"], c_max=group["c_max"])))
+        groups = [(lo, hi, SlambHyper.of(self.param_groups[gi], t)) for gi, lo, hi in self._layout.groups]
 
         def update():
             slamb_update_(self._plan, sel, grads, self._flat["exp_avg"], self._flat["exp_avg_sq"], self._age, groups,
                           variant=self.variant, n=comm.world_size(self.process_group), exchange=exchange,
-                          work=self._work, impl="fused" if self.fused else "foreach" if self.foreach else "reference",
-                          shards=self.shards, ledger=self.ledger)
+                          work=self._work, foreach=self.foreach, fused=self.fused, shards=self.shards,
+                          ledger=self.ledger)
         try:
             update()
         except fused_passes.CompileFailed:  # warned; nothing changed but the marks, which step 6 makes 0

@@ -1,6 +1,6 @@
 """Steps 2 and 4-7 of SLAMB (``docs/algorithm.md``) on flat buffers, in place:
 one signature, three implementations, as torch's Adam has, behind one
-dispatcher, :func:`slamb_update_`:
+dispatcher, :func:`slamb_update_`, which chooses by its ``foreach`` and ``fused`` flags:
 
 * ``_single_tensor_slamb``: the reference, ``v1_reference`` /
   ``v2_reference`` per tensor (the specification written out);
@@ -50,6 +50,7 @@ them as numbers).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -67,35 +68,56 @@ from .precision import working_copies, write_back_
 MAX_INT16_AGE = fused_passes.MAX_AGE
 
 
+@dataclasses.dataclass(frozen=True)
+class SlambHyper:
+    """A parameter group's settings at step ``t``, as steps 2 and 5-7 read them."""
+
+    t: int
+    lr: float
+    b1: float
+    b2: float
+    eps: float
+    wd: float
+    b3: float
+    c_min: float
+    c_max: float
+
+    @classmethod
+    def of(cls, group: dict, t: int) -> SlambHyper:
+        b1, b2 = group["betas"]
+        return cls(t, group["lr"], b1, b2, group["eps"], group["weight_decay"], group["beta3"], group["c_min"],
+                   group["c_max"])
+
+
 def _norms(x, sel):
     """The norms of ``x[sel]`` and ``x[~sel]``."""
     sq = x * x
     return torch.where(sel, sq, 0).sum().sqrt(), torch.where(sel, 0, sq).sum().sqrt()
 
 
-def v1_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+def v1_reference(p, m, v, age, sel, h: SlambHyper, *, n):
     """Steps 5-7 of v1 for one tensor; ``sel`` marks the entries averaged at step t."""
-    u = (m / (1 - b1**t)) / ((v / (1 - b2**t)).sqrt() + eps) + wd * p
+    u = (m / (1 - h.b1**h.t)) / ((v / (1 - h.b2**h.t)).sqrt() + h.eps) + h.wd * p
     if p.dim() == 1:  # plain LAMB: no clamp, no blending
-        p.sub_(lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
+        p.sub_(h.lr * safe_ratio(p.norm(), u.norm(), 1.0) * u)
         return
-    r = torch.pow(b3, age.to(p.dtype))
+    r = torch.pow(h.b3, age.to(p.dtype))
     (p_s, p_l), (u_s, u_l) = _norms(p, sel), _norms(u, sel)
     phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
-    trust = (r * phi_s + (1 - r) * phi_l).clamp(c_min, c_max)
-    eta = r * lr + (1 - r) * lr / math.sqrt(n)
+    trust = (r * phi_s + (1 - r) * phi_l).clamp(h.c_min, h.c_max)
+    eta = r * h.lr + (1 - r) * h.lr / math.sqrt(n)
     p.sub_(trust * eta * u)
 
 
-def v2_reference(p, m, v, age, sel, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+def v2_reference(p, m, v, age, sel, h: SlambHyper, *, n):
     """Steps 5-7 of v2 for one tensor; the fresh entries are those with r == 1, the ones of ``sel``."""
-    a = (m / (v.sqrt() + eps)) * ((1 - b2**t) ** 0.5 / (1 - b1**t))
-    r = torch.pow(b3, age.to(p.dtype))
+    a = (m / (v.sqrt() + h.eps)) * ((1 - h.b2**h.t) ** 0.5 / (1 - h.b1**h.t))
+    r = torch.pow(h.b3, age.to(p.dtype))
     (p_s, p_l), (a_s, a_l) = _norms(p, sel), _norms(a, sel)
-    phi_s = safe_ratio(p_s, a_s, 1.0).clamp(c_min, c_max)
-    phi_l = safe_ratio(p_l, a_l, 0.0).clamp(max=c_max)  # >= 0
-    u = a + wd * p
-    p.sub_(lr * phi_s * r * u + (lr / math.sqrt(n)) * phi_l * (1 - r) * u)
+    phi_s = safe_ratio(p_s, a_s, 1.0).clamp(h.c_min, h.c_max)
+    phi_l = safe_ratio(p_l, a_l, 0.0).clamp(max=h.c_max)  # >= 0
+    u = a + h.wd * p
+    p.sub_(h.lr * phi_s * r * u + (h.lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
 class SlambLayout:
@@ -157,8 +179,8 @@ def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
 def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
     """Step 2 on the flat buffers."""
     ms, vs = plan.views(m), plan.views(v)
-    for lo, hi, hyper in groups:
-        adam_moments_(ms[lo:hi], vs[lo:hi], grads[lo:hi], hyper["b1"], hyper["b2"], foreach=foreach)
+    for lo, hi, h in groups:
+        adam_moments_(ms[lo:hi], vs[lo:hi], grads[lo:hi], h.b1, h.b2, foreach=foreach)
 
 
 def _advance_age(age: torch.Tensor, sel: Selection) -> None:
@@ -167,17 +189,17 @@ def _advance_age(age: torch.Tensor, sel: Selection) -> None:
     sel.fill_(age, 0)
 
 
-def _single_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work):
-    """Steps 2 and 4-7, tensor by tensor, with the reference functions."""
+def _single_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
+    """Steps 2 and 4-7, tensor by tensor, with the reference functions (``work``, ``shards``: unused; FSDP2's
+    shards are refused on this path)."""
     _moments(plan, grads, m, v, groups, foreach=False)
     exchange()
     _advance_age(age, sel)
     mask = plan.layout.views(sel.bool_mask())
     reference = v1_reference if variant == "v1" else v2_reference
-    for lo, hi, hyper in groups:
+    for lo, hi, h in groups:
         for i in range(lo, hi):
-            reference(params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i],
-                      n=n, **hyper)
+            reference(params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i], h, n=n)
 
 
 # devices where p.add_(x, alpha=s) per tensor beats the multi-tensor pair: torch's foreach ops loop over the
@@ -203,17 +225,17 @@ def _freshness(age: torch.Tensor, b3: float, *, out: torch.Tensor) -> torch.Tens
     return out.copy_(age == 0)
 
 
-def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
     span, params = plan.layout.span(lo, hi), params[lo:hi]
-    c, eps = bias_folding(t, b1, b2, eps)
+    c, eps = bias_folding(h.t, h.b1, h.b2, h.eps)
     adam_direction_(m[span], v[span], eps, out=work[0][span])
     d = plan.views(work[0])[lo:hi]
-    if wd != 0:
-        torch._foreach_add_(d, params, alpha=wd / c)
+    if h.wd != 0:
+        torch._foreach_add_(d, params, alpha=h.wd / c)
     norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
-    r = _freshness(age[span], b3, out=work[1][span])
-    e0 = lr / math.sqrt(n)
-    e1 = lr - e0
+    r = _freshness(age[span], h.b3, out=work[1][span])
+    e0 = h.lr / math.sqrt(n)
+    e1 = h.lr - e0
     if e1 != 0:
         work[0][span].addcmul_(work[0][span], r, value=e1 / e0)
     scale = -c * e0
@@ -223,9 +245,9 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
         p_s, p_l, d_s, d_l = norms
         phi_s, phi_l = safe_ratio(p_s, d_s * c, 1.0), safe_ratio(p_l, d_l * c, 1.0)
         dense, one_dim = plan.dense_t[lo:hi], plan.one_dim_t[lo:hi]
-        a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(c_min, c_max)), phi_l)
+        a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(h.c_min, h.c_max)), phi_l)
         b = torch.where(dense, 0.0, phi_s - phi_l)
-        clamps = ~dense & ((torch.minimum(phi_s, phi_l) < c_min) | (torch.maximum(phi_s, phi_l) > c_max))
+        clamps = ~dense & ((torch.minimum(phi_s, phi_l) < h.c_min) | (torch.maximum(phi_s, phi_l) > h.c_max))
         return torch.stack([a, b, clamps.to(a.dtype)]), update
 
     def update(a, b, clamps):
@@ -236,29 +258,29 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, 
             torch._foreach_addcmul_(sub(params), sub(d), sub(rs), [scale * x for x in sub(b)])
             _add_scaled_(sub(params), sub(d), [scale * x for x in sub(a)])
         for i in (i for i, x in enumerate(clamps) if x):
-            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(c_min, c_max)
+            trust = torch.mul(rs[i], b[i]).add_(a[i]).clamp_(h.c_min, h.c_max)
             params[i].addcmul_(d[i], trust, value=scale)
 
     return norms, scalars
 
 
-def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max, n):
+def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
     span, params = plan.layout.span(lo, hi), params[lo:hi]
-    c = bias_folding(t, b1, b2, eps)[0]
-    adam_direction_(m[span], v[span], eps, out=work[0][span])
+    c = bias_folding(h.t, h.b1, h.b2, h.eps)[0]
+    adam_direction_(m[span], v[span], h.eps, out=work[0][span])
     d = plan.views(work[0])[lo:hi]  # a / c
     norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
-    if wd != 0:
-        torch._foreach_add_(d, params, alpha=wd / c)  # u / c
-    _freshness(age[span], b3, out=work[1][span])
+    if h.wd != 0:
+        torch._foreach_add_(d, params, alpha=h.wd / c)  # u / c
+    _freshness(age[span], h.b3, out=work[1][span])
     fresh = plan.views(work[1])[lo:hi]
 
     def scalars(norms):
         p_s, p_l, a_s, a_l = norms
-        phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(c_min, c_max)
-        phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, c_max)
-        base = phi_l * (lr / math.sqrt(n))
-        return torch.stack([phi_s * lr - base, base]) * -c, update
+        phi_s = safe_ratio(p_s, a_s * c, 1.0).clamp_(h.c_min, h.c_max)
+        phi_l = safe_ratio(p_l, a_l * c, 0.0).clamp_(0.0, h.c_max)
+        base = phi_l * (h.lr / math.sqrt(n))
+        return torch.stack([phi_s * h.lr - base, base]) * -c, update
 
     def update(slope, base):
         torch._foreach_addcmul_(params, d, fresh, slope)
@@ -274,7 +296,7 @@ def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant,
     exchange()
     _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
-    prepared = [flat(plan, sel, lo, hi, params, m, v, age, work, n=n, **hyper) for lo, hi, hyper in groups]
+    prepared = [flat(plan, sel, lo, hi, params, m, v, age, work, h, n=n) for lo, hi, h in groups]
     whole = reduce_squares([x for x, _ in prepared], shards, ledger)  # a shard's norms: one collective for all groups
     deferred = [scalars(x) for (_, scalars), x in zip(prepared, whole)]
     # every group's scalars in one host read: a group's update changes nothing another reads
@@ -300,7 +322,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     p, g = flat.view(flat.params()), flat.view(flat.grad)  # ``grads``: views of it, gathered by the step
     age.index_fill_(0, sel.layout_positions(plan.runs), fused_passes.SELECTED)
     written = 1.0 if exchange(grads=grads) else 0.0  # step 4 ended: nothing written at world size 1
-    rows = [_fused_columns(variant, **hyper) for _, _, hyper in groups]
+    rows = [_fused_columns(variant, h) for _, _, h in groups]
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
     cols["dense"] = plan.dense_f
     cols["written"] = torch.full_like(plan.dense_f, written)
@@ -339,17 +361,14 @@ _FUSED_COLUMNS = ("one_minus_b1", "b2", "one_minus_b2", "c", "eps", "wd_norm", "
                   "c_max")
 
 
-def _fused_columns(variant, *, t, lr, b1, b2, eps, wd, b3, c_min, c_max) -> list[float]:
-    c, eps_v1 = bias_folding(t, b1, b2, eps)
-    return [1 - b1, b2, 1 - b2, c, eps_v1 if variant == "v1" else eps, wd if variant == "v1" else 0.0, wd,
-            math.log2(b3) if b3 > 0 else fused_passes.LOG2_ZERO, lr, c_min, c_max]
-
-
-_IMPLS = {"reference": _single_tensor_slamb, "foreach": _multi_tensor_slamb, "fused": _fused_slamb}
+def _fused_columns(variant, h: SlambHyper) -> list[float]:
+    c, eps_v1 = bias_folding(h.t, h.b1, h.b2, h.eps)
+    return [1 - h.b1, h.b2, 1 - h.b2, c, eps_v1 if variant == "v1" else h.eps, h.wd if variant == "v1" else 0.0, h.wd,
+            math.log2(h.b3) if h.b3 > 0 else fused_passes.LOG2_ZERO, h.lr, h.c_min, h.c_max]
 
 
 def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
-                  exchange, work: list[torch.Tensor], impl: str, shards=None, ledger=None) -> None:
+                  exchange, work: list[torch.Tensor], foreach: bool, fused: bool, shards=None, ledger=None) -> None:
     """Steps 2 and 4-7 of every parameter group, in place on ``plan.params`` and the flat buffers.
 
     ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
@@ -357,9 +376,10 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     step 4 (waits for the momentum averages of ``sel``, started before, and writes them into ``m``; the
     multi-tensor and reference paths call it after step 2, the fused path before, giving it ``grads``) and
     returns them as (parameter ids, packed averages); ``groups``: (first, end,
-    hyper-parameters) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
-    scratch, two flat buffers over the layout (none for the others); ``impl``: ``"foreach"``, ``"fused"``
-    or ``"reference"``; ``shards``: on FSDP2 shards, their topology, over whose shard group each shard's sums of
+    :class:`SlambHyper`) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
+    scratch, two flat buffers over the layout (none for the others); ``fused`` runs the compiled passes, else
+    ``foreach`` the multi-tensor path, else the per-tensor reference, as ``torch.optim.adam.adam`` chooses;
+    ``shards``: on FSDP2 shards, their topology, over whose shard group each shard's sums of
     squares are summed into the whole tensor's (:func:`slamb.sharding.sum_squares_`, one all-reduce per step,
     recorded in ``ledger``; the multi-tensor and fused paths).
 
@@ -367,10 +387,15 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     once: the reference and multi-tensor paths on fp32 copies of the parameters and gradients, the
     fused passes inside their graphs.
     """
-    copies = impl != "fused"  # the fused passes convert inside their graphs
-    params = working_copies(plan.params) if copies else plan.params
-    extra = {"shards": shards, "ledger": ledger} if impl != "reference" else {}
-    _IMPLS[impl](plan, sel, params, working_copies(grads) if copies else grads, m, v, age, groups,
-                 variant=variant, n=n, exchange=exchange, work=work, **extra)
+    if fused:
+        impl = _fused_slamb
+    elif foreach:
+        impl = _multi_tensor_slamb
+    else:
+        impl = _single_tensor_slamb
+    # the fused passes convert inside their graphs; the others step fp32 copies of low-precision tensors
+    params = plan.params if fused else working_copies(plan.params)
+    impl(plan, sel, params, grads if fused else working_copies(grads), m, v, age, groups, variant=variant, n=n,
+         exchange=exchange, work=work, shards=shards, ledger=ledger)
     write_back_(plan.params, params)
 
