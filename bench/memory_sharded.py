@@ -43,7 +43,8 @@ import torch
 from bench.memory_model import AUTOCAST_COPY, GPU_BYTES, GPUS_PER_NODE, WORD, activations, per_token_bytes
 from slamb.optim.fused import BLOCK
 from slamb.optim.masks import BernoulliMask, num_chunks
-from slamb.optim.slamb import SLAMB, always_averaged
+from slamb.optim.slamb import SLAMB
+from slamb.optim.slamb_update import always_averaged
 from slamb.sharding import chunk_rows
 
 SHARD_SIZES = (1, 8, 64)

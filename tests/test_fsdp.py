@@ -119,8 +119,8 @@ def hsdp_slamb(rank, cfg):
     mask = opt._mask_fn
     return {"params": full, "averaged": averaged, "stats": stats, "traffic": traffic.bytes, "masks": masks,
             "cut": mask.gaps.numel() if hasattr(mask, "gaps") else None,
-            "compressed": sum(n for n, d in zip(opt._layout.numels, opt._dense) if not d),
-            "offsets": opt._layout.global_offsets, "compiled": len(opt._plan.passes.compiled) if opt.fused else 0,
+            "compressed": sum(n for n, d in zip(opt._layout.numels, opt._layout.dense) if not d),
+            "offsets": opt._layout.global_offsets, "compiled": len(opt._fused.passes.compiled) if opt.fused else 0,
             "shapes": [(tuple(p.shape), tuple(p.to_local().shape)) for p in model.parameters()]}
 
 

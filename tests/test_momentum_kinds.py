@@ -9,7 +9,7 @@ import torch
 
 import slamb
 from slamb import comm
-from slamb.optim.slamb import always_averaged
+from slamb.optim.slamb_update import always_averaged
 from tests import integration_support as support
 from tests.test_slamb import OverlapNet
 

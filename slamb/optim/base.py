@@ -170,7 +170,13 @@ class LocalStateOptimizer(ContractDefaults, Optimizer):
             self._build()
         elif decision == NEW_PARAMETERS:
             self._grow(have, agree=agree)
-        return loss, [torch.zeros_like(local(p)) if p.grad is None else grad_of(p) for p in self._layout_params()]
+        return loss, self._gradients(screened)
+
+    def _gradients(self, screened: list[torch.Tensor] | None) -> list[torch.Tensor]:
+        """The gradients of the layout's parameters for the update (zeros for a missing one); ``screened``: what
+        the non-finite screen read (:meth:`_screened`), which a fused optimizer's layout reads them from."""
+        grad_of = (lambda p: local(p.grad)) if self._sharded else (lambda p: p.grad)
+        return [torch.zeros_like(local(p)) if p.grad is None else grad_of(p) for p in self._layout_params()]
 
     def _screened(self, have: list[int], grads: list[torch.Tensor]) -> list[torch.Tensor] | None:
         """What the non-finite screen reads for ``grads`` (of the parameters ``have``) where not the gradients

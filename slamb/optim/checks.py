@@ -37,6 +37,22 @@ def check_count(key: str, value, why: str = "", minimum: int = 1) -> None:
         raise ValueError(f"invalid {key}={value!r}: must be an integer >= {minimum}{why}")
 
 
+def check_comm_dtype(comm_dtype) -> None:
+    """The wire dtype of an exchange: None (the parameters'), a floating dtype, or int8 (quantised)."""
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype)
+                                       and (comm_dtype.is_floating_point or comm_dtype == torch.int8)):
+        raise ValueError(f"invalid comm_dtype={comm_dtype!r}: must be None, a floating torch.dtype or torch.int8")
+
+
+def check_sharded(who: str, refused: dict[str, bool], fix: str) -> None:
+    """Refuse on FSDP2's sharded parameters the settings (``refused``: setting -> whether given) that take none;
+    ``fix``: the settings that do."""
+    for what, bad in refused.items():
+        if bad:
+            raise ValueError(f"{who}({what}) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor and "
+                             f"fused paths ({fix}) do")
+
+
 def check_fused(fused, foreach) -> None:
     """``fused`` a bool, and not beside ``foreach=False``."""
     check_choice("fused", fused, (False, True))

@@ -66,13 +66,28 @@ class Pending:
     norms: torch.Tensor
 
 
+@dataclasses.dataclass(frozen=True)
+class Averages:
+    """Step 4 under way (:meth:`MomentumExchange.start`): the exchanges of ``sel``'s momentum in flight. The
+    update ends it where its implementation's docstring says (:func:`slamb.optim.slamb_update.slamb_update_`)."""
+    exchange: "MomentumExchange"
+    sel: Selection
+    sent: list[Sent]
+
+    def wait_into(self, grads=None) -> list[tuple[list[int], torch.Tensor]]:
+        """m[M_t] = the averages (:meth:`MomentumExchange.finish`); ``grads``: where step 2 has not run yet."""
+        return self.exchange.finish(self.sel, self.sent, grads)
+
+
 @dataclasses.dataclass
 class FlatMomentum:
     """A fused layout's momentum as one buffer, with its :class:`LayoutRuns` and each parameter's offset in it:
-    step 4 by layout positions."""
+    step 4 by layout positions. ``grad``: the flat gradient buffer the step gathers its gradients into; None once
+    the optimizer runs the multi-tensor path (``torch.compile`` failed), whose gradients are the parameters'."""
     momentum: torch.Tensor
     runs: LayoutRuns
     offsets: list[int]
+    grad: torch.Tensor | None
     # a DDP bucket's (first, end, offsets in the bucket) -> its constants (:func:`bucket_positions`)
     buckets: dict = dataclasses.field(default_factory=dict)
 
@@ -96,7 +111,6 @@ class MomentumExchange:
         self.index: dict[int, int] | None = None  # id(parameter) -> place in the layout
         self.momenta: list[torch.Tensor] = []  # per-parameter views of the flat momentum
         self.flat: FlatMomentum | None = None  # the flat momentum, where the layout is a fused one
-        self.flat_grad: torch.Tensor | None = None  # the step's flat gradient buffer, where it has one
         self.groups: list[dict] = []  # per parameter, its parameter group (beta1 is read at each launch)
         self.next_sel: Selection | None = None
         self.pending: dict[tuple[int, ...], Pending] = {}  # by the DDP bucket's parameter places
@@ -115,14 +129,18 @@ class MomentumExchange:
         pending, self.pending = self.pending, {}
         discard(pending)
 
-    def start(self, sel: Selection, grads: list[torch.Tensor], flat_grad: torch.Tensor | None = None) -> list[Sent]:
-        """Step 4 starts: the exchanges of ``sel``'s momentum.
+    @property
+    def flat_grad(self) -> torch.Tensor | None:
+        """The step's gradients as the fused layout's flat buffer, where there is one."""
+        return None if self.flat is None else self.flat.grad
+
+    def start(self, sel: Selection, grads: list[torch.Tensor]) -> Averages:
+        """Step 4 starts: the exchanges of ``sel``'s momentum (``grads``: the step's, views of :attr:`flat_grad`
+        where there is one).
 
         The hook's exchanges of another mask (k changed after backward) are dropped; when the gradients
         changed since the hook saw them (on any rank), every rank drops them all and sends again.
-        ``flat_grad``: the gradients as the fused layout's flat buffer, where there is one.
         """
-        self.flat_grad = flat_grad
         pending, self.pending = self.pending, {}
         discard({key: e for key, e in pending.items() if e.sel is not sel})
         pending = {key: e for key, e in pending.items() if e.sel is sel}
@@ -137,16 +155,18 @@ class MomentumExchange:
                               stacklevel=3)
         works = [e.sent for e in pending.values()]
         if comm.world_size(self.process_group) > 1:  # the rest of the selected momentum goes out now
-            if not works and self.flat is not None and flat_grad is not None:
+            if not works and self.flat_grad is not None:
                 positions = sel.layout_positions(self.flat.runs, with_dense=True)
-                return [launch(self, sel, range(len(self.momenta)), self.flat.momentum.index_select(0, positions),
-                               flat_grad.index_select(0, positions), positions)]
-            covered = {i for sent in works for i in sent.ids}
-            rest = [i for i in range(len(self.momenta)) if i not in covered]
-            if rest:
-                order = packing(sel, rest)[0]
-                works.append(launch(self, sel, order, packed(sel, self.momenta, order), packed(sel, grads, order)))
-        return works
+                works = [launch(self, sel, range(len(self.momenta)), self.flat.momentum.index_select(0, positions),
+                                self.flat_grad.index_select(0, positions), positions)]
+            else:
+                covered = {i for sent in works for i in sent.ids}
+                rest = [i for i in range(len(self.momenta)) if i not in covered]
+                if rest:
+                    order = packing(sel, rest)[0]
+                    works.append(launch(self, sel, order, packed(sel, self.momenta, order),
+                                        packed(sel, grads, order)))
+        return Averages(self, sel, works)
 
     def finish(self, sel: Selection, works: list[Sent], grads=None) -> list[tuple[list[int], torch.Tensor]]:
         """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages).

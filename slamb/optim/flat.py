@@ -125,10 +125,11 @@ class FlatLayout:
                 self.groups.append((g, i, i + 1))
 
     @classmethod
-    def of(cls, optimizer, ids: list[int], align: int = 1) -> "FlatLayout":
-        """The layout of the optimizer's parameters ``ids`` (indices in its parameter order)."""
+    def of(cls, optimizer, ids: list[int], align: int = 1, **extra) -> "FlatLayout":
+        """The layout of the optimizer's parameters ``ids`` (indices in its parameter order); ``extra``: what a
+        subclass's layout takes besides."""
         everything = [(gi, p) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]]
-        return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids], align)
+        return cls([everything[i][1] for i in ids], [everything[i][0] for i in ids], align, **extra)
 
     def adopt(self, state: dict, key: str, fill: float = 0.0, per_tensor: bool = False,
               dtype: torch.dtype | None = None, device=None) -> torch.Tensor:

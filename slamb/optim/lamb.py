@@ -22,7 +22,7 @@ from ..sharding import check_state_shapes, local, reduce_squares, sharded_topolo
 from ..topology import MeshTopology
 from . import fused as fused_passes
 from .checks import (NONFINITE_POLICIES, check_adam_group, check_choice, check_fused, check_process_group,
-                     nonfinite_skip)
+                     check_sharded, nonfinite_skip)
 from .flat import FlatLayout
 from .lamb_math import adam_moments_, bias_folding, safe_ratio
 from .precision import promote_state_, state_dtype, working_copies, write_back_
@@ -288,9 +288,8 @@ class LAMB(ContractDefaults, Optimizer):
         self.process_group = process_group
         self.ledger = ledger or comm.CommLedger()
         self.shards = sharded_topology([p for g in self.param_groups for p in g["params"]], process_group)
-        if self.shards is not None and foreach is False:
-            raise ValueError("LAMB(foreach=False) takes no sharded (FSDP2 DTensor) parameters; the multi-tensor and "
-                             "fused paths (foreach=None) do")
+        if self.shards is not None:
+            check_sharded("LAMB", {"foreach=False": foreach is False}, "foreach=None")
 
     @property
     def fused_fallback(self) -> str | None:

@@ -8,8 +8,8 @@ dispatcher, :func:`slamb_update_`, which chooses by its ``foreach`` and ``fused`
   multi-tensor ops over flat buffers, as derived below;
 * ``_fused_slamb``: two passes and the age's, compiled by ``torch.compile`` over flat buffers (``fused.py``).
 
-Step 4 is not here: each implementation calls back the ``exchange`` it is
-given (``exchange.py``) once step 2 is done.
+Step 4 is not here: each implementation ends the exchange it is given
+(``averages.wait_into``, ``exchange.py``) where its docstring says.
 
 How the multi-tensor path rewrites steps 5-7
 --------------------------------------------
@@ -120,43 +120,57 @@ def v2_reference(p, m, v, age, sel, h: SlambHyper, *, n):
     p.sub_(h.lr * phi_s * r * u + (h.lr / math.sqrt(n)) * phi_l * (1 - r) * u)
 
 
-class SlambLayout:
-    """The flat layout with what steps 5-7 read of it besides the step's buffers: which tensors are always
-    averaged, and per-parameter views of the long-lived flat buffers (made once: a model with hundreds of
-    small tensors spends more on making views each step than on its arithmetic)."""
+def always_averaged(p: torch.Tensor, min_compress_numel: int) -> bool:
+    """Whether every entry of ``p``'s momentum is averaged at every step (biases, norms, small tensors):
+    a 1-D tensor, or one of fewer than ``min_compress_numel`` entries; SLAMB's mask draws over the others."""
+    return p.dim() == 1 or p.numel() < min_compress_numel
 
-    def __init__(self, layout: FlatLayout, dense: list[bool], fused: bool = False):
-        self.layout, self.params, self.dense = layout, layout.params, dense
-        self.dense_t = torch.tensor(dense, device=layout.device)
-        self.one_dim_t = torch.tensor([p.dim() == 1 for p in layout.params], device=layout.device)
+
+class SlambLayout(FlatLayout):
+    """The flat layout with what every path of steps 5-7 reads of it besides the step's buffers: which tensors
+    are always averaged (``dense``, by the whole tensors' shapes), and per-parameter views of the long-lived
+    flat buffers (:meth:`held_views`, made once: a model with hundreds of small tensors spends more on making
+    views each step than on its arithmetic)."""
+
+    def __init__(self, params: list[torch.Tensor], group_index: list[int], align: int = 1, *,
+                 min_compress_numel: int):
+        super().__init__(params, group_index, align)
+        self.dense = [always_averaged(p, min_compress_numel) for p in self.keys]
+        self.dense_t = torch.tensor(self.dense, device=self.device)
+        self.one_dim_t = torch.tensor([p.dim() == 1 for p in self.params], device=self.device)
         # per group: its compressed tensors, and their places in the group (for _split_norms)
         self.compressed_of = {}
-        for _, lo, hi in layout.groups:
-            ids = [i for i in range(lo, hi) if not dense[i]]
-            self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long,
-                                                        device=layout.device))
-        self._views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
-        # the fused path's compiled passes, flat parameters and gradients, each tensor's group (in
-        # ``layout.groups``) and dense column, and what takes the draw's positions to the layout's
-        self.passes = fused_passes.Passes("SLAMB")
-        self.group_index = torch.tensor([g for g, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)],
-                                        device=layout.device)
-        self.flat = fused_passes.FlatStep(layout) if fused else None
-        self.dense_f = self.dense_t.to(torch.float32)
-        self.runs = LayoutRuns(layout, dense) if fused else None
+        for _, lo, hi in self.groups:
+            ids = [i for i in range(lo, hi) if not self.dense[i]]
+            self.compressed_of[lo] = (ids, torch.tensor([i - lo for i in ids], dtype=torch.long, device=self.device))
+        self._held: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def held_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Per-parameter views of ``flat``, a buffer over the whole layout that lives as long as this."""
-        got = self._views.get(id(flat))
+        got = self._held.get(id(flat))
         if got is None or got[0] is not flat:
-            got = self._views[id(flat)] = (flat, self.layout.views(flat))
+            got = self._held[id(flat)] = (flat, self.views(flat))
         return got[1]
 
 
-def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
+class FusedSlamb:
+    """What only the fused path holds: its compiled passes, the flat parameters and gradients
+    (:class:`slamb.optim.fused.FlatStep`), the runs that take a draw's positions to the layout's, each tensor's
+    group (in ``layout.groups``) and dense column."""
+
+    def __init__(self, layout: SlambLayout):
+        self.passes = fused_passes.Passes("SLAMB")
+        self.flat = fused_passes.FlatStep(layout)
+        self.runs = LayoutRuns(layout, layout.dense)
+        self.group_index = torch.tensor([g for g, (_, lo, hi) in enumerate(layout.groups) for _ in range(lo, hi)],
+                                        device=layout.device)
+        self.dense = layout.dense_t.to(torch.float32)
+
+
+def _split_norms(layout: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
     """Per-tensor norms of the selected and of the other entries of ``tensors`` (parameters lo:hi), each
     summed over its own entries (the module docstring: no cancellation)."""
-    ids, at = plan.compressed_of[lo]
+    ids, at = layout.compressed_of[lo]
     if not ids:
         whole = torch.stack(torch._foreach_norm(tensors))
         return whole, torch.zeros_like(whole)
@@ -176,11 +190,22 @@ def _split_norms(plan: SlambLayout, sel: Selection, tensors, lo: int, hi: int):
     return selected, torch.zeros_like(norms).index_copy_(0, at, norms.index_select(0, at))
 
 
-def _moments(plan, grads, m, v, groups, *, foreach: bool) -> None:
+def _moments(layout, grads, m, v, groups, *, foreach: bool) -> None:
     """Step 2 on the flat buffers."""
-    ms, vs = plan.views(m), plan.views(v)
+    ms, vs = layout.held_views(m), layout.held_views(v)
     for lo, hi, h in groups:
         adam_moments_(ms[lo:hi], vs[lo:hi], grads[lo:hi], h.b1, h.b2, foreach=foreach)
+
+
+def age_of_freshness(r: torch.Tensor, b3: float) -> torch.Tensor:
+    """The age (int16) of a freshness r = b3^age saved by an older v2 state (one float per element). Exact where
+    b3^age is above fp32's smallest normal number."""
+    r = r.double()
+    if b3 > 0:
+        age = (r.log() / math.log(b3)).round().nan_to_num(posinf=MAX_INT16_AGE).clamp(0, MAX_INT16_AGE)
+    else:  # r = 0^age: 1 for age 0, else 0 for every age
+        age = (r < 1).double()
+    return torch.where(r >= 1, 0.0, age.clamp_min(1)).to(torch.int16)
 
 
 def _advance_age(age: torch.Tensor, sel: Selection) -> None:
@@ -189,17 +214,19 @@ def _advance_age(age: torch.Tensor, sel: Selection) -> None:
     sel.fill_(age, 0)
 
 
-def _single_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
-    """Steps 2 and 4-7, tensor by tensor, with the reference functions (``work``, ``shards``: unused; FSDP2's
-    shards are refused on this path)."""
-    _moments(plan, grads, m, v, groups, foreach=False)
-    exchange()
+def _single_tensor_slamb(layout, sel, params, grads, m, v, age, groups, *, variant, n, averages, work, fused, shards,
+                         ledger):
+    """Steps 2 and 4-7, tensor by tensor, with the reference functions (``work``, ``fused``, ``shards``: unused;
+    FSDP2's shards are refused on this path)."""
+    _moments(layout, grads, m, v, groups, foreach=False)
+    averages.wait_into()
     _advance_age(age, sel)
-    mask = plan.layout.views(sel.bool_mask())
+    mask = layout.views(sel.bool_mask())
+    ms, vs, ages = layout.held_views(m), layout.held_views(v), layout.held_views(age)
     reference = v1_reference if variant == "v1" else v2_reference
     for lo, hi, h in groups:
         for i in range(lo, hi):
-            reference(params[i], plan.views(m)[i], plan.views(v)[i], plan.views(age)[i], mask[i], h, n=n)
+            reference(params[i], ms[i], vs[i], ages[i], mask[i], h, n=n)
 
 
 # devices where p.add_(x, alpha=s) per tensor beats the multi-tensor pair: torch's foreach ops loop over the
@@ -225,26 +252,26 @@ def _freshness(age: torch.Tensor, b3: float, *, out: torch.Tensor) -> torch.Tens
     return out.copy_(age == 0)
 
 
-def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
-    span, params = plan.layout.span(lo, hi), params[lo:hi]
+def _v1_flat(layout, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
+    span, params = layout.span(lo, hi), params[lo:hi]
     c, eps = bias_folding(h.t, h.b1, h.b2, h.eps)
     adam_direction_(m[span], v[span], eps, out=work[0][span])
-    d = plan.views(work[0])[lo:hi]
+    d = layout.held_views(work[0])[lo:hi]
     if h.wd != 0:
         torch._foreach_add_(d, params, alpha=h.wd / c)
-    norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
+    norms = torch.stack([*_split_norms(layout, sel, params, lo, hi), *_split_norms(layout, sel, d, lo, hi)])
     r = _freshness(age[span], h.b3, out=work[1][span])
     e0 = h.lr / math.sqrt(n)
     e1 = h.lr - e0
     if e1 != 0:
         work[0][span].addcmul_(work[0][span], r, value=e1 / e0)
     scale = -c * e0
-    rs = plan.views(work[1])[lo:hi]
+    rs = layout.held_views(work[1])[lo:hi]
 
     def scalars(norms):
         p_s, p_l, d_s, d_l = norms
         phi_s, phi_l = safe_ratio(p_s, d_s * c, 1.0), safe_ratio(p_l, d_l * c, 1.0)
-        dense, one_dim = plan.dense_t[lo:hi], plan.one_dim_t[lo:hi]
+        dense, one_dim = layout.dense_t[lo:hi], layout.one_dim_t[lo:hi]
         a = torch.where(dense, torch.where(one_dim, phi_s, phi_s.clamp(h.c_min, h.c_max)), phi_l)
         b = torch.where(dense, 0.0, phi_s - phi_l)
         clamps = ~dense & ((torch.minimum(phi_s, phi_l) < h.c_min) | (torch.maximum(phi_s, phi_l) > h.c_max))
@@ -264,16 +291,16 @@ def _v1_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
     return norms, scalars
 
 
-def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
-    span, params = plan.layout.span(lo, hi), params[lo:hi]
+def _v2_flat(layout, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
+    span, params = layout.span(lo, hi), params[lo:hi]
     c = bias_folding(h.t, h.b1, h.b2, h.eps)[0]
     adam_direction_(m[span], v[span], h.eps, out=work[0][span])
-    d = plan.views(work[0])[lo:hi]  # a / c
-    norms = torch.stack([*_split_norms(plan, sel, params, lo, hi), *_split_norms(plan, sel, d, lo, hi)])
+    d = layout.held_views(work[0])[lo:hi]  # a / c
+    norms = torch.stack([*_split_norms(layout, sel, params, lo, hi), *_split_norms(layout, sel, d, lo, hi)])
     if h.wd != 0:
         torch._foreach_add_(d, params, alpha=h.wd / c)  # u / c
     _freshness(age[span], h.b3, out=work[1][span])
-    fresh = plan.views(work[1])[lo:hi]
+    fresh = layout.held_views(work[1])[lo:hi]
 
     def scalars(norms):
         p_s, p_l, a_s, a_l = norms
@@ -289,14 +316,15 @@ def _v2_flat(plan, sel, lo, hi, params, m, v, age, work, h: SlambHyper, *, n):
     return norms, scalars
 
 
-def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
+def _multi_tensor_slamb(layout, sel, params, grads, m, v, age, groups, *, variant, n, averages, work, fused, shards,
+                        ledger):
     """Steps 2 and 4-7 with multi-tensor ops on flat buffers (the rewrites of the module docstring); ``work``:
-    the scratch buffers."""
-    _moments(plan, grads, m, v, groups, foreach=True)
-    exchange()
+    the scratch buffers (``fused``: unused)."""
+    _moments(layout, grads, m, v, groups, foreach=True)
+    averages.wait_into()
     _advance_age(age, sel)
     flat = _v1_flat if variant == "v1" else _v2_flat
-    prepared = [flat(plan, sel, lo, hi, params, m, v, age, work, h, n=n) for lo, hi, h in groups]
+    prepared = [flat(layout, sel, lo, hi, params, m, v, age, work, h, n=n) for lo, hi, h in groups]
     whole = reduce_squares([x for x, _ in prepared], shards, ledger)  # a shard's norms: one collective for all groups
     deferred = [scalars(x) for (_, scalars), x in zip(prepared, whole)]
     # every group's scalars in one host read: a group's update changes nothing another reads
@@ -307,7 +335,8 @@ def _multi_tensor_slamb(plan, sel, params, grads, m, v, age, groups, *, variant,
         update(*(rows[i * width:(i + 1) * width] for i in range(scalars.shape[0])))
 
 
-def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exchange, work, shards, ledger):
+def _fused_slamb(layout, sel, params, grads, m, v, age, groups, *, variant, n, averages, work, fused, shards,
+                 ledger):
     """Steps 2 and 4-7 as the compiled passes of :mod:`slamb.optim.fused` over the flat buffers: step 4
     ends first (the ranks' averages written into m), then the moments and the norms, split at the marks,
     in the first pass, the age in its own, and the update in the second. The drawn entries are marked by their layout
@@ -317,15 +346,15 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     back (:class:`slamb.optim.fused.FlatStep`). Raises
     ``fused.CompileFailed`` where the first graph failed to compile: nothing has changed but the averages in
     m, which the exchange writes again on any path, and the marks, which step 6 makes 0 on any path
-    (-1 + 1)."""
-    layout, passes, flat = plan.layout, plan.passes, plan.flat
+    (-1 + 1). ``work``: unused."""
+    passes, flat = fused.passes, fused.flat
     p, g = flat.view(flat.params()), flat.view(flat.grad)  # ``grads``: views of it, gathered by the step
-    age.index_fill_(0, sel.layout_positions(plan.runs), fused_passes.SELECTED)
-    written = 1.0 if exchange(grads=grads) else 0.0  # step 4 ended: nothing written at world size 1
+    age.index_fill_(0, sel.layout_positions(fused.runs), fused_passes.SELECTED)
+    written = 1.0 if averages.wait_into(grads) else 0.0  # step 4 ended: nothing written at world size 1
     rows = [_fused_columns(variant, h) for _, _, h in groups]
-    cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, plan.group_index, layout.device).unbind(1)))
-    cols["dense"] = plan.dense_f
-    cols["written"] = torch.full_like(plan.dense_f, written)
+    cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, fused.group_index, layout.device).unbind(1)))
+    cols["dense"] = fused.dense
+    cols["written"] = torch.full_like(fused.dense, written)
     moment_table = torch.stack([cols[k] for k in fused_passes.MOMENT_COLUMNS], 1)
     m, v, bits = flat.view(m), flat.view(v), flat.view(age.view(torch.float16))
 
@@ -339,7 +368,7 @@ def _fused_slamb(plan, sel, params, grads, m, v, age, groups, *, variant, n, exc
     inf = torch.full_like(lr, math.inf)
     if variant == "v1":
         phi_s, phi_l = safe_ratio(p_s, u_s, 1.0), safe_ratio(p_l, u_l, 1.0)
-        one_dim = plan.one_dim_t
+        one_dim = layout.one_dim_t
         a = torch.where(one_dim, phi_s, phi_l)  # a 1-D tensor is plain LAMB: no clamp, no blending
         b = torch.where(one_dim, 0.0, phi_s - phi_l)
         lo, hi = torch.where(one_dim, -inf, c_min), torch.where(one_dim, inf, c_max)
@@ -367,19 +396,20 @@ def _fused_columns(variant, h: SlambHyper) -> list[float]:
             math.log2(h.b3) if h.b3 > 0 else fused_passes.LOG2_ZERO, h.lr, h.c_min, h.c_max]
 
 
-def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
-                  exchange, work: list[torch.Tensor], foreach: bool, fused: bool, shards=None, ledger=None) -> None:
-    """Steps 2 and 4-7 of every parameter group, in place on ``plan.params`` and the flat buffers.
+def slamb_update_(layout: SlambLayout, sel: Selection, grads, m, v, age, groups, *, variant: str, n: int,
+                  averages, work: list[torch.Tensor], foreach: bool, fused: FusedSlamb | None, shards=None,
+                  ledger=None) -> None:
+    """Steps 2 and 4-7 of every parameter group, in place on ``layout.params`` and the flat buffers.
 
     ``grads``: the local gradients (step 1); ``m``, ``v``, ``age``: flat buffers over the layout (the
-    moments and the age (``staleness``) of the last step); ``sel``: the step's mask; ``exchange``: ends
-    step 4 (waits for the momentum averages of ``sel``, started before, and writes them into ``m``; the
-    multi-tensor and reference paths call it after step 2, the fused path before, giving it ``grads``) and
-    returns them as (parameter ids, packed averages); ``groups``: (first, end,
-    :class:`SlambHyper`) per run of the layout; ``n``: the world size; ``work``: the multi-tensor path's
-    scratch, two flat buffers over the layout (none for the others); ``fused`` runs the compiled passes, else
-    ``foreach`` the multi-tensor path, else the per-tensor reference, as ``torch.optim.adam.adam`` chooses;
-    ``shards``: on FSDP2 shards, their topology, over whose shard group each shard's sums of
+    moments and the age (``staleness``) of the last step); ``sel``: the step's mask; ``averages``: step 4
+    under way (:class:`slamb.optim.exchange.Averages`), whose ``wait_into`` each implementation calls to write
+    the momentum averages of ``sel`` into ``m``: the multi-tensor and reference paths after step 2, the fused
+    path before, giving it ``grads``; ``groups``: (first, end, :class:`SlambHyper`) per run of the layout;
+    ``n``: the world size; ``work``: the multi-tensor path's scratch, two flat buffers over the layout (none
+    for the others); ``fused`` (its passes and flat buffers, :class:`FusedSlamb`) runs the compiled passes,
+    else ``foreach`` the multi-tensor path, else the per-tensor reference, as ``torch.optim.adam.adam``
+    chooses; ``shards``: on FSDP2 shards, their topology, over whose shard group each shard's sums of
     squares are summed into the whole tensor's (:func:`slamb.sharding.sum_squares_`, one all-reduce per step,
     recorded in ``ledger``; the multi-tensor and fused paths).
 
@@ -387,15 +417,15 @@ def slamb_update_(plan: SlambLayout, sel: Selection, grads, m, v, age, groups, *
     once: the reference and multi-tensor paths on fp32 copies of the parameters and gradients, the
     fused passes inside their graphs.
     """
-    if fused:
+    if fused is not None:
         impl = _fused_slamb
     elif foreach:
         impl = _multi_tensor_slamb
     else:
         impl = _single_tensor_slamb
     # the fused passes convert inside their graphs; the others step fp32 copies of low-precision tensors
-    params = plan.params if fused else working_copies(plan.params)
-    impl(plan, sel, params, grads if fused else working_copies(grads), m, v, age, groups, variant=variant, n=n,
-         exchange=exchange, work=work, shards=shards, ledger=ledger)
-    write_back_(plan.params, params)
-
+    low = fused is None
+    params = working_copies(layout.params) if low else layout.params
+    impl(layout, sel, params, working_copies(grads) if low else grads, m, v, age, groups, variant=variant, n=n,
+         averages=averages, work=work, fused=fused, shards=shards, ledger=ledger)
+    write_back_(layout.params, params)
