@@ -91,6 +91,23 @@ def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     assert harness.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
 
 
+def test_a_steps_samples_are_the_same_block_whatever_the_number_of_workers():
+    """Global batch 32 on 4 workers x 8 and on 2 x 16: step b's samples are block b of the epoch's permutation
+    (DistributedSampler, drop_last), the same set on any number of workers; split into the 4 workers'
+    micro-batches (``micro_batches=4``), 2 workers take those very micro-batches, 2 each."""
+    def steps(world, batch, **kw):
+        ranks = [list(harness.ShardedBatches(103, batch, solo(r, world), seed=4, **kw).epoch(1)) for r in range(world)]
+        return [torch.cat([rank[b] for rank in ranks]) for b in range(len(ranks[0]))]  # micro-batches x batch
+
+    four, two, split = steps(4, 8), steps(2, 16), steps(2, 8, micro_batches=4)
+    assert len(four) == len(two) == len(split) == 103 // 32
+    for a, b, c in zip(four, two, split):
+        assert a.shape == (4, 8) and sorted(a.flatten().tolist()) == sorted(b.flatten().tolist())
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="3 workers cannot take an equal share of a step's 4 micro-batches"):
+        harness.ShardedBatches(103, 8, solo(0, 3), seed=4, micro_batches=4)
+
+
 # ---------------------------------------------------------------------------------- checkpoints
 
 
