@@ -93,9 +93,10 @@ def train(cfg: dict, run_dir: str) -> dict:
         order = torch.stack(list(batches.epoch(epoch))).to(env.device)  # steps x micro-batches x images
         accum = len(batches.shards)
         if d.augment:  # drawn per micro-batch, as the worker that took it first drew them
-            draws = torch.stack([torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, s, run.step + i))
-                                              for s in batches.shards])
-                                 for i in range(steps_per_epoch)]).to(env.device)
+            draws = torch.stack([
+                torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, s, run.step + i))
+                             for s in batches.shards])
+                for i in range(steps_per_epoch)]).to(env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
         for i in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others

@@ -550,9 +550,10 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | Non
 
     Refuses an empty schedule, a checkpoint directory that cannot take a checkpoint (unwritable, a full
     disk), and a resume with other inputs, other settings or a number of workers (``world_size``, where
-    known) that cannot continue it (``why_fixed``, :func:`check_world_size`); with ``trainer.resume=never`` removes the old checkpoints, and otherwise the folders of
-    saves that did not finish (``clear``: not under torchrun, where every worker runs this). Returns the
-    summary of a run that already finished with this configuration (nothing to train), else None.
+    known) that cannot continue it (``why_fixed``, :func:`check_world_size`); with ``trainer.resume=never``
+    removes the old checkpoints, and otherwise the folders of saves that did not finish (``clear``: not under
+    torchrun, where every worker runs this). Returns the summary of a run that already finished with this
+    configuration (nothing to train), else None.
     """
     check_schedule(cfg)
     run_dir = Path(run_dir)
