@@ -27,7 +27,7 @@ from omegaconf import OmegaConf
 
 import slamb
 import harness
-from harness.amp import MixedPrecision
+from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 
 from .data import augment, augment_draws, augment_generator, channel_stats, load_cifar10, normalize
@@ -66,7 +66,10 @@ def train(cfg: dict, run_dir: str) -> dict:
     data = load_cifar10(d.dir)
     train_x, train_y = (v.to(env.device) for v in data["train"])
     test_x, test_y = (v.to(env.device) for v in data["test"])
-    batches = harness.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed)
+    # each step's micro-batches are those of the run's first workers, however many workers resume it: fewer
+    # take several each, so BatchNorm still normalizes over the same images and the global batch stays
+    batches = harness.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed,
+                                     micro_batches=harness.step_micro_batches(run_dir, t.resume, env.world_size))
     steps_per_epoch = len(batches)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
@@ -78,7 +81,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=d.micro_batch * env.world_size, throughput="images")
+                       global_batch=d.micro_batch * batches.micro_batches, throughput="images",
+                       micro_batches=batches.micro_batches)
 
     stats = channel_stats(env.device)
     for epoch in run.epochs():
@@ -86,26 +90,31 @@ def train(cfg: dict, run_dir: str) -> dict:
         model.train()
         # the epoch's batch indices and augmentation draws reach the device at once: a copy from the host
         # inside the loop would make the host wait for the device every step
-        order = torch.stack(list(batches.epoch(epoch))).to(env.device)
-        if d.augment:
-            draws = torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, env.rank, run.step + i))
-                                 for i in range(steps_per_epoch)]).to(env.device)
+        order = torch.stack(list(batches.epoch(epoch))).to(env.device)  # steps x micro-batches x images
+        accum = len(batches.shards)
+        if d.augment:  # drawn per micro-batch, as the worker that took it first drew them
+            draws = torch.stack([
+                torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, s, run.step + i))
+                             for s in batches.shards])
+                for i in range(steps_per_epoch)]).to(env.device)
         sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
         for i in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            idx = order[i]
-            x = train_x[idx]
-            x = normalize(augment(x, draws[i]) if d.augment else x, stats)
-            y = train_y[idx]
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
-            with amp.autocast():
-                logits = model(x)
-            loss = F.cross_entropy(logits.float(), y)
             optimizer.zero_grad(set_to_none=True)
-            if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
-                amp.backward(loss)
+            for j in range(accum):
+                idx = order[i, j]
+                x = train_x[idx]
+                x = normalize(augment(x, draws[i, j]) if d.augment else x, stats)
+                y = train_y[idx]
+                with accumulation_context(model, last_micro_batch=j == accum - 1):
+                    with amp.autocast():
+                        logits = model(x)
+                    loss = F.cross_entropy(logits.float(), y)
+                    if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                        amp.backward(loss / accum)
+                sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
             amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
-            sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
         loss_sum, correct = harness.rank_sums(sums)
         seen = steps_per_epoch * run.global_batch
         metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch, stats))
@@ -120,7 +129,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg, check=check)
+    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, elastic=True)
 
 
 if __name__ == "__main__":

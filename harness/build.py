@@ -15,7 +15,7 @@ from slamb import registry
 from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
-from .checkpoint import Checkpointer, lookup, run_inputs
+from .checkpoint import FIXED_DATA, Checkpointer, fixed_world, lookup, run_inputs
 from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
@@ -169,7 +169,7 @@ def continue_optimizer(optimizer, run_dir, env) -> int:
         raise ValueError(f"init_optimizer_from={run_dir}: its checkpoint was written by {latest['world_size']} "
                          f"workers and this run has {env.world_size}; per-rank optimizer state cannot be "
                          f"redistributed: run with {latest['world_size']} workers, or init_optimizer_from=null")
-    state = ckpt.load()[2]["optimizer"]
+    state = ckpt.load()[2][0]["optimizer"]
     fresh = optimizer.state_dict()
     for group, ours in zip(state["param_groups"], fresh["param_groups"]):
         group.update({k: v for k, v in ours.items() if k != "params"})
@@ -247,14 +247,16 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()):
+def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), elastic: bool = False):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
     ``check``, ``optional``: the pipeline's own checks and the settings its config leaves out
-    (:func:`check_settings`).
+    (:func:`check_settings`). ``elastic``: its steps are split into the micro-batches of
+    :class:`harness.ShardedBatches` (``micro_batches``), so that a run may resume on another number of workers
+    (:func:`harness.checkpoint.check_world_size`).
 
     The job's run directory is Hydra's output directory, locked while the job writes it; its console goes to
     ``train.log`` there too, and it ends with the run's one summary line (:func:`harness.loop.summary_line`). With
@@ -300,7 +302,9 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     try:
         with RunLock(run_dir, hold=writer), ConsoleLog(Path(run_dir) / "train.log", hold=writer):
             try:
-                finished = prepare_run(container, run_dir, clear=local,
+                why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]),
+                                        None if elastic else FIXED_DATA)
+                finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
                                        world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
             except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
                 refuse(e)

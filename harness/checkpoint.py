@@ -48,6 +48,19 @@ checkpoint's optimizer and scheduler state would otherwise keep the old
 learning rate under a config.yaml that shows the new one, or a new ratio would
 take effect mid-run: results that belong to neither configuration.
 
+A DDP run of a pipeline that splits each step into micro-batches of its own (CIFAR-10's
+:class:`harness.ShardedBatches` with ``micro_batches``) may resume on another number of workers that
+divides the step's micro-batches (the worker count it started on, recorded as ``micro_batches``): each
+worker then takes several of them per step, by gradient accumulation, so every step computes what it
+computed before, the same samples, BatchNorm over the same micro-batches, the same augmentation (keyed
+by micro-batch). Every new rank starts from rank 0's files, under SLAMB (whose ranks differ) from the mean
+over the saved ranks of the parameters, the buffers and the moments (:func:`slamb.checkpoint.mean_state_dict`,
+as :func:`slamb.load_sharded` starts another replica count), the step and the mask ages as saved; each
+rank resumes rank 0's ledger (the bytes a worker sent so far: every rank of a DDP run sends as much), and
+its RNG streams from (seed, step, rank) (:func:`harness.seeding.reseed`). Optimizers whose per-rank state
+has no mean (DGC, 1-bit LAMB, PowerSGD, DiLoCo), the other pipelines and sharded runs are refused another
+world size, in one line, before any worker starts.
+
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
 resume on another device layout than the one that saved it.
@@ -64,12 +77,13 @@ import torch
 import torch.distributed as dist
 
 import slamb
+from slamb.checkpoint import mean_state_dict, replica_mean
 from .atomic import (FULL, DiskFull, atomic_torch_save, atomic_write_bytes, atomic_write_json, file_sha256, verify,
                      verified_torch_load, write_digest)
 from .distributed import DistEnv, barrier
 from .parallel import is_fsdp
 from .run import RunLogger
-from .seeding import rng_state, set_rng_state
+from .seeding import reseed, rng_state, set_rng_state
 from .settings import (INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration,
                        with_added_settings)
 
@@ -107,18 +121,50 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
-def check_world_size(latest: dict, world_size: int, where) -> None:
-    """Refuse to resume the checkpoint ``latest`` (in ``where``) with another number of workers."""
-    if latest["world_size"] != world_size:
-        sharded = (Path(where) / latest["dir"] / SHARDED).is_dir()
-        why = ("its model and optimizer would reshard (slamb.load_sharded), but each worker's own state (its RNG "
-               "streams, communication ledger and place in the data, rank<r>.pt) cannot be redistributed" if sharded
-               else "per-rank optimizer state cannot be redistributed")
+# why a run cannot resume on another number of workers, unless its pipeline splits its steps by micro-batch
+FIXED_DATA = "this pipeline's data stream is cut per worker, so no other number of workers continues it"
+
+
+def fixed_world(optimizer, pipeline: str | None) -> str | None:
+    """Why a run of ``optimizer`` cannot resume on another number of workers (None: it can). ``pipeline``: the
+    pipeline's own reason (:data:`FIXED_DATA`), None where it splits its steps by micro-batch."""
+    if pipeline is not None:
+        return pipeline
+    if optimizer.per_rank_state and not optimizer.takes_sharded:  # SLAMB's state has a mean (load_sharded's)
+        why = getattr(optimizer, "per_rank_reason", "each worker keeps its own state")
+        return f"{type(optimizer).__name__}'s per-rank state has no mean over the workers ({why})"
+    return None
+
+
+def check_world_size(latest: dict, world_size: int, where, why_fixed: str | None = FIXED_DATA) -> None:
+    """Refuse to resume the checkpoint ``latest`` (in ``where``) with another number of workers where the run
+    cannot (``why_fixed``, :func:`fixed_world`), or where they cannot split the step's micro-batches evenly."""
+    saved = latest["world_size"]
+    if saved == world_size:
+        return
+    if (Path(where) / latest["dir"] / SHARDED).is_dir():
+        why_fixed = ("its model and optimizer would reshard (slamb.load_sharded), but each worker's own state (its "
+                     "RNG streams, communication ledger and place in the data, rank<r>.pt) cannot be redistributed")
+    if why_fixed is not None:
+        raise ValueError(f"the checkpoint in {where} was written by {saved} workers and this run has {world_size}: "
+                         f"{why_fixed}. Resume with {saved} workers, or use a new run directory (trainer.resume=never "
+                         "starts over)")
+    splits = latest.get("micro_batches", saved)
+    if splits % world_size:
+        fits = ", ".join(str(n) for n in range(1, splits + 1) if splits % n == 0)
         raise ValueError(
-            f"the checkpoint in {where} was written by {latest['world_size']} workers and this run has "
-            f"{world_size}: {why}. Resume with "
-            f"{latest['world_size']} workers, or use a new run directory (trainer.resume=never starts over)"
-        )
+            f"the run in {where} takes each step in {splits} micro-batches of data.micro_batch samples, one per "
+            f"worker of the {splits} it started on (BatchNorm normalizes over each), and this run's {world_size} "
+            f"workers cannot take an equal number of them: a global batch of another size, or other micro-batches, "
+            f"would change what the run computes. Resume on {fits} workers (trainer.nproc_per_node), or start this "
+            "run over with trainer.resume=never (or another run directory)")
+
+
+def step_micro_batches(run_dir, resume: str, world_size: int) -> int:
+    """The micro-batches of each step of the run in ``run_dir`` (:class:`harness.ShardedBatches`): those of its
+    checkpoint where it resumes one, else one per worker of this run."""
+    found = Checkpointer(run_dir, None).complete()[:1] if resume == "auto" else []
+    return found[0].get("micro_batches", found[0]["world_size"]) if found else world_size
 
 
 # bytes the writability probe writes and syncs: an empty file fits on a full disk
@@ -233,7 +279,7 @@ def sharded_files(directory: Path, rank: int) -> list[Path]:
 
 class Checkpointer:
     def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None,
-                 settings: dict | None = None):
+                 settings: dict | None = None, micro_batches: int | None = None):
         if keep < 1:
             raise ValueError(f"invalid checkpoint.keep={keep}: must be >= 1 (the last checkpoint resumes the run)")
         self.dir = Path(run_dir) / "ckpt"
@@ -241,7 +287,9 @@ class Checkpointer:
         self.keep = keep
         self.inputs = inputs
         self.settings = settings
+        self.micro_batches = micro_batches  # of each step, over all workers (step_micro_batches)
         self.folder: Path | None = None  # the checkpoint load() returned
+        self.saved_world: int | None = None  # the number of workers that wrote it
 
     def latest(self) -> dict | None:
         path = self.dir / LATEST
@@ -313,6 +361,8 @@ class Checkpointer:
                 record["inputs"] = self.inputs
             if self.settings is not None:
                 record["settings"] = self.settings
+            if self.micro_batches is not None:
+                record["micro_batches"] = self.micro_batches
             atomic_write_json(record, folder / COMPLETE)
             atomic_write_json({"dir": name, **record}, self.dir / LATEST)
             old = sorted(p for p in self.dir.glob("step*") if p.is_dir() and p.name != name)
@@ -321,15 +371,17 @@ class Checkpointer:
         barrier()
         return folder
 
-    def _read(self, folder: Path, files: list[str] | None) -> tuple[dict | None, str | None]:
-        """(shared + this rank's files, None) or (None, why not). Each of ``files`` (those the checkpoint
+    def _read(self, folder: Path, files: list[str] | None, ranks) -> tuple[dict | None, str | None]:
+        """(shared + the files of ``ranks``, None) or (None, why not). Each of ``files`` (those the checkpoint
         records; None: written before they were, unchecked) is checked against its digest: the ``.pt`` files
         by the ranks that load them, every other (a sharded run's) by one rank."""
-        loaded, path = {}, None
+        loaded, path = {"ranks": []}, None
         try:
-            for key, name in (("shared", "shared.pt"), ("mine", f"rank{self.env.rank}.pt")):
-                path = folder / name
-                loaded[key] = verified_torch_load(path, required=files is not None)
+            path = folder / "shared.pt"
+            loaded["shared"] = verified_torch_load(path, required=files is not None)
+            for r in ranks:
+                path = folder / f"rank{r}.pt"
+                loaded["ranks"].append(verified_torch_load(path, required=files is not None))
             for name in [f for f in files or () if not f.endswith(".pt")][self.env.rank::self.env.world_size]:
                 path = folder / name
                 verify(path)
@@ -348,16 +400,19 @@ class Checkpointer:
             return _unreadable(folder / SHARDED, err, "folder")
         return None
 
-    def load(self, restore=None) -> tuple[dict, dict, dict] | None:
-        """(progress, shared, this rank's) of the newest checkpoint every rank can read, or None; its folder
-        is ``self.folder`` after. ``restore(folder)``: what loads beyond the ``.pt`` files (collective: a
-        sharded run's model and optimizer, :func:`slamb.load_sharded`); its failure falls back as an
-        unreadable file does."""
+    def load(self, restore=None, *, why_fixed: str | None = FIXED_DATA,
+             every_rank: bool = False) -> tuple[dict, dict, list[dict]] | None:
+        """(progress, shared, rank files) of the newest checkpoint every rank can read, or None; its folder
+        is ``self.folder`` after, the number of workers that wrote it ``self.saved_world``. The rank files:
+        this rank's; on another number of workers (refused with ``why_fixed``, :func:`check_world_size`) rank
+        0's, or with ``every_rank`` every saved rank's. ``restore(folder)``: what loads beyond the ``.pt`` files
+        (collective: a sharded run's model and optimizer, :func:`slamb.load_sharded`); its failure falls back
+        as an unreadable file does."""
         candidates = self.complete()
         if not candidates:
             return None
         latest = candidates[0]
-        check_world_size(latest, self.env.world_size, self.dir)
+        check_world_size(latest, self.env.world_size, self.dir, why_fixed)
         if self.inputs is not None:
             check_inputs(latest.get("inputs"), self.inputs, self.dir)
         if self.settings is not None:
@@ -367,7 +422,9 @@ class Checkpointer:
             if "files" not in entry and self.env.is_main:
                 print(f"checkpoint {folder} records no digests (written before they were): its files load "
                       "unchecked", flush=True)
-            loaded, why = self._read(folder, entry.get("files"))
+            saved = entry.get("world_size", self.env.world_size)
+            ranks = ([self.env.rank] if saved == self.env.world_size else range(saved) if every_rank else [0])
+            loaded, why = self._read(folder, entry.get("files"), ranks)
             # one rank's unreadable file sends every rank back, so that all resume from the same step; every
             # rank learns which file it was (on a node of its own, rank 0's line is the one a user reads)
             why = next((w for w in _gather_objects(why) if w is not None), None)
@@ -375,8 +432,8 @@ class Checkpointer:
                 why = next((w for w in _gather_objects(self._restore(restore, folder)) if w is not None), None)
             if why is None:
                 shared = loaded["shared"]
-                self.folder = folder
-                return shared.pop("progress"), shared, loaded["mine"]
+                self.folder, self.saved_world = folder, saved
+                return shared.pop("progress"), shared, loaded["ranks"]
             if i + 1 == len(candidates):
                 raise ValueError(why)  # a damaged input: a restart would meet it again
             if self.env.is_main:
@@ -406,15 +463,43 @@ def save_training(ckpt: Checkpointer, progress: dict, *, model, optimizer, sched
     return ckpt.save(progress, shared, per_rank, write if sharded else None)
 
 
-def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) -> tuple[dict, object] | None:
-    """Load the latest checkpoint into the objects; returns (progress, extra) or None to start afresh."""
+def _elastic(saved: list[dict], optimizer) -> dict:
+    """This rank's file on another number of workers, from the saved ranks' files (rank 0's, or every rank's
+    where the ranks' parameters differ): the mean over them of the model, the buffers and the optimizer state
+    (:func:`slamb.checkpoint.mean_state_dict`), rank 0's ledger; its RNG streams are drawn afresh."""
+    def mean(key: str) -> dict:
+        return {k: replica_mean([s[key][k] for s in saved], k) for k in saved[0][key]}
+
+    first = saved[0]
+    mine = {"ledger": first["ledger"], **{k: mean(k) for k in ("model", "buffers") if k in first}}
+    if "optimizer" in first:  # a sharded run's is in its DCP folder
+        mine["optimizer"] = mean_state_dict([s["optimizer"] for s in saved], optimizer)
+    return mine
+
+
+def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None, seed: int = 0,
+                     why_fixed: str | None = FIXED_DATA) -> tuple[dict, object] | None:
+    """Load the latest checkpoint into the objects; returns (progress, extra) or None to start afresh. On
+    another number of workers (refused with ``why_fixed``, :func:`fixed_world`), every rank starts from the
+    saved ranks' mean (:func:`_elastic`), its RNG streams from (``seed``, step, rank), and rank 0 says so in
+    one line."""
     module = unwrap(model)
     sharded = is_fsdp(module)
     # after wrap_model, as load_sharded needs; inside the fallback: a sharded file that fails sends every rank back
-    loaded = ckpt.load((lambda folder: slamb.load_sharded(module, optimizer, folder / SHARDED)) if sharded else None)
+    loaded = ckpt.load((lambda folder: slamb.load_sharded(module, optimizer, folder / SHARDED)) if sharded else None,
+                       why_fixed=why_fixed, every_rank=optimizer.params_differ)
     if loaded is None:
         return None
-    progress, shared, mine = loaded
+    progress, shared, saved = loaded
+    world = ckpt.env.world_size
+    elastic = ckpt.saved_world != world
+    mine = _elastic(saved, optimizer) if elastic else saved[0]
+    if elastic and ckpt.env.is_main:
+        name = type(optimizer).__name__
+        start = (f"{name} starts every worker from the {ckpt.saved_world} workers' mean parameters and moments"
+                 if optimizer.params_differ else f"every worker starts from rank 0's model and {name} state")
+        print(f"resuming {ckpt.saved_world} workers' checkpoint on {world}: {start}, rank 0's ledger, RNG streams "
+              f"drawn from (seed, step, rank)", flush=True)
     if not sharded:
         module.load_state_dict(mine["model"] if "model" in mine else shared["model"])
         optimizer.load_state_dict(mine["optimizer"])
@@ -424,22 +509,30 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None) ->
     optimizer.ledger.load_state_dict(mine["ledger"])
     if scheduler is not None:
         scheduler.load_state_dict(shared["scheduler"])
-    set_rng_state(mine["rng"])
+    if elastic:
+        reseed(seed, progress["step"], ckpt.env.rank)
+    else:
+        set_rng_state(mine["rng"])
     return progress, shared.get("extra")
 
 
-def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None, amp=None, start: dict):
+def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None, amp=None, start: dict,
+             micro_batches: int | None = None):
     """The opening every training loop shares: checkpointer, auto-resume, logger.
 
     With ``trainer.resume == "auto"`` the latest checkpoint, if any, is loaded into the objects (the loss
     scale of ``amp`` too); ``start`` is the progress of a fresh run, e.g. ``{"epoch": 0, "step": 0}``.
+    ``micro_batches``: those of each step over all workers, where the pipeline splits its steps so
+    (:class:`harness.ShardedBatches`): the run may then resume on another number of workers.
     Returns ``(checkpointer, progress, restored, logger)``; ``progress["resumed_from"]`` lists the
     epochs (or steps, for step-based loops) the run was resumed at.
     """
     t = cfg.trainer
-    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain), settings=run_settings(plain))
-    restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler) \
-        if t.resume == "auto" else None
+    ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain), settings=run_settings(plain),
+                        micro_batches=micro_batches)
+    why_fixed = fixed_world(optimizer, None if micro_batches is not None else FIXED_DATA)
+    restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
+                                seed=cfg.get("seed", 0), why_fixed=why_fixed) if t.resume == "auto" else None
     progress, extra = restored or ({**start, "resumed_from": []}, None)
     if extra and amp is not None:
         amp.load_state_dict(extra["amp"])
@@ -451,14 +544,16 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     return ckpt, progress, restored is not None, log
 
 
-def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None) -> dict | None:
+def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None,
+                why_fixed: str | None = FIXED_DATA) -> dict | None:
     """What :func:`harness.build.run_from_hydra` checks before any worker starts.
 
     Refuses an empty schedule, a checkpoint directory that cannot take a checkpoint (unwritable, a full
-    disk), and a resume with other inputs, other settings or another number of workers (``world_size``,
-    where known); with ``trainer.resume=never`` removes the old checkpoints, and otherwise the folders of
-    saves that did not finish (``clear``: not under torchrun, where every worker runs this). Returns the
-    summary of a run that already finished with this configuration (nothing to train), else None.
+    disk), and a resume with other inputs, other settings or a number of workers (``world_size``, where
+    known) that cannot continue it (``why_fixed``, :func:`check_world_size`); with ``trainer.resume=never``
+    removes the old checkpoints, and otherwise the folders of saves that did not finish (``clear``: not under
+    torchrun, where every worker runs this). Returns the summary of a run that already finished with this
+    configuration (nothing to train), else None.
     """
     check_schedule(cfg)
     run_dir = Path(run_dir)
@@ -474,7 +569,7 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | Non
             check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
             check_settings(entry.get("settings"), run_settings(cfg), ckpt)
             if world_size is not None:
-                check_world_size(entry, world_size, ckpt)
+                check_world_size(entry, world_size, ckpt, why_fixed)
     if lookup(cfg, "trainer.checkpoint.enabled", True):
         check_writable(ckpt, lookup(cfg, "trainer.checkpoint.keep", 2))
     if cfg["trainer"]["resume"] == "never":

@@ -8,34 +8,48 @@ from .distributed import DistEnv
 
 
 class ShardedBatches:
-    """This rank's batches of sample indices for an epoch, in ``DistributedSampler`` order.
+    """This rank's micro-batches of sample indices for an epoch, in ``DistributedSampler`` order.
 
-    Every rank gets the same number of full batches (``drop_last``), so no
+    Each step takes ``micro_batches`` micro-batches of ``batch_size`` (default: one per worker), the
+    ``DistributedSampler`` shards of that many replicas; each worker takes ``micro_batches / world_size``
+    consecutive ones (:attr:`shards`). The samples of step ``b`` are the block ``b`` of the epoch's
+    permutation whatever the number of workers, and so are the micro-batches: a run resumed on fewer
+    workers (:func:`harness.checkpoint.step_micro_batches`) accumulates the micro-batches its workers
+    took before. Every rank gets the same number of full batches (``drop_last``), so no
     rank ever waits in a collective for a batch its peers do not have.
-    ``epoch(e, start=b)`` calls ``set_epoch(e)`` and starts at batch ``b``
+    ``epoch(e, start=b)`` calls ``set_epoch(e)`` and starts at step ``b``
     (mid-epoch resume sees the same remaining batches as the uninterrupted run).
     """
 
-    def __init__(self, num_samples: int, batch_size: int, env: DistEnv, *, seed: int, shuffle: bool = True):
+    def __init__(self, num_samples: int, batch_size: int, env: DistEnv, *, seed: int, shuffle: bool = True,
+                 micro_batches: int | None = None):
         if batch_size < 1:
             raise ValueError(f"invalid batch size {batch_size}: must be >= 1 (data.micro_batch)")
-        self.sampler = DistributedSampler(range(num_samples), num_replicas=env.world_size, rank=env.rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.micro_batches = micro_batches or env.world_size
+        if self.micro_batches % env.world_size:
+            raise ValueError(f"{env.world_size} workers cannot take an equal share of a step's {self.micro_batches} "
+                             f"micro-batches: run on a divisor of {self.micro_batches} workers")
+        per_worker = self.micro_batches // env.world_size
+        self.shards = range(env.rank * per_worker, (env.rank + 1) * per_worker)  # the micro-batches this rank takes
+        self.samplers = [DistributedSampler(range(num_samples), num_replicas=self.micro_batches, rank=s,
+                                            shuffle=shuffle, seed=seed, drop_last=True) for s in self.shards]
         self.batch_size = batch_size
         if len(self) == 0:
             raise ValueError(
-                f"{num_samples} samples cannot give every one of {env.world_size} workers a full batch of "
-                f"{batch_size}: lower data.micro_batch or the number of workers"
+                f"{num_samples} samples cannot give every one of {self.micro_batches} micro-batches a full batch "
+                f"of {batch_size}: lower data.micro_batch or the number of workers"
             )
 
     def __len__(self) -> int:
-        return self.sampler.num_samples // self.batch_size
+        return self.samplers[0].num_samples // self.batch_size
 
     def epoch(self, epoch: int, start: int = 0):
-        self.sampler.set_epoch(epoch)
-        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        """This rank's steps of epoch ``epoch`` from step ``start``: each a ``len(shards) x batch_size`` tensor."""
+        for sampler in self.samplers:
+            sampler.set_epoch(epoch)
+        order = torch.tensor([list(sampler) for sampler in self.samplers], dtype=torch.long)
         for b in range(start, len(self)):
-            yield order[b * self.batch_size:(b + 1) * self.batch_size]
+            yield order[:, b * self.batch_size:(b + 1) * self.batch_size]
 
 
 def eval_shard(num_samples: int, env: DistEnv) -> torch.Tensor:

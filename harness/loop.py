@@ -90,11 +90,13 @@ class Loop:
 
     The run's length and checkpoint cadence come from ``cfg``: ``epochs`` (or
     ``steps``) and ``trainer.checkpoint.every``, counted in that unit. ``throughput`` names the samples/s
-    column (``images``: ``images_per_s``).
+    column (``images``: ``images_per_s``). ``micro_batches``: those of each step over all workers, where the
+    pipeline splits its steps so (:class:`harness.ShardedBatches`): the run may resume on another number of
+    workers (:func:`harness.checkpoint.open_run`).
     """
 
     def __init__(self, run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler, amp=None,
-                 global_batch: int, throughput: str, unit: str = "epoch"):
+                 global_batch: int, throughput: str, unit: str = "epoch", micro_batches: int | None = None):
         self.run_dir, self.env, self.cfg, self.plain = str(run_dir), env, cfg, plain
         self.model, self.optimizer, self.scheduler, self.amp = model, optimizer, scheduler, amp
         self.global_batch, self.throughput, self.unit = global_batch, f"{throughput}_per_s", unit
@@ -103,7 +105,7 @@ class Loop:
         start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
         self.ckpt, progress, self.restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
                                                            optimizer=optimizer, scheduler=scheduler, amp=amp,
-                                                           start=start)
+                                                           start=start, micro_batches=micro_batches)
         self.done = progress[unit]  # epochs or steps completed
         self.step = progress["step"]
         self.resumed_from = progress["resumed_from"]

@@ -28,6 +28,15 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> in
     return local
 
 
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Seed every RNG a step may draw from with a stream of (``seed``, ``step``, ``rank``): where a run resumes
+    on another number of workers, whose saved streams are not this rank's to continue."""
+    local = int(np.random.SeedSequence([int(seed), int(step), int(rank)]).generate_state(1)[0])
+    random.seed(local)
+    np.random.seed(local)
+    torch.manual_seed(local)
+
+
 def rng_state() -> dict:
     """Every RNG a training step may draw from, for checkpoints.
 

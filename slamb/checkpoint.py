@@ -32,7 +32,8 @@ from .ddp import is_prepared, reshard
 from .sharding import is_sharded, local
 from .topology import MeshTopology, whole_group
 
-__all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded"]
+__all__ = ["save_optimizer", "load_optimizer", "optimizer_file", "save_sharded", "load_sharded", "replica_mean",
+           "mean_state_dict"]
 
 FORMAT = 1
 SHARED_FILE = "optimizer.pt"
@@ -273,8 +274,9 @@ def _template(saved, like: torch.Tensor | None, mesh):
     return torch.empty(saved.size, dtype=dtype, device=local(like).device if like is not None else "cpu")
 
 
-def _mean(values: list, what: str):
-    """The replicas' mean of a float state; a counter (the mask ages) must be the same in every replica."""
+def replica_mean(values: list, what: str):
+    """The replicas' mean of a float state; a counter (the mask ages, the step) must be the same in every
+    replica. ``what`` names the entry in the refusal of a counter that differs."""
     values = [local(v) if torch.is_tensor(v) else v for v in values]
     first = values[0]
     if len(values) == 1:
@@ -282,9 +284,22 @@ def _mean(values: list, what: str):
     if torch.is_tensor(first) and first.is_floating_point():
         return sum(values[1:], first.clone()) / len(values)
     if not all(torch.equal(v, first) if torch.is_tensor(v) else v == first for v in values):
-        raise ValueError(f"slamb.load_sharded: {what} differs between the saved replicas, so it has no mean: the "
-                         "checkpoint was not written by one run's slamb.save_sharded")
+        raise ValueError(f"{what} differs between the saved replicas, so it has no mean: the checkpoint was not "
+                         "written by one run")
     return first
+
+
+def mean_state_dict(state_dicts: list[dict], optimizer) -> dict:
+    """What ``optimizer`` resumes from on another world size, given the ``state_dict()`` of each saved rank (of a
+    DDP run): the mean over them of every float state (SLAMB's moments), the counters (step, mask ages) as saved,
+    as :func:`load_sharded` starts a new replica count; stamped with this rank, whose own state it becomes. An
+    optimizer whose state is the same on every rank needs one rank's, which is returned as it is."""
+    first = state_dicts[0]
+    state = {i: {k: replica_mean([sd["state"][i][k] for sd in state_dicts], f"optimizer state {i}.{k}") for k in s}
+             for i, s in first["state"].items()}
+    key = getattr(optimizer, "state_key", "")
+    restamped = {key: {**first[key], **rank_stamp(optimizer.process_group)}} if key in first else {}
+    return {**first, "state": state, **restamped}
 
 
 def _elastic_line(meta: dict, topology: MeshTopology, state: dict, name: str) -> str:
@@ -371,11 +386,11 @@ def load_sharded(model, optimizer, directory) -> None:
     dcp.load(wanted, checkpoint_id=str(directory))
 
     for k, v in model_sd.items():
-        local(v).copy_(_mean([wanted[f"replica{c}"]["model"][k] for c in sources], k))
+        local(v).copy_(replica_mean([wanted[f"replica{c}"]["model"][k] for c in sources], k))
     state = {}
     for pname, k in by_param:
-        state.setdefault(index[pname], {})[k] = _mean([wanted[f"replica{c}"]["optim"][pname][k] for c in sources],
-                                                     f"{pname}.{k}")
+        state.setdefault(index[pname], {})[k] = replica_mean(
+            [wanted[f"replica{c}"]["optim"][pname][k] for c in sources], f"{pname}.{k}")
     if meta["n_replicas"] != topology.n_replicas and comm.rank() == 0:
         _log.warning("slamb.load_sharded: %s", _elastic_line(meta, topology, state, name))
     groups = [{**g, "params": [index[p] for p in g["params"]]} for g in meta["param_groups"]]

@@ -150,7 +150,7 @@ def train(cfg: dict, run_dir: str) -> dict:
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)  # no host sync per step
-        for idx in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+        for (idx,) in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             inputs = batch_inputs(train_feats, idx, env.device)
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             with amp.autocast():

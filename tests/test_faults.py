@@ -55,7 +55,7 @@ def test_a_flipped_byte_in_the_newest_checkpoint_falls_back_to_the_older_one_wit
     # torch.load alone does not see it: the zip's CRCs go unchecked, the values change
     damaged = torch.load(newest, weights_only=False)["b"]
     assert not torch.equal(damaged, torch.arange(10_000.0) + 2)
-    progress, shared, mine = ckpt.load()
+    progress, shared, (mine,) = ckpt.load()
     assert progress == {"step": 1} and shared == {"a": 1} and torch.equal(mine["b"], torch.arange(10_000.0) + 1)
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"checkpoint file {newest} is unreadable (ValueError: its sha256 ")
@@ -72,7 +72,7 @@ def test_a_checkpoint_without_digests_still_loads_with_a_notice(tmp_path, capsys
         digest.unlink()
     for record in (ckpt.dir / "latest.json", ckpt.dir / "step000000001" / "complete.json"):
         record.write_text(json.dumps({k: v for k, v in json.loads(record.read_text()).items() if k != "files"}))
-    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, [{"b": 1}])
     assert capsys.readouterr().out == (f"checkpoint {ckpt.dir / 'step000000001'} records no digests (written before "
                                        "they were): its files load unchecked\n")
 
@@ -83,7 +83,7 @@ def test_a_missing_digest_falls_back_naming_it(tmp_path, capsys):
     for step in (1, 2):
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     (ckpt.dir / "step000000002" / "rank0.pt.sha256").unlink()
-    assert ckpt.load() == ({"step": 1}, {"a": 1}, {"b": 1})
+    assert ckpt.load() == ({"step": 1}, {"a": 1}, [{"b": 1}])
     assert json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"] == ["rank0.pt", "shared.pt"]
     assert capsys.readouterr().out == (
         f"checkpoint file {ckpt.dir / 'step000000002' / 'rank0.pt'} is unreadable (FileNotFoundError: its digest "
@@ -102,7 +102,7 @@ def damaged_rank_worker(rank, world, run_dir):
     harness.distributed.barrier()
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        progress, _, mine = ckpt.load()
+        progress, _, (mine,) = ckpt.load()
     if rank == 1:
         flip_byte(ckpt.dir / "step000000001" / "rank1.pt")
     harness.distributed.barrier()
@@ -281,7 +281,7 @@ def test_a_step_saved_again_leaves_nothing_of_the_earlier_attempt(tmp_path):
     ckpt.save({"step": 2}, {"a": 2}, {"b": 2})
     assert sorted(p.name for p in again.iterdir()) == ["complete.json", "rank0.pt", "rank0.pt.sha256", "shared.pt",
                                                        "shared.pt.sha256"]
-    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, [{"b": 2}])
 
 
 def test_a_sharded_run_on_another_world_size_is_refused_with_its_own_reason(tmp_path):

@@ -81,14 +81,31 @@ def test_compression_warmup_list_and_floor():
 def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     shards = [harness.ShardedBatches(103, 10, solo(r, 3), seed=4) for r in range(3)]
     assert [len(s) for s in shards] == [3, 3, 3]  # 34 samples per rank, 3 full batches
-    epoch0 = [torch.cat(list(s.epoch(0))) for s in shards]
+    epoch0 = [torch.cat([b.flatten() for b in s.epoch(0)]) for s in shards]
     seen = torch.cat(epoch0)
     assert len(seen) == 90 and len(set(seen.tolist())) == 90  # disjoint across ranks
-    assert not torch.equal(epoch0[0], torch.cat(list(shards[0].epoch(1))))  # set_epoch reshuffles
-    assert torch.equal(torch.cat(list(shards[1].epoch(0, start=2))), epoch0[1][20:])
+    assert not torch.equal(epoch0[0], torch.cat([b.flatten() for b in shards[0].epoch(1)]))  # set_epoch reshuffles
+    assert torch.equal(torch.cat([b.flatten() for b in shards[1].epoch(0, start=2)]), epoch0[1][20:])
     with pytest.raises(ValueError, match="lower data.micro_batch or the number of workers"):
         harness.ShardedBatches(20, 16, solo(0, 2), seed=0)
     assert harness.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
+
+
+def test_a_steps_samples_are_the_same_block_whatever_the_number_of_workers():
+    """Global batch 32 on 4 workers x 8 and on 2 x 16: step b's samples are block b of the epoch's permutation
+    (DistributedSampler, drop_last), the same set on any number of workers; split into the 4 workers'
+    micro-batches (``micro_batches=4``), 2 workers take those very micro-batches, 2 each."""
+    def steps(world, batch, **kw):
+        ranks = [list(harness.ShardedBatches(103, batch, solo(r, world), seed=4, **kw).epoch(1)) for r in range(world)]
+        return [torch.cat([rank[b] for rank in ranks]) for b in range(len(ranks[0]))]  # micro-batches x batch
+
+    four, two, split = steps(4, 8), steps(2, 16), steps(2, 8, micro_batches=4)
+    assert len(four) == len(two) == len(split) == 103 // 32
+    for a, b, c in zip(four, two, split):
+        assert a.shape == (4, 8) and sorted(a.flatten().tolist()) == sorted(b.flatten().tolist())
+        assert torch.equal(a, c)
+    with pytest.raises(ValueError, match="3 workers cannot take an equal share of a step's 4 micro-batches"):
+        harness.ShardedBatches(103, 8, solo(0, 3), seed=4, micro_batches=4)
 
 
 # ---------------------------------------------------------------------------------- checkpoints
@@ -163,7 +180,7 @@ def test_checkpoint_keeps_the_last_and_refuses_another_world_size(tmp_path):
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     assert sorted(p.name for p in ckpt.dir.glob("step*")) == ["step000000002", "step000000003"]
     assert not list(ckpt.dir.rglob("*.tmp*"))  # every file was renamed into place
-    progress, shared, mine = ckpt.load()
+    progress, shared, (mine,) = ckpt.load()
     assert progress == {"step": 3} and shared == {"a": 3} and mine == {"b": 3}
     with pytest.raises(ValueError, match="written by 1 workers and this run has 4.*Resume with 1 workers"):
         Checkpointer(tmp_path, solo(0, 4)).load()
@@ -186,7 +203,7 @@ def test_an_unreadable_newest_checkpoint_falls_back_to_the_previous_one(tmp_path
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     newest = ckpt.dir / "step000000003" / "rank0.pt"
     newest.write_bytes(newest.read_bytes()[:40])  # truncated, as by a full disk
-    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, [{"b": 2}])
     out = capsys.readouterr().out
     assert f"checkpoint file {newest} is unreadable" in out and "resuming from the previous checkpoint, step000000002" in out
     (ckpt.dir / "step000000002" / "shared.pt").write_bytes(b"not a checkpoint")
@@ -200,7 +217,7 @@ def test_a_damaged_latest_json_resumes_from_the_newest_complete_folder(tmp_path,
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     (ckpt.dir / "step000000003").mkdir()  # a save interrupted before it completed: no complete.json
     (ckpt.dir / "latest.json").write_text('{"dir": "step0')
-    assert ckpt.load() == ({"step": 2}, {"a": 2}, {"b": 2})
+    assert ckpt.load() == ({"step": 2}, {"a": 2}, [{"b": 2}])
     assert "latest.json is unreadable" in capsys.readouterr().out
 
 

@@ -102,7 +102,7 @@ def test_resuming_with_other_inputs_or_another_world_size_is_refused_before_any_
     stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'other'}"], run)
     assert f"was trained with data.dir='{data}' and this run has data.dir='{tmp_path / 'other'}'" in stderr
     stderr = refused("cifar10.train", [*CIFAR[:1], "trainer.nproc_per_node=3", f"data.dir={data}"], run)
-    assert f"the checkpoint in {run / 'ckpt'} was written by 2 workers and this run has 3" in stderr
+    assert f"the run in {run / 'ckpt'} takes each step in 2 micro-batches of data.micro_batch samples" in stderr
     assert not (run / "run.lock").exists()  # released on the way out
 
 
