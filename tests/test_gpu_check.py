@@ -55,19 +55,37 @@ def test_this_torch_has_every_api_the_library_relies_on():
     assert "missing" not in api["inductor deterministic settings"]
 
 
-@pytest.mark.multiprocess  # runs Python in a subprocess
-def test_every_gpu_marked_test_is_in_one_tier():
-    def collected(*args):
-        proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu", "-p",
-                               "no:cacheprovider", *args], cwd=ROOT, capture_output=True, text=True, timeout=600)
-        return {line for line in proc.stdout.splitlines() if "::" in line}
+def collected(pytester, *args) -> tuple[set[str], int]:
+    """The node ids a ``pytest --collect-only -m gpu`` of ``args`` selects (pytest's own collection, run in this
+    process: the test modules are imported once), and its exit code."""
+    recorder = pytester.inline_run("--collect-only", "-m", "gpu", "-p", "no:cacheprovider", *args)
+    finished = recorder.getcalls("pytest_collection_finish")
+    return {i.nodeid for i in finished[0].session.items} if finished else set(), recorder.ret
 
-    every = collected("tests")
+
+def test_every_gpu_marked_test_is_in_one_tier(pytester):
+    """The tiers split the gpu tests of the files gpu-check runs; a gpu test elsewhere is refused at collection
+    (:func:`tests.tiers.misfiled_gpu_tests`: every run of the suite checks its own files)."""
+    files = [str(ROOT / f) for f in gpu_check.TEST_FILES]
+    every = collected(pytester, *files)[0]
     assert len(every) >= 60 and {i.split("::")[0] for i in every} == set(gpu_check.TEST_FILES)
-    tiers = [collected(*gpu_check.TEST_FILES, "-k", gpu_check.test_selection(t)) for t in (1, 2)]
+    tiers = [collected(pytester, *files, "-k", gpu_check.test_selection(t))[0] for t in (1, 2)]
     assert tiers[0] | tiers[1] == every and not tiers[0] & tiers[1]
     for name in gpu_check.TIER2_TESTS:
         assert any(f"::{name}" in i for i in tiers[1]), name
+
+
+def test_a_gpu_test_outside_the_files_gpu_check_runs_is_refused_at_collection(pytester, capsys):
+    pytester.makeini("[pytest]\nmarkers =\n    gpu: a GPU test\n")
+    pytester.makeconftest("from tests.tiers import pytest_collection_modifyitems  # noqa: F401\n")
+    pytester.mkdir("tests")
+    (pytester.path / "tests" / "test_elsewhere.py").write_text(
+        "import pytest\n\n@pytest.mark.gpu\ndef test_on_cuda():\n    pass\n")
+    assert collected(pytester, "tests")[1] == pytest.ExitCode.USAGE_ERROR
+    assert ("gpu-marked tests outside bench.gpu_check.TEST_FILES, whose gpu tests make gpu-check runs: "
+            "tests/test_elsewhere.py::test_on_cuda: add their files to TEST_FILES") in capsys.readouterr().err
+    (pytester.path / "tests" / "test_elsewhere.py").write_text("def test_on_the_cpu():\n    pass\n")
+    assert collected(pytester, "tests") == (set(), pytest.ExitCode.NO_TESTS_COLLECTED)  # none gpu-marked
 
 
 SAMPLE = '''

@@ -7,7 +7,8 @@
 * ``e2e``: runs a whole pipeline (a pipeline's training loop, :class:`harness.loop.Loop`) or a
   bench's ``main`` in the test's own process;
 * ``netns``: builds network namespaces (``ip netns add``; root only, skipped with the reason elsewhere);
-* ``gpu``: uses a CUDA device in the test's process (skipped where none is present, as in CI).
+* ``gpu``: uses a CUDA device in the test's process (skipped where none is present, as in CI); only in the files
+  ``make gpu-check`` runs (``bench.gpu_check.TEST_FILES``: collection refuses a gpu test elsewhere).
 
 A test is marked with the tiers it uses (``pytestmark`` where every test of a module uses one).
 :func:`pytest_runtest_call` records what the test's set-up and body do and fails a test that used
@@ -144,7 +145,19 @@ def tiers_of(item) -> set[str]:
     return {m.name for m in item.iter_markers() if m.name in TIERS}
 
 
+def misfiled_gpu_tests(items, files) -> list[str]:
+    """The gpu-marked tests of ``items`` outside ``files`` (``bench.gpu_check.TEST_FILES``, the files whose gpu
+    tests ``make gpu-check`` runs): tests no GPU run would ever run."""
+    return [i.nodeid for i in items if i.get_closest_marker("gpu") and i.nodeid.split("::")[0] not in files]
+
+
 def pytest_collection_modifyitems(config, items):
+    from bench.gpu_check import TEST_FILES
+
+    misfiled = misfiled_gpu_tests(items, TEST_FILES)
+    if misfiled:
+        raise pytest.UsageError(f"gpu-marked tests outside bench.gpu_check.TEST_FILES, whose gpu tests make gpu-check "
+                                f"runs: {', '.join(misfiled)}: add their files to TEST_FILES (and a tier's selection)")
     for item in items:
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
