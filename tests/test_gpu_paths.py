@@ -39,7 +39,16 @@ def overlap_setup(overlap: bool, fused: bool = False):
     return model, opt, slamb.wrap_model(model, opt, bucket_cap_mb=0.05)
 
 
-def overlap_worker(rank, world, mode, fused, steps=5):
+# how the gradients change between backward and step(), and whether the step is the fused one
+OVERLAP_CASES = (("told", False), ("untold", False), ("clip", False), ("told", True), ("clip", True))
+
+
+def overlap_worker(rank, world, cases=OVERLAP_CASES):
+    """Every case in one process: the fused cases share their compiled graphs, as a run's steps do."""
+    return {case: overlap_run(rank, *case) for case in cases}
+
+
+def overlap_run(rank, mode, fused, steps=5):
     import warnings
 
     out = {}
@@ -74,20 +83,20 @@ def overlap_worker(rank, world, mode, fused, steps=5):
     return out
 
 
-@pytest.mark.parametrize("mode,fused", [("told", False), ("untold", False), ("clip", False), ("told", True),
-                                        ("clip", True)])
 @pytest.mark.multiprocess
-def test_overlap_equals_plain_path_under_loss_scaling_and_clipping(mode, fused):
+def test_overlap_equals_plain_path_under_loss_scaling_and_clipping():
     """A loss scale given as grad_scale is divided out in the hook (the same bits as the plain path);
     one not given, or clipping, is detected at step() and the step falls back to the plain exchange. Fused, the
     hook gathers each bucket by positions and the check reads them back from the flat gradient buffer."""
-    for r in distributed.run(overlap_worker, 2, mode, fused):
-        for a, b in zip(r[False]["params"], r[True]["params"]):
-            torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
-        assert r[False]["warnings"] == []
-        fell_back = [w for w in r[True]["warnings"] if "gradients changed between backward and step()" in w]
-        assert len(fell_back) == (0 if mode == "told" else 1)  # warned once, not every step
-        assert r["draws_in_backward"] == 0  # the step before drew this step's mask
+    for ranks in distributed.run(overlap_worker, 2):
+        assert list(ranks) == list(OVERLAP_CASES)
+        for (mode, fused), r in ranks.items():
+            for a, b in zip(r[False]["params"], r[True]["params"]):
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7, msg=lambda m: f"{mode}, fused={fused}: {m}")
+            assert r[False]["warnings"] == [], (mode, fused)
+            fell_back = [w for w in r[True]["warnings"] if "gradients changed between backward and step()" in w]
+            assert len(fell_back) == (0 if mode == "told" else 1), (mode, fused)  # warned once, not every step
+            assert r["draws_in_backward"] == 0, (mode, fused)  # the step before drew this step's mask
 
 
 def harness_fp16_worker(rank, world, steps=4):
