@@ -166,8 +166,7 @@ CIFAR_LAMB = ["experiment=cifar10/lamb", "data.micro_batch=8"]
 @pytest.mark.parametrize("args, line", [
     # 3 workers cannot take the step's 4 micro-batches evenly: another global batch, or other micro-batches
     (["trainer.nproc_per_node=3"], "the run in {ckpt} takes each step in 4 micro-batches of data.micro_batch samples, "
-                                   "one per worker of the 4 it started on (BatchNorm normalizes over each), and this "
-                                   "run's 3 workers cannot take an equal number of them"),
+                                   "and this run's 3 workers cannot take an equal number of them"),
     # the same global batch by a larger micro-batch: BatchNorm over 16 images instead of 8
     (["trainer.nproc_per_node=2", "data.micro_batch=16"], "was trained with data.micro_batch=8 and this run has "
                                                            "data.micro_batch=16"),
