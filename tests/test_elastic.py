@@ -300,3 +300,53 @@ def test_a_resume_on_a_divisor_of_the_workers_passes_the_checks(tmp_path):
     for workers in (1, 2, 4):
         assert prepare_run(compose_cfg(*CIFAR_LAMB, f"data.dir={data}", f"trainer.nproc_per_node={workers}"), run,
                            world_size=workers, why_fixed=None) is None
+
+
+BERT_LAMB = ["experiment=bert/phase1_lamb", "model=bert_tiny", "data.seq_len=32", "data.global_batch=16",
+             "data.micro_batch=2"]
+
+
+def bert_checkpoint_of_4_workers(run: Path, data: Path, *overrides) -> dict:
+    """The record of a BERT LAMB run of 4 workers (16 sequences a step in 8 micro-batches of 2, HSDP 2x2) after
+    one step; returns its config."""
+    from tests.test_bert_pretrain import compose_bert
+
+    four = harness.DistEnv(0, 4, 0, 4, torch.device("cpu"))
+    saved = compose_bert(*BERT_LAMB, *HSDP, "trainer.nproc_per_node=4", f"data.dir={data}", *overrides)
+    Checkpointer(run, four, inputs=run_inputs(saved), settings=run_settings(saved), micro_batches=8,
+                 streams=4).save({"step": 1}, {}, {})
+    return saved
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("args, line", [
+    # 3 workers cannot take the step's 8 micro-batches evenly
+    (["trainer.nproc_per_node=3", "trainer.shard_size=1"],
+     "error: data.global_batch=16 is not a multiple of data.micro_batch=2 x 3 workers = 6"),
+    # the same global batch in 4 micro-batches of 4: other sequences per micro-batch, other gradient sums
+    (["trainer.nproc_per_node=2", "data.micro_batch=4"],
+     "was trained with data.micro_batch=2 and this run has data.micro_batch=4"),
+    # 2 replicas of 1 worker: another mesh, which the run's settings record
+    (["trainer.nproc_per_node=2", "trainer.shard_size=1"],
+     "was trained with trainer.shard_size=2 and this run has trainer.shard_size=1"),
+])
+def test_a_bert_resume_on_other_workers_that_would_change_what_is_computed_is_refused_in_one_line(tmp_path, args,
+                                                                                                   line):
+    from tests.test_configs import write_bert_shards
+
+    run, data = tmp_path / "run", write_bert_shards(tmp_path / "shards")
+    bert_checkpoint_of_4_workers(run, data)
+    stderr = refused("bert.train", [*BERT_LAMB, *HSDP, f"data.dir={data}", *args], run)
+    assert line in stderr, stderr
+
+
+def test_a_bert_resume_on_a_divisor_of_the_step_micro_batches_passes_the_checks(tmp_path):
+    from tests.test_configs import write_bert_shards
+
+    run, data = tmp_path / "run", write_bert_shards(tmp_path / "shards")
+    saved = bert_checkpoint_of_4_workers(run, data)
+    for workers in (2, 4, 8):
+        assert prepare_run({**saved, "trainer": {**saved["trainer"], "nproc_per_node": workers}}, run,
+                           world_size=workers, why_fixed=None) is None
+    with pytest.raises(ValueError, match="takes each step in 8 micro-batches .* this run's 3 workers cannot"):
+        prepare_run(saved, run, world_size=3, why_fixed=None)
