@@ -46,6 +46,7 @@ import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad, check_loss_scale
 from harness.schedules import build_lr_scheduler, check_lr_schedule
+from harness.seeding import reseed
 from harness.settings import check_count
 
 from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, load_shard,
@@ -202,6 +203,9 @@ def train(cfg: dict, run_dir: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         for m in range(accum):
             batch = next(micro_batches)
+            # dropout draws from (seed, step, the micro-batch's place in the step), not from this worker's stream:
+            # the same on any number of workers, so a run resumed on another number repeats the steps
+            reseed(cfg.seed, step, step_stream.shards[m])
             with accumulation_context(model, last_micro_batch=m == accum - 1):
                 with amp.autocast():
                     out = model(**batch)
