@@ -1,11 +1,17 @@
 """Pre-training shards (NVIDIA's HDF5 layout) as an endless stream of this rank's micro-batches.
 
-Each pass ("epoch") over the data shuffles the shard list with the run's seed
-(the same order on every rank) and deals the shards out to the ranks
-round-robin; with fewer shards than ranks every rank reads every shard and
+A run cuts the data into one stream per worker of its first start (:class:`PretrainingStream`); each
+optimizer step takes ``data.global_batch / data.micro_batch`` micro-batches, as many consecutive ones of
+each stream (:class:`StepStream`). On another number of workers (a resumed run) each worker takes an
+equal run of a step's micro-batches, whichever streams they come from: every step sees the same sequences
+in the same micro-batches, masked as their shard masks them.
+
+Within a stream, each pass ("epoch") over the data shuffles the shard list with the run's seed
+(the same order on every rank) and deals the shards out to the streams
+round-robin; with fewer shards than streams every stream reads every shard and
 takes a strided share of its examples instead. Examples are shuffled within a
 shard. Training length is counted in optimizer steps, so ranks never wait on
-one another for data: the stream of each rank is endless, and
+one another for data: each stream is endless, and
 ``micro_batches(start=n)`` replays it from its n-th micro-batch (exact
 resume) from the shards' lengths alone, without reading skipped data.
 
@@ -16,6 +22,7 @@ that the training loop only starts an asynchronous copy to the device.
 from __future__ import annotations
 
 import contextlib
+import copy
 import queue
 import threading
 from pathlib import Path
@@ -172,6 +179,40 @@ class PretrainingStream:
                 if pending == self.micro_batch:
                     yield {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
                     parts, pending = [], 0
+
+
+class StepStream:
+    """This rank's micro-batches of each optimizer step, from the streams of the run's first start.
+
+    A step takes ``per_stream`` consecutive micro-batches of each of the ``stream.world`` streams (one per
+    worker the run started on, each accumulating ``per_stream`` of them), numbered stream by stream; rank
+    ``rank`` of ``world_size`` takes an equal run of them (:attr:`shards`), from as many streams as the run
+    spans. With the first start's workers, each takes its own stream.
+    """
+
+    def __init__(self, stream: PretrainingStream, per_stream: int, rank: int, world_size: int):
+        total = stream.world * per_stream
+        if total % world_size:
+            raise ValueError(f"{world_size} workers cannot take an equal share of a step's {total} micro-batches: "
+                             f"run on a divisor of {total} workers")
+        per_worker = total // world_size
+        self.shards = range(rank * per_worker, (rank + 1) * per_worker)  # the step's micro-batches this rank takes
+        self.stream, self.per_stream = stream, per_stream
+
+    def micro_batches(self, start: int = 0):
+        """Endless micro-batches, ``len(shards)`` per step, from step ``start`` on."""
+        first, last = self.shards[0] // self.per_stream, self.shards[-1] // self.per_stream
+        readers = {}
+        for s in range(first, last + 1):
+            reader = copy.copy(self.stream)  # the same shards' lengths: read once
+            reader.rank = s
+            readers[s] = reader.micro_batches(start=start * self.per_stream)
+        while True:
+            for s, batches in readers.items():
+                for i in range(s * self.per_stream, (s + 1) * self.per_stream):
+                    batch = next(batches)
+                    if i in self.shards:
+                        yield batch
 
 
 class Prefetcher:

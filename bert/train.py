@@ -46,9 +46,11 @@ import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad, check_loss_scale
 from harness.schedules import build_lr_scheduler, check_lr_schedule
+from harness.seeding import reseed
 from harness.settings import check_count
 
-from .data import IGNORE_INDEX, Prefetcher, PretrainingStream, check_shards, find_shards, load_shard, to_batch
+from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, load_shard,
+                   to_batch)
 from .model import build_model, check_model, load_pretrained, shard_blocks
 
 # per-period sums, kept on the device (no host sync per step)
@@ -164,8 +166,12 @@ def train(cfg: dict, run_dir: str) -> dict:
                          *(["steps_per_epoch"] if cfg.get("steps_per_epoch") is not None else []))
     env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
     accum = accumulation_steps(d.global_batch, d.micro_batch, env.world_size)
-    stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, env.rank, env.world_size,
-                               seed=cfg.seed, seq_len=d.seq_len)
+    # each step's micro-batches come from the data streams of the run's first workers, however many workers
+    # resume it: fewer take several streams' each, more share one stream's, so every step sees the same sequences
+    streams = harness.data_streams(run_dir, t.resume, env.world_size)
+    stream = PretrainingStream(find_shards(d.dir, d.pattern), d.micro_batch, 0, streams, seed=cfg.seed,
+                               seq_len=d.seq_len)
+    step_stream = StepStream(stream, d.global_batch // (d.micro_batch * streams), env.rank, env.world_size)
     steps_per_epoch = cfg.get("steps_per_epoch") or max(1, sum(stream.lengths) // d.global_batch)
 
     # BERT's buffers (position and token type ids) are constants: no broadcast before every forward
@@ -177,7 +183,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=d.global_batch, throughput="seqs", unit="step")
+                       global_batch=d.global_batch, throughput="seqs", unit="step",
+                       micro_batches=d.global_batch // d.micro_batch, streams=streams)
 
     start = period_start = run.step
     if cfg.get("init_optimizer_from") and not run.restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)
@@ -185,7 +192,7 @@ def train(cfg: dict, run_dir: str) -> dict:
         if env.is_main:
             print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
     # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
-    micro_batches = Prefetcher(stream.micro_batches(start=start * accum), env.device, d.prefetch)
+    micro_batches = Prefetcher(step_stream.micro_batches(start=start), env.device, d.prefetch)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
     valid = validation_batches(cfg, env) if (cfg.get("validation") or {}).get("dir") else None
     model.train()
@@ -196,6 +203,9 @@ def train(cfg: dict, run_dir: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         for m in range(accum):
             batch = next(micro_batches)
+            # dropout draws from (seed, step, the micro-batch's place in the step), not from this worker's stream:
+            # the same on any number of workers, so a run resumed on another number repeats the steps
+            reseed(cfg.seed, step, step_stream.shards[m])
             with accumulation_context(model, last_micro_batch=m == accum - 1):
                 with amp.autocast():
                     out = model(**batch)
@@ -227,7 +237,8 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL,
+                                  elastic=True)
 
 
 if __name__ == "__main__":

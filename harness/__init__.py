@@ -21,7 +21,8 @@
 * :mod:`.tables`: results tables and plots from run directories.
 """
 from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
-from .checkpoint import Checkpointer, open_run, restore_training, save_training, step_micro_batches, unwrap
+from .checkpoint import (Checkpointer, data_streams, open_run, restore_training, save_training, step_micro_batches,
+                         unwrap)
 from .data import ShardedBatches, eval_shard
 from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums, save_state_dict, summary_line
 from .parallel import distribute
@@ -32,7 +33,7 @@ from .tables import compressed_share
 
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
-    "continue_optimizer", "restore_training", "step_micro_batches",
+    "continue_optimizer", "restore_training", "step_micro_batches", "data_streams",
     "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",

@@ -254,9 +254,9 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
     ``check``, ``optional``: the pipeline's own checks and the settings its config leaves out
-    (:func:`check_settings`). ``elastic``: its steps are split into the micro-batches of
-    :class:`harness.ShardedBatches` (``micro_batches``), so that a run may resume on another number of workers
-    (:func:`harness.checkpoint.check_world_size`).
+    (:func:`check_settings`). ``elastic``: its steps are split into micro-batches of their own
+    (:class:`harness.ShardedBatches`, BERT's :class:`bert.data.StepStream`), so that a run may resume on another
+    number of workers (:func:`harness.checkpoint.check_world_size`).
 
     The job's run directory is Hydra's output directory, locked while the job writes it; its console goes to
     ``train.log`` there too, and it ends with the run's one summary line (:func:`harness.loop.summary_line`). With

@@ -48,18 +48,22 @@ checkpoint's optimizer and scheduler state would otherwise keep the old
 learning rate under a config.yaml that shows the new one, or a new ratio would
 take effect mid-run: results that belong to neither configuration.
 
-A DDP run of a pipeline that splits each step into micro-batches of its own (CIFAR-10's
-:class:`harness.ShardedBatches` with ``micro_batches``) may resume on another number of workers that
-divides the step's micro-batches (the worker count it started on, recorded as ``micro_batches``): each
+A run of a pipeline that splits each step into micro-batches of its own (CIFAR-10's
+:class:`harness.ShardedBatches` with ``micro_batches``, BERT's :class:`bert.data.StepStream`) may resume on
+another number of workers that divides the step's micro-batches (recorded as ``micro_batches``; with
+``streams``, the worker count whose data streams BERT's steps follow, that of the run's first start): each
 worker then takes several of them per step, by gradient accumulation, so every step computes what it
-computed before, the same samples, BatchNorm over the same micro-batches, the same augmentation (keyed
-by micro-batch). Every new rank starts from rank 0's files, under SLAMB (whose ranks differ) from the mean
-over the saved ranks of the parameters, the buffers and the moments (:func:`slamb.checkpoint.mean_state_dict`,
-as :func:`slamb.load_sharded` starts another replica count), the step and the mask ages as saved; each
-rank resumes rank 0's ledger (the bytes a worker sent so far: every rank of a DDP run sends as much), and
-its RNG streams from (seed, step, rank) (:func:`harness.seeding.reseed`). Optimizers whose per-rank state
-has no mean (DGC, 1-bit LAMB, PowerSGD, DiLoCo), the other pipelines and sharded runs are refused another
-world size, in one line, before any worker starts.
+computed before, the same samples in the same micro-batches (BatchNorm over the same images, CIFAR-10's
+augmentation keyed by micro-batch, BERT's masks those of the shards). Every new rank starts from rank 0's
+files, under SLAMB (whose ranks differ) from the mean over the saved ranks of the parameters, the buffers and
+the moments (:func:`slamb.checkpoint.mean_state_dict`, as :func:`slamb.load_sharded` starts another replica
+count), the step and the mask ages as saved; each rank resumes rank 0's ledger (the bytes a worker sent so
+far: every rank of a DDP run sends as much), and its RNG streams from (seed, step, rank)
+(:func:`harness.seeding.reseed`). A sharded run (FSDP/HSDP) resumes so too: :func:`slamb.load_sharded`
+reshards its model and optimizer over the new mesh (SLAMB's replicas from their mean), and its ``rank<r>.pt``
+files are taken as a DDP run's. Optimizers whose per-rank state has no mean (DGC, 1-bit LAMB, PowerSGD,
+DiLoCo) and the pipelines that cut their data per worker (:data:`FIXED_DATA`) are refused another world
+size, in one line, before any worker starts.
 
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
@@ -121,8 +125,10 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
-# why a run cannot resume on another number of workers, unless its pipeline splits its steps by micro-batch
-FIXED_DATA = "this pipeline's data stream is cut per worker, so no other number of workers continues it"
+# why a run of SQuAD fine-tuning or Swin cannot resume on another number of workers (CIFAR-10 and BERT split
+# their steps by micro-batch instead)
+FIXED_DATA = ("this pipeline (SQuAD fine-tuning, Swin) cuts its data stream per worker, so no other number of "
+              "workers continues it")
 
 
 def fixed_world(optimizer, pipeline: str | None) -> str | None:
@@ -142,9 +148,6 @@ def check_world_size(latest: dict, world_size: int, where, why_fixed: str | None
     saved = latest["world_size"]
     if saved == world_size:
         return
-    if (Path(where) / latest["dir"] / SHARDED).is_dir():
-        why_fixed = ("its model and optimizer would reshard (slamb.load_sharded), but each worker's own state (its "
-                     "RNG streams, communication ledger and place in the data, rank<r>.pt) cannot be redistributed")
     if why_fixed is not None:
         raise ValueError(f"the checkpoint in {where} was written by {saved} workers and this run has {world_size}: "
                          f"{why_fixed}. Resume with {saved} workers, or use a new run directory (trainer.resume=never "
@@ -153,18 +156,30 @@ def check_world_size(latest: dict, world_size: int, where, why_fixed: str | None
     if splits % world_size:
         fits = ", ".join(str(n) for n in range(1, splits + 1) if splits % n == 0)
         raise ValueError(
-            f"the run in {where} takes each step in {splits} micro-batches of data.micro_batch samples, one per "
-            f"worker of the {splits} it started on (BatchNorm normalizes over each), and this run's {world_size} "
-            f"workers cannot take an equal number of them: a global batch of another size, or other micro-batches, "
-            f"would change what the run computes. Resume on {fits} workers (trainer.nproc_per_node), or start this "
-            "run over with trainer.resume=never (or another run directory)")
+            f"the run in {where} takes each step in {splits} micro-batches of data.micro_batch samples, and this "
+            f"run's {world_size} workers cannot take an equal number of them: a global batch of another size, or "
+            f"other micro-batches, would change what the run computes. Resume on {fits} workers "
+            "(trainer.nproc_per_node), or start this run over with trainer.resume=never (or another run directory)")
+
+
+def _resumed(run_dir, resume: str) -> dict | None:
+    """The record of the checkpoint the run in ``run_dir`` resumes (None: it starts afresh)."""
+    found = Checkpointer(run_dir, None).complete()[:1] if resume == "auto" else []
+    return found[0] if found else None
 
 
 def step_micro_batches(run_dir, resume: str, world_size: int) -> int:
     """The micro-batches of each step of the run in ``run_dir`` (:class:`harness.ShardedBatches`): those of its
     checkpoint where it resumes one, else one per worker of this run."""
-    found = Checkpointer(run_dir, None).complete()[:1] if resume == "auto" else []
-    return found[0].get("micro_batches", found[0]["world_size"]) if found else world_size
+    found = _resumed(run_dir, resume)
+    return found.get("micro_batches", found["world_size"]) if found else world_size
+
+
+def data_streams(run_dir, resume: str, world_size: int) -> int:
+    """The data streams the steps of the run in ``run_dir`` take their micro-batches from (BERT's, one per worker
+    of its first start): those of its checkpoint where it resumes one, else one per worker of this run."""
+    found = _resumed(run_dir, resume)
+    return found.get("streams", found["world_size"]) if found else world_size
 
 
 # bytes the writability probe writes and syncs: an empty file fits on a full disk
@@ -279,7 +294,7 @@ def sharded_files(directory: Path, rank: int) -> list[Path]:
 
 class Checkpointer:
     def __init__(self, run_dir, env: DistEnv, keep: int = 2, inputs: dict | None = None,
-                 settings: dict | None = None, micro_batches: int | None = None):
+                 settings: dict | None = None, micro_batches: int | None = None, streams: int | None = None):
         if keep < 1:
             raise ValueError(f"invalid checkpoint.keep={keep}: must be >= 1 (the last checkpoint resumes the run)")
         self.dir = Path(run_dir) / "ckpt"
@@ -288,6 +303,7 @@ class Checkpointer:
         self.inputs = inputs
         self.settings = settings
         self.micro_batches = micro_batches  # of each step, over all workers (step_micro_batches)
+        self.streams = streams  # the data streams they come from (data_streams)
         self.folder: Path | None = None  # the checkpoint load() returned
         self.saved_world: int | None = None  # the number of workers that wrote it
 
@@ -363,6 +379,8 @@ class Checkpointer:
                 record["settings"] = self.settings
             if self.micro_batches is not None:
                 record["micro_batches"] = self.micro_batches
+            if self.streams is not None:
+                record["streams"] = self.streams
             atomic_write_json(record, folder / COMPLETE)
             atomic_write_json({"dir": name, **record}, self.dir / LATEST)
             old = sorted(p for p in self.dir.glob("step*") if p.is_dir() and p.name != name)
@@ -496,7 +514,8 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None, se
     mine = _elastic(saved, optimizer) if elastic else saved[0]
     if elastic and ckpt.env.is_main:
         name = type(optimizer).__name__
-        start = (f"{name} starts every worker from the {ckpt.saved_world} workers' mean parameters and moments"
+        start = (f"slamb.load_sharded reshards the model and {name} state" if sharded else
+                 f"{name} starts every worker from the {ckpt.saved_world} workers' mean parameters and moments"
                  if optimizer.params_differ else f"every worker starts from rank 0's model and {name} state")
         print(f"resuming {ckpt.saved_world} workers' checkpoint on {world}: {start}, rank 0's ledger, RNG streams "
               f"drawn from (seed, step, rank)", flush=True)
@@ -517,19 +536,20 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None, se
 
 
 def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None, amp=None, start: dict,
-             micro_batches: int | None = None):
+             micro_batches: int | None = None, streams: int | None = None):
     """The opening every training loop shares: checkpointer, auto-resume, logger.
 
     With ``trainer.resume == "auto"`` the latest checkpoint, if any, is loaded into the objects (the loss
     scale of ``amp`` too); ``start`` is the progress of a fresh run, e.g. ``{"epoch": 0, "step": 0}``.
     ``micro_batches``: those of each step over all workers, where the pipeline splits its steps so
-    (:class:`harness.ShardedBatches`): the run may then resume on another number of workers.
+    (:class:`harness.ShardedBatches`): the run may then resume on another number of workers; ``streams``: the
+    data streams they come from, where they are not one per micro-batch (:func:`data_streams`).
     Returns ``(checkpointer, progress, restored, logger)``; ``progress["resumed_from"]`` lists the
     epochs (or steps, for step-based loops) the run was resumed at.
     """
     t = cfg.trainer
     ckpt = Checkpointer(run_dir, env, keep=t.checkpoint.keep, inputs=run_inputs(plain), settings=run_settings(plain),
-                        micro_batches=micro_batches)
+                        micro_batches=micro_batches, streams=streams)
     why_fixed = fixed_world(optimizer, None if micro_batches is not None else FIXED_DATA)
     restored = restore_training(ckpt, model=model, optimizer=optimizer, scheduler=scheduler,
                                 seed=cfg.get("seed", 0), why_fixed=why_fixed) if t.resume == "auto" else None

@@ -92,11 +92,13 @@ class Loop:
     ``steps``) and ``trainer.checkpoint.every``, counted in that unit. ``throughput`` names the samples/s
     column (``images``: ``images_per_s``). ``micro_batches``: those of each step over all workers, where the
     pipeline splits its steps so (:class:`harness.ShardedBatches`): the run may resume on another number of
-    workers (:func:`harness.checkpoint.open_run`).
+    workers (:func:`harness.checkpoint.open_run`); ``streams``: the data streams they come from, where not one
+    per micro-batch.
     """
 
     def __init__(self, run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler, amp=None,
-                 global_batch: int, throughput: str, unit: str = "epoch", micro_batches: int | None = None):
+                 global_batch: int, throughput: str, unit: str = "epoch", micro_batches: int | None = None,
+                 streams: int | None = None):
         self.run_dir, self.env, self.cfg, self.plain = str(run_dir), env, cfg, plain
         self.model, self.optimizer, self.scheduler, self.amp = model, optimizer, scheduler, amp
         self.global_batch, self.throughput, self.unit = global_batch, f"{throughput}_per_s", unit
@@ -105,7 +107,8 @@ class Loop:
         start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
         self.ckpt, progress, self.restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
                                                            optimizer=optimizer, scheduler=scheduler, amp=amp,
-                                                           start=start, micro_batches=micro_batches)
+                                                           start=start, micro_batches=micro_batches,
+                                                           streams=streams)
         self.done = progress[unit]  # epochs or steps completed
         self.step = progress["step"]
         self.resumed_from = progress["resumed_from"]

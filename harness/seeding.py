@@ -30,7 +30,8 @@ def seed_everything(seed: int, rank: int = 0, deterministic: bool = False) -> in
 
 def reseed(seed: int, step: int, rank: int) -> None:
     """Seed every RNG a step may draw from with a stream of (``seed``, ``step``, ``rank``): where a run resumes
-    on another number of workers, whose saved streams are not this rank's to continue."""
+    on another number of workers, whose saved streams are not this rank's to continue, or where a draw must not
+    depend on the worker (BERT's dropout, keyed by micro-batch in place of ``rank``)."""
     local = int(np.random.SeedSequence([int(seed), int(step), int(rank)]).generate_state(1)[0])
     random.seed(local)
     np.random.seed(local)

@@ -14,7 +14,8 @@ import torch
 import yaml
 
 from bert import prepare_data as prep
-from bert.data import IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, find_shards, load_shard, mlm_labels
+from bert.data import (IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, StepStream, find_shards, load_shard,
+                       mlm_labels)
 from bert.tiny import WORDS, write_corpus
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
 
@@ -286,6 +287,30 @@ def test_stream_splits_each_pass_between_ranks_and_resumes_exactly(shards, world
         assert all(torch.equal(a[k], b[k]) for k in a)
     # another pass reshuffles
     assert example_ids(next(streams[0].micro_batches(start=s.epoch_batches(0)))) != example_ids(next(streams[0].micro_batches()))
+
+
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
+@pytest.mark.parametrize("start", [0, 5])
+def test_each_step_takes_the_same_micro_batches_on_any_divisor_of_its_micro_batches(shards, start):
+    """A run started on 4 workers x 2 micro-batches (8 a step): on 1, 2, 4 or 8 workers the ranks' micro-batches
+    of each step, in rank order, are the 4 workers' (stream 0's 2, stream 1's 2, ...), across a pass's end and
+    from a resumed step."""
+    out, _, _ = shards
+    stream = PretrainingStream(find_shards(out), 2, 0, 4, seed=1, seq_len=SEQ)
+    steps = stream.epoch_batches(0) // 2 + 2  # into the second pass
+
+    def taken(world):
+        ranks = [StepStream(stream, 2, r, world).micro_batches(start=start) for r in range(world)]
+        return [[example_ids(next(ranks[r])) for r in range(world) for _ in range(8 // world)] for _ in range(steps)]
+
+    first = taken(4)
+    own = [PretrainingStream(find_shards(out), 2, r, 4, seed=1, seq_len=SEQ).micro_batches(start=2 * start)
+           for r in range(4)]
+    assert first == [[example_ids(next(own[r])) for r in range(4) for _ in range(2)] for _ in range(steps)]
+    for world in (1, 2, 8):
+        assert taken(world) == first, world
+    with pytest.raises(ValueError, match="3 workers cannot take an equal share of a step's 8 micro-batches"):
+        StepStream(stream, 2, 0, 3)
 
 
 @pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers

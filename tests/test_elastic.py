@@ -1,5 +1,6 @@
-"""A CIFAR-10 run checkpointed on 4 workers resumes on 2 (and back on 4): the same global batch, split into the
-same micro-batches, each step computing what the uninterrupted run computes; SLAMB from the saved ranks' mean."""
+"""A CIFAR-10 or BERT run checkpointed on 4 workers resumes on 2 (and back on 4): the same global batch, split
+into the same micro-batches, each step computing what the uninterrupted run computes; SLAMB from the saved
+ranks' mean. A sharded BERT run (HSDP, 2 replicas x 2 shards) resumes on 1 replica of 2 shards."""
 from __future__ import annotations
 
 import json
@@ -8,17 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import harness
 from cifar10 import data as cdata
 from cifar10.model import ResNetCifar
+from bert.model import build_model, load_pretrained
+from bert.train import train as bert_train
 from cifar10.train import train
 from harness import PERIOD_HOOKS, unwrap
 from harness.checkpoint import Checkpointer, prepare_run, run_inputs, run_settings
 from tests import distributed
+from tests.test_bert_pretrain import ROWS as BERT_ROWS
+from tests.test_bert_pretrain import tiny_cfg, tiny_data  # noqa: F401 (a fixture)
 from tests.test_cifar10 import TINY, history
 from tests.test_configs import compose_cfg
 from tests.test_settings_errors import refused
+from tests.test_sharded_pipelines import dcp_state
 
 # 32 training images, 4 workers x 8: one step per epoch, so each logged epoch is one step's loss
 EPOCHS = 4
@@ -38,25 +45,29 @@ def cfg(name: str, data: Path, epochs: int) -> dict:
 
 
 def worker(rank, world, jobs):
-    """``train`` of each (config, run directory); for each, this rank's parameters as its loop opened (resumed)."""
+    """``train(config, run directory)`` of each job (train, config, run directory); for each, this rank's parameters
+    as its loop opened (resumed)."""
     loops, opened = [], []
 
     def record(loop, event):
         if event == "begin" and not any(seen is loop for seen in loops):  # the first period: Loop.__init__'s
             loops.append(loop)
-            opened.append([p.detach().clone() for p in unwrap(loop.model).parameters()])
+            # a sharded model's parameters whole (collective: every rank in the same order)
+            opened.append([getattr(p, "full_tensor", p.detach)().detach().clone()
+                           for p in unwrap(loop.model).parameters()])
 
     PERIOD_HOOKS.append(record)
     try:
-        for c, d in jobs:
-            train(c, d)
+        for fn, c, d in jobs:
+            fn(c, d)
     finally:
         PERIOD_HOOKS.remove(record)
     return opened
 
 
 def stopped_at(run_dir: Path, to: Path, epoch: int) -> Path:
-    """``run_dir`` as it was when it stopped after ``epoch``: later checkpoints, metrics and summary removed."""
+    """``run_dir`` as it was when it stopped after ``epoch`` (one step per epoch, or per logged BERT period): later
+    checkpoints, metrics and summary removed."""
     shutil.copytree(run_dir, to)
     for folder in (to / "ckpt").glob("step*"):
         if int(folder.name[4:]) > epoch:  # one step per epoch
@@ -75,12 +86,12 @@ def stopped_at(run_dir: Path, to: Path, epoch: int) -> Path:
 def runs(digits, tmp_path_factory):
     root = tmp_path_factory.mktemp("elastic")
     whole = {n: root / n for n in OPTIMIZERS}
-    distributed.run(worker, 4, [(cfg(n, digits, EPOCHS), str(whole[n])) for n in OPTIMIZERS])
+    distributed.run(worker, 4, [(train, cfg(n, digits, EPOCHS), str(whole[n])) for n in OPTIMIZERS])
     halved = {n: stopped_at(whole[n], root / f"{n}_4to2", 2) for n in OPTIMIZERS}
     back = stopped_at(whole["lamb"], root / "lamb_4to2to4", 1)
-    out = distributed.run(worker, 2, [(cfg(n, digits, EPOCHS), str(halved[n])) for n in OPTIMIZERS]
-                          + [(cfg("lamb", digits, 2), str(back))])
-    distributed.run(worker, 4, [(cfg("lamb", digits, EPOCHS), str(back))])
+    out = distributed.run(worker, 2, [(train, cfg(n, digits, EPOCHS), str(halved[n])) for n in OPTIMIZERS]
+                          + [(train, cfg("lamb", digits, 2), str(back))])
+    distributed.run(worker, 4, [(train, cfg("lamb", digits, EPOCHS), str(back))])
     return {"root": root, "opened": out}
 
 
@@ -148,6 +159,95 @@ def test_slamb_resumed_on_2_workers_ends_close_to_the_4_worker_run(runs):
     assert a[-1]["test_loss"] == pytest.approx(b[-1]["test_loss"], rel=0.03)
     assert abs(a[-1]["test_top1"] - b[-1]["test_top1"]) <= 5.0
 
+# ------------------------------------------------------------------------------------------------- BERT
+
+# 16 sequences a step in 8 micro-batches of 2: 4 workers accumulate 2 each, 2 workers 4; a line per step;
+# dropout, drawn per micro-batch
+BERT_STEPS, BERT_STOP = 4, 2
+BERT = ["data.micro_batch=2", "model.hidden_dropout_prob=0.1", "model.attention_probs_dropout_prob=0.1", "trainer.precision=fp32", "trainer.nproc_per_node=4", f"steps={BERT_STEPS}",
+        "log_every=1", "trainer.checkpoint.every=1", "trainer.checkpoint.keep=10"]
+HSDP = ["trainer.parallelism=hsdp", "trainer.shard_size=2"]
+TOL = 1e-3  # HSDP SLAMB 2x2 -> 1x2: the resumed steps' losses (test_hsdp_slamb_bert_resumed_...)
+SLAMB = [*BERT_ROWS["slamb"], "optimizer.lr=0.01"]  # micro-batches of 2 sequences: 0.05 diverges at step 2
+BERT_RUNS = {"lamb": BERT_ROWS["lamb"], "slamb": SLAMB, "lamb_hsdp": [*BERT_ROWS["lamb"], *HSDP],
+             "slamb_hsdp": [*SLAMB, *HSDP]}
+
+
+@pytest.fixture(scope="module")
+def bert_runs(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
+    """Each of BERT_RUNS on 4 workers, and a copy of each stopped after step 2 and resumed on 2 (HSDP: 1 replica
+    of the 2 shards)."""
+    root = tmp_path_factory.mktemp("elastic_bert")
+    cfgs = {n: tiny_cfg(tiny_data, root / n, *BERT, *overrides) for n, overrides in BERT_RUNS.items()}
+    distributed.run(worker, 4, [(bert_train, c, str(root / n)) for n, c in cfgs.items()])
+    halved = {n: stopped_at(root / n, root / f"{n}_4to2", BERT_STOP) for n in cfgs}
+    out = distributed.run(worker, 2, [(bert_train, c, str(halved[n])) for n, c in cfgs.items()])
+    return {"root": root, "cfgs": cfgs, "opened": {n: [rank[i] for rank in out] for i, n in enumerate(cfgs)}}
+
+
+def bert_params(run_dir: Path, cfg: dict) -> dict:
+    return load_pretrained(run_dir / "model", OmegaConf.create(cfg).model).state_dict()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+@pytest.mark.parametrize("run", ["lamb", "lamb_hsdp"])
+def test_bert_lamb_resumed_on_2_workers_computes_each_step_of_the_4_worker_run(bert_runs, run):
+    """Each step's loss and accuracies, and the final parameters, to float32 rounding (each worker sums 4
+    micro-batches' gradients where it summed 2: another summation order), dropout included (drawn per
+    micro-batch). HSDP: the model and moments resharded by DCP over 1 replica of 2 shards, the same numbers."""
+    root = bert_runs["root"]
+    a, b = history(root / f"{run}_4to2"), history(root / run)
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, BERT_STEPS + 1))
+    for ra, rb in zip(a, b):
+        assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
+        assert ra["mlm_acc"] == rb["mlm_acc"] and ra["nsp_acc"] == rb["nsp_acc"] and ra["lr"] == rb["lr"]
+    assert a[-1]["loss"] < a[0]["loss"] - 0.1  # the run trains: the steps compared are not all alike
+    pa, pb = (bert_params(root / r, bert_runs["cfgs"][run]) for r in (f"{run}_4to2", run))
+    for k in pb:
+        torch.testing.assert_close(pa[k], pb[k], rtol=1e-5, atol=1e-6, msg=k)
+    summary = json.loads((root / f"{run}_4to2" / "metrics.json").read_text())
+    assert summary["world_size"] == 2 and summary["accumulation_steps"] == 4 and summary["resumed_from"] == [2]
+    latest = json.loads((root / f"{run}_4to2" / "ckpt" / "latest.json").read_text())
+    assert (latest["world_size"], latest["micro_batches"], latest["streams"]) == (2, 8, 4)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+def test_hsdp_slamb_bert_resumed_on_1_replica_starts_from_the_replicas_mean_and_continues_close(bert_runs):
+    """2 replicas x 2 shards resumed as 1 replica of 2 shards: DCP reshards each parameter and moment to the
+    replicas' mean (slamb.load_sharded), as a model sync leaves them, where each replica of the uninterrupted
+    run continued its own (and SLAMB's exchange across 1 replica compresses nothing): close, not equal.
+    Measured: the 2 resumed steps' losses within 1.9e-4 (relative) of the uninterrupted run's (3.2e-4 without
+    dropout); the bound is 3x the larger."""
+    root = bert_runs["root"]
+    a, b = history(root / "slamb_hsdp_4to2"), history(root / "slamb_hsdp")
+    assert [r["loss"] for r in a[:BERT_STOP]] == [r["loss"] for r in b[:BERT_STOP]]  # before the resume: copied
+    assert [r["loss"] for r in a[BERT_STOP:]] == pytest.approx([r["loss"] for r in b[BERT_STOP:]], rel=TOL)
+    saved = dcp_state(root / "slamb_hsdp" / "ckpt" / f"step{BERT_STOP:09d}" / "dcp")
+    names = [k for k, _ in build_model(bert_runs["cfgs"]["slamb_hsdp"]["model"]).named_parameters()]
+    assert not all(torch.equal(saved[f"replica0.model.{k}"], saved[f"replica1.model.{k}"]) for k in names)
+    for rank in bert_runs["opened"]["slamb_hsdp"]:
+        for k, got in zip(names, rank):
+            want = (saved[f"replica0.model.{k}"] + saved[f"replica1.model.{k}"]) / 2
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+def test_bert_slamb_resumed_on_2_workers_starts_from_the_saved_ranks_mean(bert_runs):
+    root = bert_runs["root"]
+    saved = [torch.load(root / "slamb" / "ckpt" / f"step{BERT_STOP:09d}" / f"rank{r}.pt", weights_only=False)["model"]
+             for r in range(4)]
+    names = [k for k, _ in build_model(bert_runs["cfgs"]["slamb"]["model"]).named_parameters()]
+    mean = [sum(s[k] for s in saved) / 4 for k in names]
+    assert not all(torch.equal(saved[0][k], saved[1][k]) for k in names)  # the ranks differ between syncs
+    for rank in bert_runs["opened"]["slamb"]:
+        assert len(rank) == len(names)
+        for k, got, want in zip(names, rank, mean):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=k)
+
+
 # ---------------------------------------------------------------------- refused before any worker starts
 
 
@@ -166,8 +266,7 @@ CIFAR_LAMB = ["experiment=cifar10/lamb", "data.micro_batch=8"]
 @pytest.mark.parametrize("args, line", [
     # 3 workers cannot take the step's 4 micro-batches evenly: another global batch, or other micro-batches
     (["trainer.nproc_per_node=3"], "the run in {ckpt} takes each step in 4 micro-batches of data.micro_batch samples, "
-                                   "one per worker of the 4 it started on (BatchNorm normalizes over each), and this "
-                                   "run's 3 workers cannot take an equal number of them"),
+                                   "and this run's 3 workers cannot take an equal number of them"),
     # the same global batch by a larger micro-batch: BatchNorm over 16 images instead of 8
     (["trainer.nproc_per_node=2", "data.micro_batch=16"], "was trained with data.micro_batch=8 and this run has "
                                                            "data.micro_batch=16"),
@@ -202,3 +301,53 @@ def test_a_resume_on_a_divisor_of_the_workers_passes_the_checks(tmp_path):
     for workers in (1, 2, 4):
         assert prepare_run(compose_cfg(*CIFAR_LAMB, f"data.dir={data}", f"trainer.nproc_per_node={workers}"), run,
                            world_size=workers, why_fixed=None) is None
+
+
+BERT_LAMB = ["experiment=bert/phase1_lamb", "model=bert_tiny", "data.seq_len=32", "data.global_batch=16",
+             "data.micro_batch=2"]
+
+
+def bert_checkpoint_of_4_workers(run: Path, data: Path, *overrides) -> dict:
+    """The record of a BERT LAMB run of 4 workers (16 sequences a step in 8 micro-batches of 2, HSDP 2x2) after
+    one step; returns its config."""
+    from tests.test_bert_pretrain import compose_bert
+
+    four = harness.DistEnv(0, 4, 0, 4, torch.device("cpu"))
+    saved = compose_bert(*BERT_LAMB, *HSDP, "trainer.nproc_per_node=4", f"data.dir={data}", *overrides)
+    Checkpointer(run, four, inputs=run_inputs(saved), settings=run_settings(saved), micro_batches=8,
+                 streams=4).save({"step": 1}, {}, {})
+    return saved
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("args, line", [
+    # 3 workers cannot take the step's 8 micro-batches evenly
+    (["trainer.nproc_per_node=3", "trainer.shard_size=1"],
+     "error: data.global_batch=16 is not a multiple of data.micro_batch=2 x 3 workers = 6"),
+    # the same global batch in 4 micro-batches of 4: other sequences per micro-batch, other gradient sums
+    (["trainer.nproc_per_node=2", "data.micro_batch=4"],
+     "was trained with data.micro_batch=2 and this run has data.micro_batch=4"),
+    # 2 replicas of 1 worker: another mesh, which the run's settings record
+    (["trainer.nproc_per_node=2", "trainer.shard_size=1"],
+     "was trained with trainer.shard_size=2 and this run has trainer.shard_size=1"),
+])
+def test_a_bert_resume_on_other_workers_that_would_change_what_is_computed_is_refused_in_one_line(tmp_path, args,
+                                                                                                   line):
+    from tests.test_configs import write_bert_shards
+
+    run, data = tmp_path / "run", write_bert_shards(tmp_path / "shards")
+    bert_checkpoint_of_4_workers(run, data)
+    stderr = refused("bert.train", [*BERT_LAMB, *HSDP, f"data.dir={data}", *args], run)
+    assert line in stderr, stderr
+
+
+def test_a_bert_resume_on_a_divisor_of_the_step_micro_batches_passes_the_checks(tmp_path):
+    from tests.test_configs import write_bert_shards
+
+    run, data = tmp_path / "run", write_bert_shards(tmp_path / "shards")
+    saved = bert_checkpoint_of_4_workers(run, data)
+    for workers in (2, 4, 8):
+        assert prepare_run({**saved, "trainer": {**saved["trainer"], "nproc_per_node": workers}}, run,
+                           world_size=workers, why_fixed=None) is None
+    with pytest.raises(ValueError, match="takes each step in 8 micro-batches .* this run's 3 workers cannot"):
+        prepare_run(saved, run, world_size=3, why_fixed=None)

@@ -284,22 +284,25 @@ def test_a_step_saved_again_leaves_nothing_of_the_earlier_attempt(tmp_path):
     assert ckpt.load() == ({"step": 2}, {"a": 2}, [{"b": 2}])
 
 
-def test_a_sharded_run_on_another_world_size_is_refused_with_its_own_reason(tmp_path):
-    """load_sharded reshards the model and optimizer; what another world size cannot take is each worker's own
-    state (before: the DDP reason, "per-rank optimizer state cannot be redistributed")."""
+def test_a_sharded_run_resumes_on_another_world_size_from_rank_0s_file(tmp_path):
+    """load_sharded reshards the model and optimizer; each worker's own file (RNG streams, ledger) is rank 0's,
+    as on DDP (before: refused, "each worker's own state ... cannot be redistributed"). A pipeline that cuts
+    its data per worker still refuses, with its own reason."""
     def write(folder):
         (folder / "dcp").mkdir()
         (folder / "dcp" / ".metadata").write_bytes(b"DCP's")
         return [folder / "dcp" / ".metadata"]
 
-    Checkpointer(tmp_path, solo(0, 2)).save({"step": 1}, {}, {}, write)
+    for rank in range(4):
+        Checkpointer(tmp_path, solo(rank, 4)).save({"step": 1}, {}, {"ledger": rank}, write if rank == 0 else None)
     with pytest.raises(ValueError) as refused:
-        Checkpointer(tmp_path, solo(0, 4)).load()
+        Checkpointer(tmp_path, solo(0, 2)).load()
     assert str(refused.value) == (
-        f"the checkpoint in {tmp_path / 'ckpt'} was written by 2 workers and this run has 4: its model and optimizer "
-        "would reshard (slamb.load_sharded), but each worker's own state (its RNG streams, communication ledger and "
-        "place in the data, rank<r>.pt) cannot be redistributed. Resume with 2 workers, or use a new run directory "
-        "(trainer.resume=never starts over)")
+        f"the checkpoint in {tmp_path / 'ckpt'} was written by 4 workers and this run has 2: this pipeline (SQuAD "
+        "fine-tuning, Swin) cuts its data stream per worker, so no other number of workers continues it. Resume "
+        "with 4 workers, or use a new run directory (trainer.resume=never starts over)")
+    for rank in range(2):
+        assert Checkpointer(tmp_path, solo(rank, 2)).load(why_fixed=None) == ({"step": 1}, {}, [{"ledger": 0}])
 
 
 def test_a_failed_write_removes_its_temporary_file(tmp_path):
