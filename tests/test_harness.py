@@ -576,7 +576,14 @@ def test_sweep_pages_state_where_slamb_stays_with_lamb_and_at_what_bytes(tmp_pat
     assert "The best beta3 per k: k 0.05: 0.9, k 0.1: 0.9." in grid  # a tie keeps the first
     sds = [statistics.stdev(v) for v in cells.values()]
     assert f"a cell's seeds spread by {statistics.fmean(sds):.2f} (mean sd)" in grid
-    assert ("holds here" in grid) == (0.55 > statistics.fmean(sds))
+    # beta3 at a fixed k against the seeds: F = (sum over k, beta3 of n (cell mean - k's mean)^2 / 2) / (within / 4)
+    from scipy.stats import f as f_dist
+    between = sum(2 * (statistics.fmean(cells[(b3, k)]) - statistics.fmean(cells[(0.9, k)] + cells[(0.99, k)])) ** 2
+                  for b3 in (0.9, 0.99) for k in (0.05, 0.1))
+    within = sum((x - statistics.fmean(v)) ** 2 for v in cells.values() for x in v)
+    f = (between / 2) / (within / 4)
+    assert f"(F = {f:.2f} on 2 and 4 degrees of freedom, p = {f_dist.sf(f, 2, 4):.3f})" in grid
+    assert ("holds here" in grid) == (f_dist.sf(f, 2, 4) < 0.05)
     assert "| 0.9 | 1 MB | 2 MB |" in grid  # the bytes table
     names = sorted(p.name for p in written[f"{t}_beta3_compress_ratio"])
     assert f"{t}_beta3_compress_ratio_bytes_heatmap.png" in names and f"{t}_beta3_compress_ratio_heatmap.png" in names
