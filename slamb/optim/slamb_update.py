@@ -424,8 +424,8 @@ def slamb_update_(layout: SlambLayout, sel: Selection, grads, m, v, age, groups,
     else:
         impl = _single_tensor_slamb
     # the fused passes convert inside their graphs; the others step fp32 copies of low-precision tensors
-    low = fused is None
-    params = working_copies(layout.params) if low else layout.params
-    impl(layout, sel, params, working_copies(grads) if low else grads, m, v, age, groups, variant=variant, n=n,
+    eager = fused is None
+    params = working_copies(layout.params) if eager else layout.params
+    impl(layout, sel, params, working_copies(grads) if eager else grads, m, v, age, groups, variant=variant, n=n,
          averages=averages, work=work, fused=fused, shards=shards, ledger=ledger)
     write_back_(layout.params, params)
