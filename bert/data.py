@@ -30,6 +30,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness.data import step_share
+
 from .prepare_data import FIELDS
 
 IGNORE_INDEX = -100  # the label ``transformers`` skips in the MLM loss
@@ -191,12 +193,7 @@ class StepStream:
     """
 
     def __init__(self, stream: PretrainingStream, per_stream: int, rank: int, world_size: int):
-        total = stream.world * per_stream
-        if total % world_size:
-            raise ValueError(f"{world_size} workers cannot take an equal share of a step's {total} micro-batches: "
-                             f"run on a divisor of {total} workers")
-        per_worker = total // world_size
-        self.shards = range(rank * per_worker, (rank + 1) * per_worker)  # the step's micro-batches this rank takes
+        self.shards = step_share(stream.world * per_stream, rank, world_size)  # the step's micro-batches it takes
         self.stream, self.per_stream = stream, per_stream
 
     def micro_batches(self, start: int = 0):

@@ -7,6 +7,17 @@ from torch.utils.data import DistributedSampler
 from .distributed import DistEnv
 
 
+def step_share(micro_batches: int, rank: int, world_size: int) -> range:
+    """The micro-batches (numbered 0 .. ``micro_batches`` - 1) of each step that ``rank`` of ``world_size`` takes: an
+    equal run of consecutive ones, so a run resumed on a divisor of its first start's workers accumulates what
+    they took."""
+    if micro_batches % world_size:
+        raise ValueError(f"{world_size} workers cannot take an equal share of a step's {micro_batches} "
+                         f"micro-batches: run on a divisor of {micro_batches} workers")
+    per_worker = micro_batches // world_size
+    return range(rank * per_worker, (rank + 1) * per_worker)
+
+
 class ShardedBatches:
     """This rank's micro-batches of sample indices for an epoch, in ``DistributedSampler`` order.
 
@@ -26,11 +37,7 @@ class ShardedBatches:
         if batch_size < 1:
             raise ValueError(f"invalid batch size {batch_size}: must be >= 1 (data.micro_batch)")
         self.micro_batches = micro_batches or env.world_size
-        if self.micro_batches % env.world_size:
-            raise ValueError(f"{env.world_size} workers cannot take an equal share of a step's {self.micro_batches} "
-                             f"micro-batches: run on a divisor of {self.micro_batches} workers")
-        per_worker = self.micro_batches // env.world_size
-        self.shards = range(env.rank * per_worker, (env.rank + 1) * per_worker)  # the micro-batches this rank takes
+        self.shards = step_share(self.micro_batches, env.rank, env.world_size)  # the micro-batches this rank takes
         self.samplers = [DistributedSampler(range(num_samples), num_replicas=self.micro_batches, rank=s,
                                             shuffle=shuffle, seed=seed, drop_last=True) for s in self.shards]
         self.batch_size = batch_size
