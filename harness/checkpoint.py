@@ -43,10 +43,11 @@ otherwise report one model's results under another's name.
 
 So are the settings of what it computes (:func:`run_settings`): resuming with
 another learning rate, compression ratio or any other of them is refused,
-naming each one (only the run's length, :data:`RESUMABLE_KEYS`, may grow). The
-checkpoint's optimizer and scheduler state would otherwise keep the old
-learning rate under a config.yaml that shows the new one, or a new ratio would
-take effect mid-run: results that belong to neither configuration.
+naming each one (only the run's length may grow, and a sharded run's shard
+size change: :data:`RESUMABLE_KEYS`). The checkpoint's optimizer and scheduler
+state would otherwise keep the old learning rate under a config.yaml that shows
+the new one, or a new ratio would take effect mid-run: results that belong to
+neither configuration.
 
 A run of a pipeline that splits each step into micro-batches of its own (CIFAR-10's
 :class:`harness.ShardedBatches` with ``micro_batches``, BERT's :class:`bert.data.StepStream`) may resume on
@@ -60,8 +61,8 @@ the moments (:func:`slamb.checkpoint.mean_state_dict`, as :func:`slamb.load_shar
 count), the step and the mask ages as saved; each rank resumes rank 0's ledger (the bytes a worker sent so
 far: every rank of a DDP run sends as much), and its RNG streams from (seed, step, rank)
 (:func:`harness.seeding.reseed`). A sharded run (FSDP/HSDP) resumes so too: :func:`slamb.load_sharded`
-reshards its model and optimizer over the new mesh (SLAMB's replicas from their mean), and its ``rank<r>.pt``
-files are taken as a DDP run's. Optimizers whose per-rank state has no mean (DGC, 1-bit LAMB, PowerSGD,
+reshards its model and optimizer over the new mesh, of another shard size too (SLAMB's replicas from their
+mean), and its ``rank<r>.pt`` files are taken as a DDP run's. Optimizers whose per-rank state has no mean (DGC, 1-bit LAMB, PowerSGD,
 DiLoCo) and the pipelines that cut their data per worker (:data:`FIXED_DATA`) are refused another world
 size, in one line, before any worker starts.
 
@@ -88,15 +89,17 @@ from .distributed import DistEnv, barrier
 from .parallel import is_fsdp
 from .run import RunLogger
 from .seeding import reseed, rng_state, set_rng_state
-from .settings import (INPUT_KEYS, check_schedule, effective_config, lookup, same_configuration,
+from .settings import (INPUT_KEYS, check_schedule, covers, effective_config, lookup, same_configuration,
                        with_added_settings)
 
 LATEST, COMPLETE = "latest.json", "complete.json"
 SHARDED = "dcp"  # the folder of a checkpoint that holds a sharded run's model and optimizer
-# settings a resumed run may change: its length (an extended run continues where the shorter one stopped) and
-# Swin's time_breakdown (device syncs that split the step time: what is measured, not computed). Every other
-# setting of what the run computes must match the checkpoint's (see check_settings).
-RESUMABLE_KEYS = ("epochs", "steps", "time_breakdown")
+# settings a resumed run may change: its length (an extended run continues where the shorter one stopped),
+# Swin's time_breakdown (device syncs that split the step time: what is measured, not computed) and a sharded
+# run's shard size (DCP reshards the model and optimizer over the new mesh; under DDP it is null, which
+# harness.parallel checks). Every other setting of what the run computes must match the checkpoint's (see
+# check_settings); the parallelism too, as a DDP run's files are per rank and a sharded run's a DCP folder.
+RESUMABLE_KEYS = ("epochs", "steps", "time_breakdown", "trainer.shard_size")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -125,9 +128,9 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
-# why a run of SQuAD fine-tuning or Swin cannot resume on another number of workers (CIFAR-10 and BERT split
+# why a run of SQuAD fine-tuning cannot resume on another number of workers (CIFAR-10, Swin and BERT split
 # their steps by micro-batch instead)
-FIXED_DATA = ("this pipeline (SQuAD fine-tuning, Swin) cuts its data stream per worker, so no other number of "
+FIXED_DATA = ("this pipeline (SQuAD fine-tuning) cuts its data stream per worker, so no other number of "
               "workers continues it")
 
 
@@ -168,11 +171,11 @@ def _resumed(run_dir, resume: str) -> dict | None:
     return found[0] if found else None
 
 
-def step_micro_batches(run_dir, resume: str, world_size: int) -> int:
+def step_micro_batches(run_dir, resume: str, world_size: int, per_worker: int = 1) -> int:
     """The micro-batches of each step of the run in ``run_dir`` (:class:`harness.ShardedBatches`): those of its
-    checkpoint where it resumes one, else one per worker of this run."""
+    checkpoint where it resumes one, else ``per_worker`` per worker of this run (Swin's accumulation_steps)."""
     found = _resumed(run_dir, resume)
-    return found.get("micro_batches", found["world_size"]) if found else world_size
+    return found.get("micro_batches", found["world_size"] * per_worker) if found else world_size * per_worker
 
 
 def data_streams(run_dir, resume: str, world_size: int) -> int:
@@ -241,7 +244,8 @@ def check_settings(saved: dict | None, current: dict, where) -> None:
     """
     if saved is None:  # written before settings were recorded
         return
-    saved = with_added_settings(saved)
+    # a checkpoint of older code records settings that a resume may now change (and the added ones' defaults)
+    saved = {k: v for k, v in with_added_settings(saved).items() if not covers(RESUMABLE_KEYS, k)}
     changed = [k for k in sorted(set(saved) | set(current)) if saved.get(k, ()) != current.get(k, ())]
     if changed:
         def shown(settings):

@@ -7,15 +7,23 @@ Layout under ``data.dir``::
 Training images go through timm's ``create_transform`` (random resized crop,
 flip, RandAugment ``rand-m9-mstd0.5-inc1``, colour jitter 0.4, bicubic,
 random erasing 0.25) and each batch through timm's ``Mixup`` (mixup 0.8,
-cutmix 1.0, label smoothing 0.1) with its soft-target cross-entropy; each
-rank reads its shard through a ``DistributedSampler`` (``drop_last``: every
-rank runs the same number of steps). Validation: resize to 1/0.875 and
-centre crop, each rank scoring a strided shard (no padding, exact counts).
+cutmix 1.0, label smoothing 0.1) with its soft-target cross-entropy.
+
+Each step takes the same images whatever the number of workers: its micro-batches
+(workers x ``accumulation_steps`` at the run's first start) are the blocks of
+:class:`harness.ShardedBatches`, each worker loading an equal run of them
+(:class:`MicroBatches`), and an image's augmentation draws come from (seed,
+epoch, image) (:class:`KeyedAugmentation`), not from the worker that loads it,
+so a run resumes on any divisor of its micro-batches. Validation: resize to
+1/0.875 and centre crop, each rank scoring a strided shard (no padding, exact
+counts).
 """
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from timm.data import (
     IMAGENET_DEFAULT_MEAN,
@@ -25,9 +33,10 @@ from timm.data import (
     create_transform,
 )
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
-from torch.utils.data import DataLoader, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, Subset
 
-from harness import DistEnv, eval_shard
+from harness import DistEnv, ShardedBatches, eval_shard
+from harness.seeding import reseed
 
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
@@ -79,22 +88,63 @@ def check_classes(root, num_classes: int) -> None:
                          f"set model.num_classes={len(classes)}")
 
 
-def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: int):
-    """(train loader, its sampler, val loader) of this rank."""
+class KeyedAugmentation(Dataset):
+    """``dataset`` (whose transform draws at random) indexed by ``(epoch, i)``: image ``i`` under the draws of
+    the stream (``seed``, ``epoch``, ``i``), whichever process or loader worker reads it. The draws come from
+    the generators the transforms use (python's, numpy's, torch's on the CPU), put back as they were after."""
+
+    def __init__(self, dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: tuple[int, int]):
+        epoch, i = key
+        python, numpy = random.getstate(), np.random.get_state()
+        with torch.random.fork_rng(devices=[]):
+            reseed(self.seed, epoch, i)
+            item = self.dataset[i]
+        random.setstate(python)
+        np.random.set_state(numpy)
+        return item
+
+
+class MicroBatches:
+    """The batch sampler of this rank's micro-batches of an epoch (:meth:`set_epoch`), step by step: the
+    :attr:`shards` of each step's ``micro_batches`` (:class:`harness.ShardedBatches`) that it takes, as
+    :class:`KeyedAugmentation` keys."""
+
+    def __init__(self, batches: ShardedBatches):
+        self.batches, self.epoch = batches, 0
+        self.shards = batches.shards
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.batches) * len(self.shards)
+
+    def __iter__(self):
+        for step in self.batches.epoch(self.epoch):
+            for micro in step.tolist():
+                yield [(self.epoch, i) for i in micro]
+
+
+def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: int,
+                  micro_batches: int | None = None):
+    """(train loader, its :class:`MicroBatches`, val loader) of this rank; each step in ``micro_batches``
+    micro-batches over all workers (default: one per worker)."""
     root = Path(dcfg["dir"])
     check_classes(root, num_classes)
     train_tf, val_tf = transforms(dcfg, img_size)
     train_set = ImageDataset(str(root / "train"), transform=train_tf)
     val_set = ImageDataset(str(root / "val"), transform=val_tf)
-    batch = dcfg["micro_batch"]
-    if len(train_set) < batch * env.world_size:
-        raise ValueError(f"{len(train_set)} training images cannot give every one of {env.world_size} workers "
-                         f"a full batch of {batch}: lower data.micro_batch or the number of workers")
-    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, shuffle=True,
-                                 seed=seed, drop_last=True)
+    sampler = MicroBatches(ShardedBatches(len(train_set), dcfg["micro_batch"], env, seed=seed,
+                                          micro_batches=micro_batches))
     common = {"num_workers": dcfg["workers"], "pin_memory": dcfg["pin_memory"] and env.device.type != "cpu",
               "persistent_workers": dcfg["workers"] > 0}
-    train = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **common)
+    train = DataLoader(KeyedAugmentation(train_set, seed), batch_sampler=sampler, **common)
     val = DataLoader(Subset(val_set, eval_shard(len(val_set), env).tolist()), batch_size=dcfg["eval_batch"],
                      shuffle=False, **common)
     return train, sampler, val

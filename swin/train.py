@@ -6,7 +6,8 @@
     scripts/swin_b_imagenet.sh slamb 8 1                                     # the paper's rows
 
 The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
-(global batch = workers x data.micro_batch x accumulation_steps),
+(global batch = workers x data.micro_batch x accumulation_steps at the run's first start; a
+run resumed on fewer workers accumulates more micro-batches each, :mod:`swin.data`),
 reached after ``schedule.warmup_epochs`` and decayed per step by a cosine.
 Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
 a skip decision agreed by all ranks, :mod:`harness.amp`).
@@ -37,15 +38,19 @@ from omegaconf import OmegaConf
 import harness
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad
 from harness.schedules import build_lr_scheduler, check_lr_schedule
+from harness.seeding import reseed
 from harness.settings import check_count
 
 
 
-def forward_backward(model, micro_batches, criterion, amp: MixedPrecision, mixup=None) -> torch.Tensor:
+def forward_backward(model, micro_batches, criterion, amp: MixedPrecision, mixup=None, draws=None) -> torch.Tensor:
     """Gradients of one optimizer step from its micro-batches (``no_sync`` on all but the last);
-    returns the step's mean loss (a 0-d tensor, no host sync)."""
+    returns the step's mean loss (a 0-d tensor, no host sync). ``draws(i)``, where given, seeds what micro-batch
+    ``i`` draws (mixup's, stochastic depth's)."""
     total = None
     for i, (x, y) in enumerate(micro_batches):
+        if draws is not None:
+            draws(i)
         if mixup is not None:
             x, y = mixup(x, y)
         with accumulation_context(model, last_micro_batch=i == len(micro_batches) - 1):
@@ -124,13 +129,15 @@ def train(cfg: dict, run_dir: str) -> dict:
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)
     num_classes = cfg.model.num_classes
-    train_loader, sampler, val_loader = build_loaders(d, image_size(model), num_classes, env, seed=cfg.seed)
+    # each step's micro-batches are those of the run's first workers (accumulation_steps each), however many
+    # workers resume it: fewer take more each, so the global batch and its images stay
+    micro_batches = harness.step_micro_batches(run_dir, t.resume, env.world_size, per_worker=accum)
+    train_loader, sampler, val_loader = build_loaders(d, image_size(model), num_classes, env, seed=cfg.seed,
+                                                      micro_batches=micro_batches)
+    accum = len(sampler.shards)  # this worker's micro-batches of each step
     mixup, criterion = mixup_and_loss(d, num_classes)
-    steps_per_epoch = len(train_loader) // accum
-    if steps_per_epoch == 0:
-        raise ValueError(f"{len(train_loader)} batches per worker and epoch are fewer than accumulation_steps="
-                         f"{accum}: lower accumulation_steps or data.micro_batch")
-    global_batch = d.micro_batch * env.world_size * accum
+    steps_per_epoch = len(sampler.batches)
+    global_batch = d.micro_batch * micro_batches
     ocfg = dict(plain["optimizer"])
     ocfg["lr"] = ocfg["lr"] * global_batch / cfg.lr_scaling.reference_batch  # the linear scaling rule
     # Swin's buffers (relative position indices, attention masks) are constants: no per-forward broadcast
@@ -142,7 +149,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=global_batch, throughput="images")
+                       global_batch=global_batch, throughput="images", micro_batches=micro_batches)
 
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
@@ -156,7 +163,10 @@ def train(cfg: dict, run_dir: str) -> dict:
             timer.mark("data")
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             optimizer.zero_grad(set_to_none=True)
-            loss_sum += forward_backward(model, micro, criterion, amp, mixup).double()
+            # mixup's and stochastic depth's draws from (seed, step, the micro-batch's place in the step), not
+            # from this worker's streams
+            loss_sum += forward_backward(model, micro, criterion, amp, mixup, draws=lambda j: reseed(
+                cfg.seed, run.step, sampler.shards[j])).double()
             timer.mark("forward_backward")
             amp.step(optimizer, params, clip_grad=cfg.clip_grad)
             scheduler.step()
@@ -176,7 +186,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, elastic=True)
 
 
 if __name__ == "__main__":

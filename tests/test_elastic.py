@@ -1,6 +1,7 @@
 """A CIFAR-10 or BERT run checkpointed on 4 workers resumes on 2 (and back on 4): the same global batch, split
 into the same micro-batches, each step computing what the uninterrupted run computes; SLAMB from the saved
-ranks' mean. A sharded BERT run (HSDP, 2 replicas x 2 shards) resumes on 1 replica of 2 shards."""
+ranks' mean. A sharded BERT run (HSDP, 2 replicas x 2 shards) resumes on 1 replica of 2 shards, and on 2
+replicas of 1 shard."""
 from __future__ import annotations
 
 import json
@@ -176,13 +177,19 @@ BERT_RUNS = {"lamb": BERT_ROWS["lamb"], "slamb": SLAMB, "lamb_hsdp": [*BERT_ROWS
 @pytest.fixture(scope="module")
 def bert_runs(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
     """Each of BERT_RUNS on 4 workers, and a copy of each stopped after step 2 and resumed on 2 (HSDP: 1 replica
-    of the 2 shards)."""
+    of the 2 shards, ``<run>_4to2``; and 2 replicas of 1, ``<run>_4to2x1``)."""
     root = tmp_path_factory.mktemp("elastic_bert")
     cfgs = {n: tiny_cfg(tiny_data, root / n, *BERT, *overrides) for n, overrides in BERT_RUNS.items()}
     distributed.run(worker, 4, [(bert_train, c, str(root / n)) for n, c in cfgs.items()])
-    halved = {n: stopped_at(root / n, root / f"{n}_4to2", BERT_STOP) for n in cfgs}
-    out = distributed.run(worker, 2, [(bert_train, c, str(halved[n])) for n, c in cfgs.items()])
-    return {"root": root, "cfgs": cfgs, "opened": {n: [rank[i] for rank in out] for i, n in enumerate(cfgs)}}
+    resumed = {f"{n}_4to2": c for n, c in cfgs.items()}
+    resumed.update({f"{n}_4to2x1": tiny_cfg(tiny_data, root / n, *BERT, *BERT_RUNS[n], "trainer.shard_size=1")
+                    for n in cfgs if "hsdp" in n})
+    for name in resumed:
+        stopped_at(root / name.rsplit("_", 1)[0], root / name, BERT_STOP)
+    out = distributed.run(worker, 2, [(bert_train, c, str(root / n)) for n, c in resumed.items()])
+    opened = {n: [rank[i] for rank in out] for i, n in enumerate(resumed)}
+    return {"root": root, "cfgs": cfgs, "opened": {n: opened[f"{n}_4to2"] for n in cfgs},
+            "opened_2x1": {n: opened[f"{n}_4to2x1"] for n in cfgs if "hsdp" in n}}
 
 
 def bert_params(run_dir: Path, cfg: dict) -> dict:
@@ -191,24 +198,25 @@ def bert_params(run_dir: Path, cfg: dict) -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.e2e
-@pytest.mark.parametrize("run", ["lamb", "lamb_hsdp"])
-def test_bert_lamb_resumed_on_2_workers_computes_each_step_of_the_4_worker_run(bert_runs, run):
+@pytest.mark.parametrize("run, resumed", [("lamb", "4to2"), ("lamb_hsdp", "4to2"), ("lamb_hsdp", "4to2x1")])
+def test_bert_lamb_resumed_on_2_workers_computes_each_step_of_the_4_worker_run(bert_runs, run, resumed):
     """Each step's loss and accuracies, and the final parameters, to float32 rounding (each worker sums 4
     micro-batches' gradients where it summed 2: another summation order), dropout included (drawn per
-    micro-batch). HSDP: the model and moments resharded by DCP over 1 replica of 2 shards, the same numbers."""
+    micro-batch). HSDP: the model and moments resharded by DCP over 1 replica of the 2 shards, or over 2
+    replicas of 1 shard (another shard size), the same numbers."""
     root = bert_runs["root"]
-    a, b = history(root / f"{run}_4to2"), history(root / run)
+    a, b = history(root / f"{run}_{resumed}"), history(root / run)
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, BERT_STEPS + 1))
     for ra, rb in zip(a, b):
         assert ra["loss"] == pytest.approx(rb["loss"], rel=1e-5)
         assert ra["mlm_acc"] == rb["mlm_acc"] and ra["nsp_acc"] == rb["nsp_acc"] and ra["lr"] == rb["lr"]
     assert a[-1]["loss"] < a[0]["loss"] - 0.1  # the run trains: the steps compared are not all alike
-    pa, pb = (bert_params(root / r, bert_runs["cfgs"][run]) for r in (f"{run}_4to2", run))
+    pa, pb = (bert_params(root / r, bert_runs["cfgs"][run]) for r in (f"{run}_{resumed}", run))
     for k in pb:
         torch.testing.assert_close(pa[k], pb[k], rtol=1e-5, atol=1e-6, msg=k)
-    summary = json.loads((root / f"{run}_4to2" / "metrics.json").read_text())
+    summary = json.loads((root / f"{run}_{resumed}" / "metrics.json").read_text())
     assert summary["world_size"] == 2 and summary["accumulation_steps"] == 4 and summary["resumed_from"] == [2]
-    latest = json.loads((root / f"{run}_4to2" / "ckpt" / "latest.json").read_text())
+    latest = json.loads((root / f"{run}_{resumed}" / "ckpt" / "latest.json").read_text())
     assert (latest["world_size"], latest["micro_batches"], latest["streams"]) == (2, 8, 4)
 
 
@@ -231,6 +239,26 @@ def test_hsdp_slamb_bert_resumed_on_1_replica_starts_from_the_replicas_mean_and_
         for k, got in zip(names, rank):
             want = (saved[f"replica0.model.{k}"] + saved[f"replica1.model.{k}"]) / 2
             torch.testing.assert_close(got, want, rtol=0, atol=1e-7, msg=k)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+def test_hsdp_slamb_bert_resumed_with_another_shard_size_continues_each_replica(bert_runs):
+    """2 replicas x 2 shards resumed as 2 replicas of 1 shard (trainer.shard_size 2 -> 1): each replica's own
+    parameters and moments, resharded by DCP, and its own micro-batches (those its 2 shards took), so every
+    step is the uninterrupted run's to float32 rounding (each worker sums 4 micro-batches' gradients where
+    its shard group reduced 2 on each of 2 ranks). Measured: the same losses, bit for bit."""
+    root = bert_runs["root"]
+    a, b = history(root / "slamb_hsdp_4to2x1"), history(root / "slamb_hsdp")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-5)
+    saved = dcp_state(root / "slamb_hsdp" / "ckpt" / f"step{BERT_STOP:09d}" / "dcp")
+    names = [k for k, _ in build_model(bert_runs["cfgs"]["slamb_hsdp"]["model"]).named_parameters()]
+    for replica, rank in enumerate(bert_runs["opened_2x1"]["slamb_hsdp"]):
+        for k, got in zip(names, rank):
+            torch.testing.assert_close(got, saved[f"replica{replica}.model.{k}"], rtol=0, atol=0, msg=k)
+    latest = json.loads((root / "slamb_hsdp_4to2x1" / "ckpt" / "latest.json").read_text())
+    assert latest["world_size"] == 2 and latest["settings"] == json.loads(
+        (root / "slamb_hsdp" / "ckpt" / "latest.json").read_text())["settings"]
 
 
 @pytest.mark.multiprocess
@@ -327,9 +355,9 @@ def bert_checkpoint_of_4_workers(run: Path, data: Path, *overrides) -> dict:
     # the same global batch in 4 micro-batches of 4: other sequences per micro-batch, other gradient sums
     (["trainer.nproc_per_node=2", "data.micro_batch=4"],
      "was trained with data.micro_batch=2 and this run has data.micro_batch=4"),
-    # 2 replicas of 1 worker: another mesh, which the run's settings record
-    (["trainer.nproc_per_node=2", "trainer.shard_size=1"],
-     "was trained with trainer.shard_size=2 and this run has trainer.shard_size=1"),
+    # DDP: the sharded run's model and optimizer are a DCP folder, a DDP run's per-rank files
+    (["trainer.nproc_per_node=2", "trainer.parallelism=ddp", "trainer.shard_size=null"],
+     "was trained with trainer.parallelism='hsdp' and this run has trainer.parallelism='ddp'"),
 ])
 def test_a_bert_resume_on_other_workers_that_would_change_what_is_computed_is_refused_in_one_line(tmp_path, args,
                                                                                                    line):
@@ -349,5 +377,8 @@ def test_a_bert_resume_on_a_divisor_of_the_step_micro_batches_passes_the_checks(
     for workers in (2, 4, 8):
         assert prepare_run({**saved, "trainer": {**saved["trainer"], "nproc_per_node": workers}}, run,
                            world_size=workers, why_fixed=None) is None
+    for workers, shards in ((2, 1), (4, 1), (4, 4)):  # another shard size: DCP reshards
+        assert prepare_run({**saved, "trainer": {**saved["trainer"], "nproc_per_node": workers, "shard_size": shards}},
+                           run, world_size=workers, why_fixed=None) is None
     with pytest.raises(ValueError, match="takes each step in 8 micro-batches .* this run's 3 workers cannot"):
         prepare_run(saved, run, world_size=3, why_fixed=None)

@@ -196,16 +196,23 @@ def test_sharded_settings_that_fit_pass_the_checks(tmp_path):
 
 def test_a_ddp_checkpoint_and_an_hsdp_run_refuse_each_other_and_older_runs_are_ddp():
     """The parallelism is a setting of what a run computes: resuming across it is refused in one line, as any
-    changed setting; a checkpoint written before the setting existed is a DDP run's."""
+    changed setting; a checkpoint written before the setting existed is a DDP run's. The shard size of a
+    sharded run is not (DCP reshards), though checkpoints of older code record it."""
     from harness.checkpoint import check_settings as check_resume, run_settings
-    from harness.settings import same_configuration
+    from harness.settings import effective_config, same_configuration
 
     ddp, hsdp = compose_bert(), compose_bert("trainer.parallelism=hsdp", "trainer.shard_size=2")
     for saved, current in ((ddp, hsdp), (hsdp, ddp)):
-        with pytest.raises(ValueError, match=r"trained with trainer\.parallelism='\w+', trainer\.shard_size=\S+ and "
-                                             r"this run has trainer\.parallelism") as e:
+        with pytest.raises(ValueError, match=r"trained with trainer\.parallelism='\w+' and "
+                                             r"this run has trainer\.parallelism='\w+':") as e:
             check_resume(run_settings(saved), run_settings(current), "runs/x/ckpt")
         assert "\n" not in str(e.value)
+    hsdp_1 = compose_bert("trainer.parallelism=hsdp", "trainer.shard_size=1")
+    assert "trainer.shard_size" not in run_settings(hsdp)
+    recorded_before = {k: v for k, v in json.loads(json.dumps(effective_config(hsdp))).items()
+                       if k in run_settings(hsdp) or k == "trainer.shard_size"}
+    assert recorded_before["trainer.shard_size"] == 2
+    check_resume(recorded_before, run_settings(hsdp_1), "runs/x/ckpt")
     older = {k: v for k, v in run_settings(ddp).items() if k not in ("trainer.parallelism", "trainer.shard_size")}
     check_resume(older, run_settings(ddp), "runs/x/ckpt")
     with pytest.raises(ValueError, match="parallelism"):

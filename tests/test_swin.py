@@ -1,6 +1,7 @@
 """The Swin / ImageNet pipeline: ImageFolder layout and errors, timm's transforms and mixup, Swin-B's size,
 the configs of the paper's rows, the cosine schedule against timm's, the rank-agreed fp16 skip, and
-end-to-end runs (2 gloo workers, real JPEG files) of AdamW, LAMB and SLAMB with bf16, accumulation and resume."""
+end-to-end runs (2 gloo workers, real JPEG files) of AdamW, LAMB and SLAMB with bf16, accumulation and resume
+(on 1 worker too)."""
 from __future__ import annotations
 
 import json
@@ -54,7 +55,7 @@ def test_layout_gives_the_classes_and_timm_reads_the_jpegs(tiny_dir):
     assert sdata.check_layout(tiny_dir) == [f"n{c:08d}" for c in range(4)]
     cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.micro_batch=4",
                        "data.eval_batch=8", "data.workers=0")
-    train_loader, _, val_loader = sdata.build_loaders(cfg["data"], 32, 4, CPU1, seed=0)
+    train_loader, _, val_loader = sdata.build_loaders(cfg["data"], 32, 4, CPU1, seed=0, micro_batches=1)
     x, y = next(iter(train_loader))
     assert x.shape == (4, 3, 32, 32) and x.dtype == torch.float32 and set(y.tolist()) <= {0, 1, 2, 3}
     assert len(train_loader) == 8 and len(val_loader.dataset) == 8
@@ -68,6 +69,28 @@ def test_layout_gives_the_classes_and_timm_reads_the_jpegs(tiny_dir):
     erasing = next(t for t in train_tf.transforms if type(t).__name__ == "RandomErasing")
     assert erasing.probability == 0.25 and erasing.mode == "pixel"
     assert "bicubic" in str(train_tf.transforms[0]).lower()
+
+
+def test_a_step_takes_the_same_augmented_images_on_any_number_of_workers(tiny_dir):
+    """A step's 2 micro-batches: loaded by 1 worker (accumulating both) or by 2 (one each), under any state of the
+    global generators, the same images with the same augmentation draws; another epoch draws anew."""
+    cfg = compose_swin("model=swin_tiny_test", f"data.dir={tiny_dir}", "data.micro_batch=4", "data.workers=0")
+
+    def steps(env, epoch=0):
+        loader, sampler, _ = sdata.build_loaders(cfg["data"], 32, 4, env, seed=3, micro_batches=2)
+        sampler.set_epoch(epoch)
+        return list(loader)
+
+    seed_everything(0)
+    one = steps(CPU1)
+    seed_everything(1)
+    two = [steps(DistEnv(r, 2, r, 2, torch.device("cpu"))) for r in (0, 1)]
+    assert len(one) == 2 * len(two[0]) == 8  # 4 steps of 2 micro-batches of 4 of the 32 images
+    for i, (x, y) in enumerate(one):
+        xt, yt = two[i % 2][i // 2]
+        assert torch.equal(x, xt) and torch.equal(y, yt)
+    other = steps(CPU1, epoch=1)
+    assert not any(torch.equal(a[0], b[0]) for a, b in zip(one, other))
 
 
 def test_mixup_gives_smoothed_soft_targets():
@@ -248,7 +271,7 @@ def repeated_batch_case(rank, world, name, precision, lr, tiny_dir):
                        "data.workers=0", f"optimizer={name}", f"optimizer.lr={lr}", "optimizer.weight_decay=0.0",
                        *(SLAMB_TINY if name == "slamb" else []))
     env = DistEnv(rank, world, rank, world, torch.device("cpu"))
-    seed_everything(0, rank)  # the augmentation of the one batch (RandAugment draws from python's random)
+    seed_everything(0, rank)
     torch.manual_seed(0)
     model = build_model(cfg["model"])
     train_loader, _, _ = sdata.build_loaders(cfg["data"], 32, 4, env, seed=0)
@@ -300,6 +323,18 @@ def test_each_row_trains_end_to_end_on_two_workers_and_the_table_renders(tiny_di
                                                                    "epoch": 1, "step": 4, "resumed_from": []}))
     (resumed_dir / "metrics.json").unlink()
     resumed = distributed.run(e2e_worker, 2, [(jobs[2][0], str(resumed_dir))])
+    # LAMB resumed on 1 worker after epoch 1: it accumulates the step's 4 micro-batches where each of the 2
+    # accumulated 2
+    one_dir = tmp_path / "lamb_on_1"
+    shutil.copytree(tmp_path / "runs" / "lamb", one_dir)
+    first, last = sorted((one_dir / "ckpt").glob("step*"))
+    shutil.rmtree(last)
+    (one_dir / "ckpt" / "latest.json").write_text(json.dumps({"dir": first.name,
+                                                             **json.loads((first / "complete.json").read_text())}))
+    (one_dir / "metrics.json").unlink()
+    (one_dir / "metrics.jsonl").write_text((one_dir / "metrics.jsonl").read_text().splitlines(True)[0])
+    one = {**jobs[1][0], "trainer": {**jobs[1][0]["trainer"], "nproc_per_node": 1}}
+    on_1 = distributed.run(e2e_worker, 1, [(one, str(one_dir))])[0][0]
 
     param_bytes = 4 * sum(p.numel() for p in build_model(jobs[0][0]["model"]).parameters())
     for i, row in enumerate(ROWS):
@@ -332,6 +367,17 @@ def test_each_row_trains_end_to_end_on_two_workers_and_the_table_renders(tiny_di
     for key in ("test_top1", "bytes_cum/all", "lr"):
         assert again[1][key] == pytest.approx(slamb_rows[1][key]), key
     assert again[1]["train_loss"] == pytest.approx(slamb_rows[1]["train_loss"], rel=1e-4)
+
+    # every step of the 1-worker continuation takes the same images, augmentation, mixup and stochastic depth:
+    # the 2-worker run's numbers to float32 rounding (another summation order of the gradients)
+    lamb_rows, on_1_rows = history(tmp_path / "runs" / "lamb"), history(one_dir)
+    assert on_1["world_size"] == 1 and on_1["accumulation_steps"] == 4 and on_1["global_batch"] == 16
+    assert on_1["resumed_from"] == [1] and [r["step"] for r in on_1_rows] == [2, 4]
+    for key in ("train_loss", "test_loss", "test_top1", "lr"):
+        assert on_1_rows[1][key] == pytest.approx(lamb_rows[1][key], rel=1e-5), key
+    a, b = (torch.load(d / "model" / "model.pt") for d in (one_dir, tmp_path / "runs" / "lamb"))
+    for k in b:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-6, msg=k)
 
     written = build_tables(load_runs(tmp_path / "runs"), tmp_path / "tables")
     table = (tmp_path / "tables" / "swin_b_imagenet.md").read_text()
