@@ -237,8 +237,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL,
-                                  elastic=True)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, elastic=True)
+    return harness.run_from_hydra("cifar10.train:train", cfg, check=check)
 
 
 if __name__ == "__main__":

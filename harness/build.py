@@ -15,7 +15,7 @@ from slamb import registry
 from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
-from .checkpoint import FIXED_DATA, Checkpointer, fixed_world, lookup, run_inputs
+from .checkpoint import Checkpointer, fixed_world, lookup, run_inputs
 from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
@@ -247,16 +247,16 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), elastic: bool = False):
+def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
     ``check``, ``optional``: the pipeline's own checks and the settings its config leaves out
-    (:func:`check_settings`). ``elastic``: its steps are split into micro-batches of their own
+    (:func:`check_settings`). Every pipeline splits its steps into micro-batches of its own
     (:class:`harness.ShardedBatches`, BERT's :class:`bert.data.StepStream`), so that a run may resume on another
-    number of workers (:func:`harness.checkpoint.check_world_size`).
+    number of workers (:func:`harness.checkpoint.check_world_size`), where its optimizer allows it.
 
     The job's run directory is Hydra's output directory, locked while the job writes it; its console goes to
     ``train.log`` there too, and it ends with the run's one summary line (:func:`harness.loop.summary_line`). With
@@ -302,8 +302,7 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     try:
         with RunLock(run_dir, hold=writer), ConsoleLog(Path(run_dir) / "train.log", hold=writer):
             try:
-                why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]),
-                                        None if elastic else FIXED_DATA)
+                why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
                 finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
                                        world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
             except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory

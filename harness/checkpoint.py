@@ -63,8 +63,8 @@ far: every rank of a DDP run sends as much), and its RNG streams from (seed, ste
 (:func:`harness.seeding.reseed`). A sharded run (FSDP/HSDP) resumes so too: :func:`slamb.load_sharded`
 reshards its model and optimizer over the new mesh, of another shard size too (SLAMB's replicas from their
 mean), and its ``rank<r>.pt`` files are taken as a DDP run's. Optimizers whose per-rank state has no mean (DGC, 1-bit LAMB, PowerSGD,
-DiLoCo) and the pipelines that cut their data per worker (:data:`FIXED_DATA`) are refused another world
-size, in one line, before any worker starts.
+DiLoCo) and loops that cut their data per worker (:data:`FIXED_DATA`) are refused another world size, in
+one line, before any worker starts.
 
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
@@ -128,15 +128,16 @@ def check_inputs(saved: dict | None, current: dict, where) -> None:
                 f"resume, or start this run over with trainer.resume=never (or another run directory)")
 
 
-# why a run of SQuAD fine-tuning cannot resume on another number of workers (CIFAR-10, Swin and BERT split
-# their steps by micro-batch instead)
-FIXED_DATA = ("this pipeline (SQuAD fine-tuning) cuts its data stream per worker, so no other number of "
-              "workers continues it")
+# why a loop that does not record how it splits its steps (Loop's micro_batches; every pipeline does) cannot
+# resume on another number of workers
+FIXED_DATA = ("this loop cuts its data stream per worker (it records no micro-batches of its steps), so no other "
+              "number of workers continues it")
 
 
 def fixed_world(optimizer, pipeline: str | None) -> str | None:
     """Why a run of ``optimizer`` cannot resume on another number of workers (None: it can). ``pipeline``: the
-    pipeline's own reason (:data:`FIXED_DATA`), None where it splits its steps by micro-batch."""
+    loop's own reason (:data:`FIXED_DATA` where it records no micro-batches), None where it splits its steps by
+    micro-batch."""
     if pipeline is not None:
         return pipeline
     if optimizer.per_rank_state and not optimizer.takes_sharded:  # SLAMB's state has a mean (load_sharded's)

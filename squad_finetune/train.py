@@ -30,7 +30,8 @@ import slamb
 from slamb import comm
 import harness
 from harness.accumulate import split_batch
-from harness.amp import MixedPrecision
+from harness.amp import MixedPrecision, accumulation_context
+from harness.seeding import reseed
 from harness.atomic import atomic_write_json
 from slamb.optim.checks import check_choice
 from harness.schedules import build_lr_scheduler, check_lr_schedule
@@ -122,13 +123,17 @@ def train(cfg: dict, run_dir: str) -> dict:
     dev_examples = subset(load_squad(d.dev_file), d.max_dev_examples)
     train_feats = make_features(train_examples, tokenizer, **shape)
     dev_feats = make_features(dev_examples, tokenizer, **shape)
-    per_worker = split_batch(d.global_batch, env.world_size)
-    batches = harness.ShardedBatches(len(train_feats), per_worker, env, seed=cfg.seed)
+    # each step's global batch is cut into one micro-batch per worker of the run's first start, however many
+    # workers resume it: fewer accumulate several each, so every step takes the same windows
+    micro_batches = harness.step_micro_batches(run_dir, t.resume, env.world_size)
+    batches = harness.ShardedBatches(len(train_feats), split_batch(d.global_batch, micro_batches), env,
+                                     seed=cfg.seed, micro_batches=micro_batches)
+    accum = len(batches.shards)  # this worker's micro-batches of each step
     steps_per_epoch = len(batches)
     if env.is_main:
         print(f"SQuAD: {len(train_examples)} train questions -> {len(train_feats)} windows, {len(dev_examples)} "
-              f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {per_worker}, "
-              f"{steps_per_epoch} steps per epoch", flush=True)
+              f"dev questions -> {len(dev_feats)} windows; {env.world_size} workers x {accum} x "
+              f"{batches.batch_size}, {steps_per_epoch} steps per epoch", flush=True)
 
     torch.manual_seed(cfg.seed)  # the same fresh span head on every rank (DDP also broadcasts rank 0's)
     model = load_model(cfg.model.dir, len(tokenizer)).to(env.device)
@@ -140,7 +145,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=d.global_batch, throughput="sequences")
+                       global_batch=d.global_batch, throughput="sequences", micro_batches=micro_batches)
 
     def dev_scores() -> dict:
         logits = predict(model, dev_feats, env, d.eval_batch, amp)
@@ -150,18 +155,22 @@ def train(cfg: dict, run_dir: str) -> dict:
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
         loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)  # no host sync per step
-        for (idx,) in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            inputs = batch_inputs(train_feats, idx, env.device)
+        for step in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
-            with amp.autocast():
-                loss = model(**inputs, start_positions=train_feats.start_positions[idx].to(env.device),
-                             end_positions=train_feats.end_positions[idx].to(env.device)).loss
             optimizer.zero_grad(set_to_none=True)
-            if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
-                amp.backward(loss.float())
+            for j, idx in enumerate(step):
+                # dropout draws from (seed, step, the micro-batch's place in the step), not this worker's stream
+                reseed(cfg.seed, run.step, batches.shards[j])
+                with accumulation_context(model, last_micro_batch=j == accum - 1):
+                    with amp.autocast():
+                        loss = model(**batch_inputs(train_feats, idx, env.device),
+                                     start_positions=train_feats.start_positions[idx].to(env.device),
+                                     end_positions=train_feats.end_positions[idx].to(env.device)).loss.float() / accum
+                    if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                        amp.backward(loss)
+                loss_sum += loss.detach().double()
             amp.step(optimizer, params)
             scheduler.step()
-            loss_sum += loss.detach().double()
         (loss_sum,) = harness.rank_sums(loss_sum)
         metrics = run.evaluate(dev_scores)
         run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},

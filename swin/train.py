@@ -186,7 +186,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, elastic=True)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check)
 
 
 if __name__ == "__main__":

@@ -298,8 +298,8 @@ def test_a_sharded_run_resumes_on_another_world_size_from_rank_0s_file(tmp_path)
     with pytest.raises(ValueError) as refused:
         Checkpointer(tmp_path, solo(0, 2)).load()
     assert str(refused.value) == (
-        f"the checkpoint in {tmp_path / 'ckpt'} was written by 4 workers and this run has 2: this pipeline (SQuAD "
-        "fine-tuning) cuts its data stream per worker, so no other number of workers continues it. Resume "
+        f"the checkpoint in {tmp_path / 'ckpt'} was written by 4 workers and this run has 2: this loop cuts its data "
+        "stream per worker (it records no micro-batches of its steps), so no other number of workers continues it. Resume "
         "with 4 workers, or use a new run directory (trainer.resume=never starts over)")
     for rank in range(2):
         assert Checkpointer(tmp_path, solo(rank, 2)).load(why_fixed=None) == ({"step": 1}, {}, [{"ledger": 0}])

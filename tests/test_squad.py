@@ -4,6 +4,7 @@ fine-tune of a tiny local BERT with 2 gloo workers, and its row in the results t
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -372,6 +373,23 @@ def test_two_worker_fine_tune_writes_em_f1_and_the_table(bert_dir, tmp_path, cap
     assert json.loads(official.stdout) == pytest.approx({k: summary[k] for k in ("exact_match", "f1")})
     assert 0 <= summary["f1"] <= 100 and summary["exact_match"] <= summary["f1"] + 1e-9
     assert (run_dir / "ckpt" / "latest.json").is_file() and (run_dir / "nbest_predictions.json").is_file()
+
+    # the run stopped after epoch 2 and resumed on 1 worker, which accumulates both micro-batches of each step
+    # (dropout drawn per micro-batch): epoch 3 as the 2 workers trained and scored it
+    one_dir = tmp_path / "on_1"
+    shutil.copytree(run_dir, one_dir)
+    kept = sorted((one_dir / "ckpt").glob("step*"))
+    shutil.rmtree(kept[-1])
+    (one_dir / "ckpt" / "latest.json").write_text(json.dumps({"dir": kept[-2].name,
+                                                             **json.loads((kept[-2] / "complete.json").read_text())}))
+    (one_dir / "metrics.json").unlink()
+    (one_dir / "metrics.jsonl").write_text("".join((one_dir / "metrics.jsonl").read_text().splitlines(True)[:2]))
+    on_1 = distributed.run(e2e_worker, 1, {**cfg, "trainer": {**cfg["trainer"], "nproc_per_node": 1}},
+                           str(one_dir))[0]
+    assert on_1["world_size"] == 1 and on_1["resumed_from"] == [2]
+    last = json.loads((one_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    for key in ("train_loss", "f1", "exact_match", "lr"):
+        assert last[key] == pytest.approx(rows[-1][key], rel=1e-5), key
 
     files = build_tables(load_runs(tmp_path), tmp_path / "tables")
     table = files["squad_tiny"][0].read_text()
