@@ -140,7 +140,7 @@ def fixed_world(optimizer, pipeline: str | None) -> str | None:
     micro-batch."""
     if pipeline is not None:
         return pipeline
-    if optimizer.per_rank_state and not optimizer.takes_sharded:  # SLAMB's state has a mean (load_sharded's)
+    if optimizer.per_rank_state and not optimizer.state_averages:
         why = getattr(optimizer, "per_rank_reason", "each worker keeps its own state")
         return f"{type(optimizer).__name__}'s per-rank state has no mean over the workers ({why})"
     return None

@@ -13,7 +13,10 @@ instead of probing attributes:
   (:attr:`params_differ`: SLAMB). Then the model of the run is the ranks'
   average (:func:`slamb.average_model`), and checkpoints keep one model per rank;
 * whether ``state_dict()`` is the rank's own (:attr:`per_rank_state`): one
-  optimizer state per rank must be saved and loaded by the same rank;
+  optimizer state per rank must be saved and loaded by the same rank, unless
+  the ranks' states have a mean to start other ranks from (:attr:`state_averages`:
+  SLAMB's moments, :func:`slamb.checkpoint.mean_state_dict`), so that a run may
+  resume on another number of workers;
 * the schedules it follows (:meth:`begin_epoch` at the start of each epoch,
   :meth:`begin_step` before each forward pass): DGC's density warm-up,
   SLAMB's compression warm-up, JointSpar's round sampling;
@@ -46,6 +49,7 @@ class DistributedOptimizer(Protocol):
     communication: str
     params_differ: bool
     per_rank_state: bool
+    state_averages: bool
 
     def comm_stats(self) -> dict: ...
 
@@ -62,6 +66,7 @@ class ContractDefaults:
     communication: str = GRADIENT_ALLREDUCE
     params_differ: bool = False
     per_rank_state: bool = False
+    state_averages: bool = False  # a per-rank state whose mean over the ranks starts any other number of ranks
     takes_sharded: bool = False  # FSDP2's DTensor parameters (slamb.sharding): SLAMB and LAMB
     nonfinite_skips: int = 0  # steps dropped on NaN/inf gradients (nonfinite="skip"), the same on every rank
     ledger: comm.CommLedger
@@ -120,7 +125,7 @@ def adopt(optimizer):
     if getattr(optimizer, "ledger", None) is None:
         optimizer.ledger = comm.CommLedger()
         optimizer.register_step_post_hook(lambda opt, args, kwargs: opt.ledger.end_step())
-    for name in ("communication", "params_differ", "per_rank_state", "nonfinite_skips"):
+    for name in ("communication", "params_differ", "per_rank_state", "state_averages", "nonfinite_skips"):
         if not hasattr(optimizer, name):
             setattr(optimizer, name, getattr(ContractDefaults, name))
     for name, default in (("comm_stats", optimizer.ledger.summary), ("ddp_comm_hook", _noop),

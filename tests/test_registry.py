@@ -75,12 +75,12 @@ def test_every_optimizer_trains_under_two_workers():
                 assert torch.equal(a, b), name
 
 
-CONTRACT = {  # communication, params_differ, per_rank_state
-    "sgd": (GRADIENT_ALLREDUCE, False, False), "adamw": (GRADIENT_ALLREDUCE, False, False),
-    "lamb": (GRADIENT_ALLREDUCE, False, False), "slamb": (OPTIMIZER_HOOK, True, True),
-    "onebit_lamb": (OPTIMIZER_HOOK, False, True), "dgc": (OPTIMIZER_HOOK, False, True),
-    "jointspar": (NO_DDP, False, False), "jointspar_lars": (NO_DDP, False, False),
-    "powersgd": (OPTIMIZER_HOOK, False, True), "diloco": (OPTIMIZER_HOOK, True, True),
+CONTRACT = {  # communication, params_differ, per_rank_state, state_averages
+    "sgd": (GRADIENT_ALLREDUCE, False, False, False), "adamw": (GRADIENT_ALLREDUCE, False, False, False),
+    "lamb": (GRADIENT_ALLREDUCE, False, False, False), "slamb": (OPTIMIZER_HOOK, True, True, True),
+    "onebit_lamb": (OPTIMIZER_HOOK, False, True, False), "dgc": (OPTIMIZER_HOOK, False, True, False),
+    "jointspar": (NO_DDP, False, False, False), "jointspar_lars": (NO_DDP, False, False, False),
+    "powersgd": (OPTIMIZER_HOOK, False, True, False), "diloco": (OPTIMIZER_HOOK, True, True, False),
 }
 
 
@@ -88,7 +88,7 @@ CONTRACT = {  # communication, params_differ, per_rank_state
 def test_every_optimizer_satisfies_the_contract(name):
     opt = slamb.create_optimizer(name, torch.nn.Linear(3, 3), **SETTINGS[name])
     assert isinstance(opt, slamb.DistributedOptimizer)
-    assert (opt.communication, opt.params_differ, opt.per_rank_state) == CONTRACT[name]
+    assert (opt.communication, opt.params_differ, opt.per_rank_state, opt.state_averages) == CONTRACT[name]
     opt.begin_epoch(0)
     opt.begin_step()
 

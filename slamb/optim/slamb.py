@@ -117,6 +117,7 @@ class SLAMB(LocalStateOptimizer):
     """
 
     params_differ = True
+    state_averages = True  # the moments' mean, as a model sync leaves the parameters
     takes_sharded = True
     state_key = "slamb"
     per_rank_reason = "each worker keeps its own moments"
