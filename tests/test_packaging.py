@@ -110,3 +110,14 @@ def test_the_makefile_installs_the_constraints_and_reinstalls_when_they_change(t
     assert "pip install" not in dry_run()  # up to date
     for changed in ("constraints.txt", "pyproject.toml"):
         assert "pip install -q -c constraints.txt -e '.[all]'" in dry_run("-W", changed), changed
+
+
+def test_a_process_that_shards_nothing_does_not_import_dtensor():
+    """torch.distributed.tensor costs ``import slamb`` about 1.5 s on 2 cores (7.1 s -> 5.1 s with the harness):
+    the library and the pipelines leave it to FSDP2 and DCP, which import it where a run shards or checkpoints
+    (a DTensor exists only once it is imported, which slamb.sharding.is_sharded relies on)."""
+    code = ("import sys, slamb, harness, cifar10.train, bert.train, swin.train, squad_finetune.train; "
+            "print('torch.distributed.tensor' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1], capture_output=True,
+                          text=True, timeout=300, check=True)
+    assert done.stdout.strip() == "False", done.stdout + done.stderr[-2000:]
