@@ -443,6 +443,21 @@ def forkserver(*modules: str) -> str:
     return "forkserver"
 
 
+def forkserver_started() -> object:
+    """What identifies the fork server that runs now (None: none was started here); another server gives another."""
+    return _server_started_in
+
+
+def stop_forkserver(unless: object = None) -> None:
+    """End the fork server, unless it is the one ``unless`` identifies (:func:`forkserver_started`); the next
+    :func:`forkserver` starts another. It holds the file descriptors of the process that started it, a console's
+    pipe among them (:class:`harness.run.ConsoleLog`)."""
+    global _server_started_in
+    if _server_started_in is not None and _server_started_in is not unless:
+        multiprocessing.forkserver._forkserver._stop()
+        _server_started_in = None
+
+
 def _imports_of(module: str) -> list[str]:
     """``[module]``, or the modules its names come from where it runs as ``__main__`` (``python -m``): each
     child runs the caller's main module again, as ``__mp_main__``, which warns where the module was imported

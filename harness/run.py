@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing.resource_tracker
 import os
 import platform
 import socket
@@ -31,7 +32,7 @@ from pathlib import Path
 import torch
 
 from .atomic import atomic_write_bytes, atomic_write_json
-from .distributed import DistEnv
+from .distributed import DistEnv, forkserver_started, stop_forkserver
 
 
 def process_start(pid: int) -> str | None:
@@ -166,6 +167,11 @@ class ConsoleLog:
         self.lock = threading.Lock()
         self.unbuffered = os.environ.get("PYTHONUNBUFFERED")
         os.environ["PYTHONUNBUFFERED"] = "1"
+        # multiprocessing's resource tracker, which lives as long as this process, would hold the pipe below
+        # open past __exit__ had a fork server or a spawned worker started it inside the block: started first, it
+        # holds the console
+        multiprocessing.resource_tracker.ensure_running()
+        self.server = forkserver_started()
         sys.stdout.flush()
         sys.stderr.flush()
         self.streams = []
@@ -206,6 +212,9 @@ class ConsoleLog:
         sys.stderr.flush()
         for fd, console, _ in self.streams:
             os.dup2(console, fd)  # closes the pipe's last writer here: its copier reads the end
+        # a fork server of the workers started inside this block holds the pipe too: ending it ends the copy now,
+        # not at the timeout below (10 s of each run that started workers, measured)
+        stop_forkserver(unless=self.server)
         for _, _, thread in self.streams:
             # a process left holding the pipe (one the job started and did not end) must not hold the job up
             thread.join(timeout=5)
