@@ -62,9 +62,9 @@ count), the step and the mask ages as saved; each rank resumes rank 0's ledger (
 far: every rank of a DDP run sends as much), and its RNG streams from (seed, step, rank)
 (:func:`harness.seeding.reseed`). A sharded run (FSDP/HSDP) resumes so too: :func:`slamb.load_sharded`
 reshards its model and optimizer over the new mesh, of another shard size too (SLAMB's replicas from their
-mean), and its ``rank<r>.pt`` files are taken as a DDP run's. Optimizers whose per-rank state has no mean (DGC, 1-bit LAMB, PowerSGD,
-DiLoCo) and loops that cut their data per worker (:data:`FIXED_DATA`) are refused another world size, in
-one line, before any worker starts.
+mean), and its ``rank<r>.pt`` files are taken as a DDP run's. Optimizers whose per-rank state has no mean
+(DGC, 1-bit LAMB, PowerSGD, DiLoCo) and loops that cut their data per worker (:data:`FIXED_DATA`) are
+refused another world size, in one line, before any worker starts.
 
 Files are loaded to the CPU and copied where they belong by the objects'
 ``load_state_dict``: RNG states must stay CPU ``ByteTensor``s, and a run may
