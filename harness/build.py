@@ -274,7 +274,7 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     from omegaconf import OmegaConf
 
     from .checkpoint import prepare_run
-    from .distributed import started_externally
+    from .distributed import prestart, started_externally
     from .loop import summary_line
     from .run import ConsoleLog, RunLock, RunLocked
 
@@ -292,30 +292,36 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
         sys.exit(2)
 
     try:
-        check_settings(container, shards=shards, check=check, optional=optional,
-                       added=added_settings(HydraConfig.get().overrides.task))
-    except (ValueError, OSError) as e:
-        refuse(e)
-    run_dir = HydraConfig.get().runtime.output_dir
-    local = not started_externally()
-    writer = local or os.environ.get("RANK") == "0"
-    try:
-        with RunLock(run_dir, hold=writer), ConsoleLog(Path(run_dir) / "train.log", hold=writer):
+        run_dir = HydraConfig.get().runtime.output_dir
+        local = not started_externally()
+        writer = local or os.environ.get("RANK") == "0"
+        nproc = container["trainer"]["nproc_per_node"]
+        # train.log is named once the checks pass and the run directory is this job's; the workers' fork server
+        # starts at once, its imports beside the checks (the console's pipe first: the workers write to the server's)
+        with ConsoleLog(hold=writer) as console:
+            prestart(worker, nproc)
             try:
-                why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
-                finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
-                                       world_size=planned_world_size(container["trainer"]["nproc_per_node"]))
-            except ValueError as e:  # the schedule, the checkpoint's inputs, settings and world size, its directory
+                check_settings(container, shards=shards, check=check, optional=optional,
+                               added=added_settings(HydraConfig.get().overrides.task))
+            except (ValueError, OSError) as e:
                 refuse(e)
-            if finished is not None:
-                print(summary_line(finished), flush=True)
-                return finished
-            try:
-                return launch(worker, container, run_dir, nproc_per_node=container["trainer"]["nproc_per_node"],
-                              max_restarts=container["trainer"]["max_restarts"])
-            except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
-                print(e, file=sys.stderr, flush=True)
-                sys.exit(e.status)
+            with RunLock(run_dir, hold=writer):
+                console.attach(Path(run_dir) / "train.log")
+                try:
+                    why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
+                    finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
+                                           world_size=planned_world_size(nproc))
+                except ValueError as e:  # the schedule; the checkpoint's inputs, settings, world size, directory
+                    refuse(e)
+                if finished is not None:
+                    print(summary_line(finished), flush=True)
+                    return finished
+                try:
+                    return launch(worker, container, run_dir, nproc_per_node=nproc,
+                                  max_restarts=container["trainer"]["max_restarts"])
+                except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
+                    print(e, file=sys.stderr, flush=True)
+                    sys.exit(e.status)
     except RunLocked as e:  # before Hydra or this command wrote anything into the run directory
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -154,16 +154,20 @@ class ConsoleLog:
     The workers' Python writes unbuffered meanwhile (``PYTHONUNBUFFERED``): their output goes through a pipe,
     which would otherwise hold it back. ``hold=False`` makes it a no-op (the workers torchrun starts beside
     rank 0).
+
+    ``path=None`` defers the file: what is written is kept until :meth:`attach` names it, and reaches no file
+    if none is named (a command refused before it may write into its run directory). The pipe exists from the
+    start, so that a process started inside the block early (the workers' fork server, whose children write to
+    its console) writes into it.
     """
 
-    def __init__(self, path, hold: bool = True):
-        self.path, self.hold = Path(path), hold
+    def __init__(self, path=None, hold: bool = True):
+        self.path, self.hold = path, hold
 
     def __enter__(self):
         if not self.hold:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.path, "ab")
+        self.log, self.kept = None, []
         self.lock = threading.Lock()
         self.unbuffered = os.environ.get("PYTHONUNBUFFERED")
         os.environ["PYTHONUNBUFFERED"] = "1"
@@ -183,7 +187,23 @@ class ConsoleLog:
             thread = threading.Thread(target=self._copy, args=(read, console), daemon=True)
             thread.start()
             self.streams.append((fd, console, thread))
+        if self.path is not None:
+            self.attach(self.path)
         return self
+
+    def attach(self, path) -> None:
+        """Append what was written so far, and from now on, to ``path``."""
+        if not self.hold:
+            return
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        with self.lock:
+            self.log = open(path, "ab")
+            self.log.write(b"".join(self.kept))
+            self.log.flush()
+            self.kept = []
 
     def _copy(self, read: int, console: int) -> None:
         line = b""
@@ -202,8 +222,11 @@ class ConsoleLog:
         text = b"".join(s + b"\n" for line, s in zip(lines, shown) if s.strip() or b"\r" not in line)
         if text:
             with self.lock:
-                self.log.write(text)
-                self.log.flush()
+                if self.log is None:
+                    self.kept.append(text)
+                else:
+                    self.log.write(text)
+                    self.log.flush()
 
     def __exit__(self, *exc):
         if not self.hold:
@@ -221,7 +244,8 @@ class ConsoleLog:
         if not any(thread.is_alive() for _, _, thread in self.streams):  # else the copier still writes to them
             for _, console, _ in self.streams:
                 os.close(console)
-            self.log.close()
+            if self.log is not None:
+                self.log.close()
         if self.unbuffered is None:
             os.environ.pop("PYTHONUNBUFFERED", None)
         else:

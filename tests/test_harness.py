@@ -20,7 +20,7 @@ import yaml
 import slamb
 import harness
 from harness.checkpoint import Checkpointer
-from harness.run import RunLock, RunLogger
+from harness.run import ConsoleLog, RunLock, RunLogger
 from harness.tables import RERUN_DRIFT, build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
@@ -319,6 +319,43 @@ def test_run_lock_refuses_a_second_writer_and_takes_over_a_stale_lock(tmp_path, 
     with RunLock(tmp_path):
         assert f"removing the stale lock {tmp_path / 'run.lock'} (process {dead.pid} is gone)" in capsys.readouterr().out
     assert RunLock(tmp_path, hold=False).__enter__() and not (tmp_path / "run.lock").exists()
+
+
+@pytest.mark.multiprocess  # a child process writes to the console as the workers' fork server's children do
+def test_console_log_keeps_what_came_before_its_file_and_writes_no_file_unless_named(tmp_path, capfd):
+    log = tmp_path / "run" / "train.log"
+    with ConsoleLog() as console:
+        os.write(1, b"checks passed\n")  # at the descriptor, as this process's print does outside pytest
+        subprocess.run([sys.executable, "-c", "import sys; print('from a child'); print('to stderr', file=sys.stderr)"],
+                       check=True)
+        console.attach(log)
+        os.write(1, b"after the file\n")
+    lines = log.read_text().splitlines()  # each stream in its order (the two are copied apart)
+    assert [line for line in lines if line != "to stderr"] == ["checks passed", "from a child", "after the file"]
+    assert lines.count("to stderr") == 1
+    assert capfd.readouterr().out.splitlines() == ["checks passed", "from a child", "after the file"]
+    with ConsoleLog():  # a command refused before its run directory is its own: the console only
+        os.write(1, b"error: refused\n")
+    assert capfd.readouterr().out == "error: refused\n" and sorted(tmp_path.rglob("*")) == [log.parent, log]
+
+
+def test_the_workers_fork_server_is_kept_when_torch_resolves_its_cache_folder(monkeypatch):
+    """:func:`harness.distributed.prestart` starts the server before the launching process's torch sets
+    TORCHINDUCTOR_CACHE_DIR to the default every process resolves alike: the launch keeps that server."""
+    from harness.distributed import forkserver, forkserver_started, stop_forkserver
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    try:
+        forkserver("harness.loop")
+        started = forkserver_started()
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/tmp/torchinductor_someone")
+        forkserver("harness.loop")
+        assert forkserver_started() is started
+        monkeypatch.setenv("SLAMB_SOMETHING_ELSE", "1")  # any other change gives the workers a new server
+        forkserver("harness.loop")
+        assert forkserver_started() is not started
+    finally:
+        stop_forkserver()
 
 
 @pytest.mark.multiprocess  # runs the pipeline's command line as a subprocess
