@@ -358,6 +358,27 @@ def test_the_workers_fork_server_is_kept_when_torch_resolves_its_cache_folder(mo
         stop_forkserver()
 
 
+def test_the_launch_names_rendezvous_events_as_torch_does_without_reading_the_stacks_source(monkeypatch):
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    from harness.distributed import _quick_rendezvous_names
+
+    names, reads = [], []
+
+    class Handler:  # as the rendezvous's classes call it: from _record, named after _record's caller
+        def _record(self):
+            names.append(dynamic_rendezvous.get_method_name())
+
+        def next_rendezvous(self):
+            self._record()
+
+    Handler().next_rendezvous()
+    monkeypatch.setattr(dynamic_rendezvous.inspect, "stack", lambda *a: reads.append(a) or [])
+    with _quick_rendezvous_names():
+        Handler().next_rendezvous()
+    assert names == ["next_rendezvous", "next_rendezvous"] and reads == []
+
+
 @pytest.mark.multiprocess  # runs the pipeline's command line as a subprocess
 def test_command_line_finished_rerun_other_data_and_empty_schedule(tmp_path):
     """Through ``python -m cifar10.train``: the checks run before any worker starts."""
