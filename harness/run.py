@@ -146,23 +146,21 @@ class RunLock:
 
 
 class ConsoleLog:
-    """``with ConsoleLog(path):`` what this process and the workers it starts write to stdout and stderr reaches
-    the console as before and is appended to ``path`` (the run's ``train.log``).
+    """``with ConsoleLog() as console:`` what this process and the workers it starts write to stdout and stderr
+    reaches the console as before and, once ``console.attach(path)`` names it, is appended to ``path`` (the
+    run's ``train.log``) too, what was written before included; without ``attach`` no file is written (a
+    command refused before its run directory is its own).
 
     The copy is made at the file descriptors, which the workers inherit, so their output and that of native
     code is in it too; a line redrawn with carriage returns (a progress bar) is logged once, as it was left.
     The workers' Python writes unbuffered meanwhile (``PYTHONUNBUFFERED``): their output goes through a pipe,
-    which would otherwise hold it back. ``hold=False`` makes it a no-op (the workers torchrun starts beside
-    rank 0).
-
-    ``path=None`` defers the file: what is written is kept until :meth:`attach` names it, and reaches no file
-    if none is named (a command refused before it may write into its run directory). The pipe exists from the
-    start, so that a process started inside the block early (the workers' fork server, whose children write to
-    its console) writes into it.
+    which would otherwise hold it back. The pipe exists from the start of the block, so that a process started
+    in it before the file is named (the workers' fork server, whose children write to its console) writes
+    into it. ``hold=False`` makes it a no-op (the workers torchrun starts beside rank 0).
     """
 
-    def __init__(self, path=None, hold: bool = True):
-        self.path, self.hold = path, hold
+    def __init__(self, hold: bool = True):
+        self.hold = hold
 
     def __enter__(self):
         if not self.hold:
@@ -187,8 +185,6 @@ class ConsoleLog:
             thread = threading.Thread(target=self._copy, args=(read, console), daemon=True)
             thread.start()
             self.streams.append((fd, console, thread))
-        if self.path is not None:
-            self.attach(self.path)
         return self
 
     def attach(self, path) -> None:
