@@ -82,7 +82,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
                        global_batch=d.micro_batch * batches.micro_batches, throughput="images",
-                       micro_batches=batches.micro_batches)
+                       micro_batches=batches.micro_batches, steps_per_epoch=steps_per_epoch)
 
     stats = channel_stats(env.device)
     for epoch in run.epochs():
@@ -97,8 +97,9 @@ def train(cfg: dict, run_dir: str) -> dict:
                 torch.stack([augment_draws(d.micro_batch, augment_generator(cfg.seed, s, run.step + i))
                              for s in batches.shards])
                 for i in range(steps_per_epoch)]).to(env.device)
-        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, correct: no host sync per step
-        for i in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+        # loss sum, correct, images: no host sync per step
+        sums = torch.zeros(3, dtype=torch.float64, device=env.device)
+        for i in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}", totals=sums):
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             optimizer.zero_grad(set_to_none=True)
             for j in range(accum):
@@ -112,12 +113,13 @@ def train(cfg: dict, run_dir: str) -> dict:
                     loss = F.cross_entropy(logits.float(), y)
                     if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
                         amp.backward(loss / accum)
-                sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double()])
+                sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double(),
+                                     torch.full((), float(len(y)), dtype=torch.float64, device=env.device)])
             amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
-        loss_sum, correct = harness.rank_sums(sums)
-        seen = steps_per_epoch * run.global_batch
-        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, env, d.eval_batch, stats))
+        loss_sum, correct, seen = harness.rank_sums(sums)
+        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, run.eval_env, d.eval_batch, stats))
+        seen = max(seen, 1)  # a torchft group that joined after the epoch's steps took none (another writes its line)
         run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
                       steps=steps_per_epoch)
 
@@ -129,7 +131,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg, check=check)
+    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, fault_tolerant=True)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@
   evaluation of the ranks' averaged model, period logging, checkpoint cadence, the run summary);
 * :mod:`.build`: optimizers from configs, settings checks, the Hydra entry;
 * :mod:`.parallel`: ``trainer.parallelism``, DDP or FSDP/HSDP (per-layer sharding on the run's mesh);
+* :mod:`.fault_tolerance`, :mod:`.replica`: ``trainer.fault_tolerance=torchft``, replica groups that fail and
+  rejoin a running job (the launcher and the managed steps; a worker's replica group);
 * :mod:`.tables`: results tables and plots from run directories.
 """
 from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra

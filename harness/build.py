@@ -12,13 +12,16 @@ from pathlib import Path
 import torch
 
 from slamb import registry
+from slamb.optim.slamb import SLAMB
 from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, fixed_world, lookup, run_inputs
+from . import fault_tolerance as fault_tolerance_module
 from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
+from .replica import current as current_replica
 from .schedules import SCHEDULE_SETTINGS
 from .settings import check_schedule, covers
 
@@ -141,13 +144,18 @@ def build_optimizer(model: torch.nn.Module, ocfg):
     """``create_optimizer`` from an optimizer config node (see ``configs/optimizer/``).
 
     ``decay_all``: one group, weight decay on every parameter (the CIFAR-10 reference code) instead of
-    exempting biases, norms and ``no_decay`` names.
+    exempting biases, norms and ``no_decay`` names. In a worker of a torchft job SLAMB's process group is the
+    job's replica groups (:mod:`harness.fault_tolerance`).
     """
     decay_all = ocfg.get("decay_all", False)
     check_choice("optimizer.decay_all", decay_all, (False, True))
     params = [p for p in model.parameters() if p.requires_grad] if decay_all else model
+    settings = optimizer_kwargs(ocfg)
+    replica = current_replica()
+    if replica is not None and issubclass(registry.optimizer_class(ocfg["name"]), SLAMB):
+        settings["process_group"] = replica.group  # its collectives through torchft's manager
     return registry.create_optimizer(ocfg["name"], params, weight_decay=ocfg.get("weight_decay", 0.0),
-                                     no_decay=tuple(ocfg.get("no_decay") or ()), **optimizer_kwargs(ocfg))
+                                     no_decay=tuple(ocfg.get("no_decay") or ()), **settings)
 
 
 # Per-parameter state that DeepSpeed's OnebitLamb.load_state_dict drops, to re-derive it in the new stage
@@ -186,11 +194,14 @@ def continue_optimizer(optimizer, run_dir, env) -> int:
     return int(state[key]["step"]) if key else int(latest["step"])
 
 
-def check_optimizer(ocfg) -> None:
+def check_optimizer(ocfg, fault_tolerance: str = "none") -> None:
     """Every setting of an optimizer config, checked by building the optimizer on a CPU stand-in (a
     matrix and a bias: both weight-decay groups). Construction needs no process group, so this runs in
-    the launching process, before any worker starts."""
-    build_optimizer(torch.nn.Linear(2, 2), ocfg)
+    the launching process, before any worker starts. ``fault_tolerance``: ``trainer.fault_tolerance``, which
+    takes some optimizers only."""
+    optimizer = build_optimizer(torch.nn.Linear(2, 2), ocfg)
+    if fault_tolerance == "torchft":
+        fault_tolerance_module.check_optimizer(optimizer, ocfg["name"])
 
 
 def user_error(error: ValueError, ocfg: dict) -> str:
@@ -223,20 +234,23 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     return f"error: {message}; fix: {fix}"
 
 
-def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), optional=()) -> None:
+def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), optional=(),
+                   fault_tolerant: bool = False) -> None:
     """Every check made before any worker starts (``ValueError``, or ``OSError`` for an input that cannot be
     read: one line naming the setting), then the one-line notice on stderr of a ``trainer.device=auto`` that
     falls back to the CPU (rank 0 only, where torchrun or SLURM run this in every worker). ``shards``: the
     pipeline takes ``trainer.parallelism=fsdp|hsdp``; ``check(cfg)``: the pipeline's own checks (its model,
-    schedule, data), last; ``added``, ``optional``: :func:`check_added`."""
+    schedule, data), last; ``added``, ``optional``: :func:`check_added`; ``fault_tolerant``: the pipeline takes
+    ``trainer.fault_tolerance=torchft`` (:mod:`harness.fault_tolerance`)."""
     t = cfg["trainer"]
     check_trainer(t)
     check_added(cfg, added, optional)
-    check_optimizer(cfg["optimizer"])
+    fault_tolerance_module.check(cfg, fault_tolerant)
+    check_optimizer(cfg["optimizer"], t["fault_tolerance"])
     if "seed" in cfg:
         check_count("seed", cfg["seed"], " (the initial weights, the data order)", minimum=0)
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
-    world_size = planned_world_size(t["nproc_per_node"])
+    world_size = planned_world(t)
     check_data(cfg.get("data") or {}, world_size)
     check_parallelism(cfg, world_size, shards, build_optimizer)
     check_inputs_exist(cfg)
@@ -247,14 +261,20 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
         print(cpu_fallback_notice(), file=sys.stderr, flush=True)
 
 
-def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()):
+def planned_world(t: dict) -> int:
+    """The ranks a job will have: its torchft replica groups, or its workers (:func:`planned_world_size`)."""
+    return t["replica_groups"] if t["fault_tolerance"] == "torchft" else planned_world_size(t["nproc_per_node"])
+
+
+def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), fault_tolerant: bool = False):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
     spawn or submitit import it instead of unpickling a function of ``__main__``. ``shards``: it takes
     ``trainer.parallelism=fsdp|hsdp`` (:func:`harness.parallel.distribute`); the others refuse them.
     ``check``, ``optional``: the pipeline's own checks and the settings its config leaves out
-    (:func:`check_settings`). Every pipeline splits its steps into micro-batches of its own
+    (:func:`check_settings`); ``fault_tolerant``: it takes ``trainer.fault_tolerance=torchft``, whose job this
+    launches (:func:`harness.fault_tolerance.launch`). Every pipeline splits its steps into micro-batches of its own
     (:class:`harness.ShardedBatches`, BERT's :class:`bert.data.StepStream`), so that a run may resume on another
     number of workers (:func:`harness.checkpoint.check_world_size`), where its optimizer allows it.
 
@@ -299,10 +319,14 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
         # train.log is named once the checks pass and the run directory is this job's; the workers' fork server
         # starts at once, its imports beside the checks (the console's pipe first: the workers write to the server's)
         with ConsoleLog(hold=writer) as console:
-            prestart(worker, nproc)
+            torchft = container["trainer"].get("fault_tolerance") == "torchft"
+            if torchft:
+                fault_tolerance_module.quiet()
+            prestart(worker, container["trainer"].get("replica_groups") if torchft else nproc,
+                     *(fault_tolerance_module.PRELOAD if torchft else ()))
             try:
                 check_settings(container, shards=shards, check=check, optional=optional,
-                               added=added_settings(HydraConfig.get().overrides.task))
+                               added=added_settings(HydraConfig.get().overrides.task), fault_tolerant=fault_tolerant)
             except (ValueError, OSError) as e:
                 refuse(e)
             with RunLock(run_dir, hold=writer):
@@ -310,13 +334,15 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
                 try:
                     why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
                     finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
-                                           world_size=planned_world_size(nproc))
+                                           world_size=planned_world(container["trainer"]))
                 except ValueError as e:  # the schedule; the checkpoint's inputs, settings, world size, directory
                     refuse(e)
                 if finished is not None:
                     print(summary_line(finished), flush=True)
                     return finished
                 try:
+                    if container["trainer"]["fault_tolerance"] == "torchft":
+                        return fault_tolerance_module.launch(worker, container, run_dir)
                     return launch(worker, container, run_dir, nproc_per_node=nproc,
                                   max_restarts=container["trainer"]["max_restarts"])
                 except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred

@@ -541,14 +541,15 @@ def restore_training(ckpt: Checkpointer, *, model, optimizer, scheduler=None, se
 
 
 def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None, amp=None, start: dict,
-             micro_batches: int | None = None, streams: int | None = None):
+             micro_batches: int | None = None, streams: int | None = None, writer: bool | None = None):
     """The opening every training loop shares: checkpointer, auto-resume, logger.
 
     With ``trainer.resume == "auto"`` the latest checkpoint, if any, is loaded into the objects (the loss
     scale of ``amp`` too); ``start`` is the progress of a fresh run, e.g. ``{"epoch": 0, "step": 0}``.
     ``micro_batches``: those of each step over all workers, where the pipeline splits its steps so
     (:class:`harness.ShardedBatches`): the run may then resume on another number of workers; ``streams``: the
-    data streams they come from, where they are not one per micro-batch (:func:`data_streams`).
+    data streams they come from, where they are not one per micro-batch (:func:`data_streams`); ``writer``: the
+    logger's (:class:`harness.run.RunLogger`).
     Returns ``(checkpointer, progress, restored, logger)``; ``progress["resumed_from"]`` lists the
     epochs (or steps, for step-based loops) the run was resumed at.
     """
@@ -565,7 +566,7 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
     if restored:
         progress = {**progress, "resumed_from": progress["resumed_from"] + [at]}
     log = RunLogger(run_dir, plain, env, wandb=cfg.logger.wandb, wandb_project=cfg.logger.project,
-                    progress=t.progress, resume_epoch=at)
+                    progress=t.progress, resume_epoch=at, writer=writer)
     return ckpt, progress, restored is not None, log
 
 

@@ -49,6 +49,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from slamb import comm
 from .atomic import DiskFull
+from .replica import join
 
 FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
 
@@ -221,7 +222,8 @@ def set_cuda_math(tf32: bool | None = None, cudnn_benchmark: bool | None = None)
 def init_distributed(device: str = "auto", threads_per_worker: int | None = None,
                      timeout_s: float = 1800, *, tf32: bool | None = None,
                      cudnn_benchmark: bool | None = None) -> DistEnv:
-    """Join the job's process group (env:// from torchrun / the launcher) or run alone.
+    """Join the job's process group (env:// from torchrun / the launcher), or its torchft replica groups
+    (:func:`harness.replica.join`: the ranks are the groups), or run alone.
 
     Reuses a process group that already exists (tests, notebooks). Backend:
     NCCL on CUDA, gloo elsewhere. CPU threads default to cores / local workers.
@@ -237,6 +239,9 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
         threads_per_worker = max(1, (os.cpu_count() or 1) // max(1, local_world))
     torch.set_num_threads(threads_per_worker)
     set_cuda_math(tf32, cudnn_benchmark)
+    replica = join(dev, timeout_s)
+    if replica is not None:  # one of a torchft job's replica groups: they meet through its manager, not dist
+        return DistEnv(replica.index, replica.groups, 0, local_world, dev)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
@@ -449,13 +454,13 @@ def forkserver(*modules: str) -> str:
     return "forkserver"
 
 
-def prestart(worker, nproc_per_node: int) -> None:
-    """Start the fork server :func:`launch` will start ``worker``'s workers from, now, where it will start
-    workers: the server's imports (5-8 s of CPU) then run beside the launching process's checks instead of
+def prestart(worker, nproc_per_node: int, *modules: str) -> None:
+    """Start the fork server :func:`launch` will start ``worker``'s workers from (``modules``: the further ones
+    it imports, :func:`forkserver`), now, where it will start workers: the server's imports (5-8 s of CPU) then run beside the launching process's checks instead of
     after them. The server's children write to the console it had when it started (:class:`harness.run.ConsoleLog`
     is entered first)."""
     if isinstance(nproc_per_node, int) and nproc_per_node > 1 and not started_externally():
-        forkserver(_worker_module(worker))
+        forkserver(_worker_module(worker), *modules)
         multiprocessing.forkserver.ensure_running()
 
 

@@ -23,6 +23,7 @@ batch. :class:`Loop` does the rest, the same way in all four:
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -35,7 +36,9 @@ from slamb.ddp import full_state_dict
 from slamb.optim.checks import check_count
 from .atomic import atomic_torch_save, atomic_write_json
 from .checkpoint import open_run, save_training, unwrap
-from .distributed import barrier, maybe_inject_fault
+from .distributed import DistEnv, barrier, maybe_inject_fault
+from .fault_tolerance import ManagedSteps
+from .replica import current as current_replica
 from .run import comm_metrics, comm_totals
 from .tables import compressed_share, fmt_bytes
 
@@ -93,22 +96,28 @@ class Loop:
     column (``images``: ``images_per_s``). ``micro_batches``: those of each step over all workers, where the
     pipeline splits its steps so (:class:`harness.ShardedBatches`): the run may resume on another number of
     workers (:func:`harness.checkpoint.open_run`); ``streams``: the data streams they come from, where not one
-    per micro-batch.
+    per micro-batch. ``steps_per_epoch``: where the pipeline runs under ``trainer.fault_tolerance=torchft``,
+    whose steps :class:`harness.fault_tolerance.ManagedSteps` numbers; its ranks are the job's replica groups.
     """
 
     def __init__(self, run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler, amp=None,
                  global_batch: int, throughput: str, unit: str = "epoch", micro_batches: int | None = None,
-                 streams: int | None = None):
+                 streams: int | None = None, steps_per_epoch: int | None = None):
         self.run_dir, self.env, self.cfg, self.plain = str(run_dir), env, cfg, plain
         self.model, self.optimizer, self.scheduler, self.amp = model, optimizer, scheduler, amp
         self.global_batch, self.throughput, self.unit = global_batch, f"{throughput}_per_s", unit
         self.length = cfg[f"{unit}s"]
         self.every = cfg.trainer.checkpoint.every  # in the run's unit
         start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
+        replica = current_replica()
+        self.managed = None if replica is None else ManagedSteps(replica, model, optimizer, scheduler,
+                                                                 heal=cfg.trainer.heal, steps_per_epoch=steps_per_epoch)
+        # a relaunched replica group joins a run whose lines others wrote
+        writer = env.is_main and (replica is None or replica.attempt == 0)
         self.ckpt, progress, self.restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
                                                            optimizer=optimizer, scheduler=scheduler, amp=amp,
                                                            start=start, micro_batches=micro_batches,
-                                                           streams=streams)
+                                                           streams=streams, writer=writer)
         self.done = progress[unit]  # epochs or steps completed
         self.step = progress["step"]
         self.resumed_from = progress["resumed_from"]
@@ -118,16 +127,36 @@ class Loop:
         self.bytes_before = comm_totals(optimizer)
         self.begin_period()
 
+    @property
+    def eval_env(self) -> DistEnv:
+        """The ranks an evaluation shares its data among (:func:`harness.eval_shard`, :func:`rank_sums`): the
+        run's, except under torchft, where each replica group scores the whole set (its collectives would run
+        outside a step's commit)."""
+        return self.env if self.managed is None else dataclasses.replace(self.env, rank=0, world_size=1)
+
     # -- the loop ---------------------------------------------------------------------------
 
     def epochs(self):
         """The epochs still to run (0-based); each is one logged period."""
-        for epoch in range(self.done, self.length):
+        epochs = range(self.done, self.length) if self.managed is None else self.managed.epochs(self.length)
+        for epoch in epochs:
+            if self.managed is not None:
+                self.step = epoch * self.managed.steps_per_epoch
             self.begin_period()
             yield epoch
 
-    def steps(self, iterable, total: int, desc: str):
-        """``iterable``'s items with a progress bar; ``self.step`` counts each one the body finishes."""
+    def steps(self, iterable, total: int, desc: str, totals: torch.Tensor | None = None):
+        """``iterable``'s items with a progress bar; ``self.step`` counts each one the body finishes. Under
+        torchft the item of each attempt at a step (:meth:`ManagedSteps.steps`); ``totals``: the sums the body
+        adds to, which count committed steps only, summed over the replica groups after the epoch's last."""
+        if self.managed is not None:
+            items, first = list(iterable), self.step
+            for step in self.managed.steps(first, total, totals):
+                self.step = step
+                maybe_inject_fault(step + 1, self.env)
+                yield items[step - first]
+            self.step = self.managed.done
+            return
         for item in self.log.progress(iterable, total=total, desc=desc):
             maybe_inject_fault(self.step + 1, self.env)
             yield item
@@ -155,8 +184,13 @@ class Loop:
         (keys ``<metric>_local``) when the ranks' parameters differ. Collective: every rank calls it."""
         self._stop_clock()
         metrics = {}
+        if self.managed is not None and self.managed.average is None:
+            return metrics  # this group did not commit the epoch's last step: another writes its line
         if self.optimizer.params_differ:
             metrics = {f"{k}_local": v for k, v in evaluate().items()}
+        if self.managed is not None:
+            with self.managed.averaged():
+                return {**evaluate(), **metrics}
         # the average is evaluated last, so that what an evaluation writes (SQuAD's predictions) is its
         with averaged_model(self.model):
             return {**evaluate(), **metrics}
@@ -179,6 +213,8 @@ class Loop:
                     "step_time_s": self.train_time / steps, self.throughput: per_s,
                     f"{self.throughput}_per_worker": per_s / self.env.world_size,
                     "epoch_time_s": time.perf_counter() - self.tic})
+        if self.managed is not None:
+            self.log.writer = self.managed.writer
         self.log.log(row)
         self.bytes_before = bytes_now
         self.begin_period()
@@ -199,10 +235,12 @@ class Loop:
         computes it (so the export scores what the run logged); rank 0 calls ``save(model, state_dict, folder)``,
         the state dict whole under FSDP/HSDP. Collective: every rank calls it, at the end of training (the ranks
         keep the average). Returns the folder."""
+        if self.managed is not None and self.managed.average is not None:
+            self.managed.keep_average()
         average_model(self.model)  # one model's bytes once, outside the training ledger
         state = full_state_dict(unwrap(self.model))  # collective under FSDP/HSDP
         folder = Path(self.run_dir) / "model"
-        if self.env.is_main:
+        if self.log.writer:
             folder.mkdir(parents=True, exist_ok=True)
             save(unwrap(self.model), state, folder)
         barrier()
@@ -215,7 +253,7 @@ class Loop:
     # -- the summary ------------------------------------------------------------------------
 
     def history(self) -> list[dict]:
-        return self.log.history() if self.env.is_main else []
+        return self.log.history() if self.log.writer else []
 
     def last(self, key: str) -> float:
         """``key`` of the last logged period (NaN on ranks other than 0, which keep no history)."""
@@ -252,6 +290,6 @@ class Loop:
             "headline": list(headline),
         }
         self.log.finish(summary)
-        if self.env.is_main:
+        if self.log.writer:
             print(summary_line(summary), flush=True)
         return summary

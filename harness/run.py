@@ -321,12 +321,15 @@ def _position(line: dict) -> int:
 
 class RunLogger:
     def __init__(self, run_dir, cfg: dict, env: DistEnv, *, wandb: bool = False, wandb_project: str = "slamb",
-                 progress: bool = True, resume_epoch: int = 0):
+                 progress: bool = True, resume_epoch: int = 0, writer: bool | None = None):
+        """``writer``: this process writes the run directory's files (default: rank 0's); under torchft the
+        writer of each line may change (:class:`harness.fault_tolerance.ManagedSteps`)."""
         self.dir = Path(run_dir)
         self.env = env
-        self.progress_enabled = progress and env.is_main
+        self.writer = env.is_main if writer is None else writer
+        self.progress_enabled = progress and self.writer
         self._wandb = None
-        if not env.is_main:
+        if not self.writer:
             return
         self.dir.mkdir(parents=True, exist_ok=True)
         from omegaconf import OmegaConf
@@ -376,7 +379,7 @@ class RunLogger:
         return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
 
     def log(self, metrics: dict) -> None:
-        if not self.env.is_main:
+        if not self.writer:
             return
         with open(self.dir / "metrics.jsonl", "a") as f:
             f.write(json.dumps(metrics) + "\n")
@@ -390,7 +393,7 @@ class RunLogger:
         return read_jsonl(self.dir / "metrics.jsonl")
 
     def finish(self, summary: dict) -> None:
-        if not self.env.is_main:
+        if not self.writer:
             return
         atomic_write_json(summary, self.dir / "metrics.json")
         if self._wandb is not None:

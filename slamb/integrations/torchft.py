@@ -310,6 +310,8 @@ class FaultTolerant:
         self.group, self.manager = group, group.manager
         self.model = getattr(model, "module", model)
         self.optimizer = adopt(optimizer)
+        # the optimizer's own step, kept: a caller may then route ``optimizer.step()`` to :meth:`step`
+        self._optimizer_step = optimizer.step
         self.local = isinstance(optimizer, SLAMB)
         if self.local:
             bad = [what for what, on in (("overlap=True", optimizer.overlap), (f"hierarchy={optimizer.hierarchy!r}",
@@ -343,21 +345,29 @@ class FaultTolerant:
         """The quorum of this step; a replica that is behind takes a peer's state now (:meth:`_load`)."""
         self.manager.start_quorum()
 
-    def step(self) -> bool:
-        """The optimizer's step under the manager; whether it committed (if not, nothing changed)."""
+    def step(self, before_commit=None) -> bool:
+        """The optimizer's step under the manager; whether it committed (if not, nothing changed).
+
+        ``before_commit()``: collectives of the caller's (through the group) that commit with the step, run
+        after SLAMB's step (a data-parallel optimizer's: after its gradient all-reduce, as it steps only once
+        committed); their results hold only if the step commits."""
         if not self.local:
             grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
             average_tensors_(grads, process_group=self.group, ledger=self.optimizer.ledger, kind="grads")
+            if before_commit is not None:
+                before_commit()
             if not self.manager.should_commit():
                 self.optimizer.ledger.end_step()  # the attempt's bytes, a step of the ledger as SLAMB's are
                 return False
-            self.optimizer.step()
+            self._optimizer_step()
             return True
         self.undo.take()
         try:
             if self.heal == "mean":
                 self._mean_at_join()
-            self.optimizer.step()
+            self._optimizer_step()
+            if before_commit is not None:
+                before_commit()
         except Exception:
             if self.manager.errored() is None:  # the optimizer's own error, not a failed collective
                 self.undo.restore()

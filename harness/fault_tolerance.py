@@ -1,0 +1,305 @@
+"""A pipeline's run that survives its workers' failures without a restart: ``trainer.fault_tolerance=torchft``.
+
+    python -m cifar10.train experiment=cifar10/slamb +mixin=torchft trainer.replica_groups=4
+
+The job is ``trainer.replica_groups`` replica groups of one worker each, which torchft's lighthouse (started
+here, by the launcher) gathers into a quorum at every step. When a group dies (its process killed, its host
+lost) the step's commit fails on the others, who undo the step and take it again without it
+(:class:`slamb.integrations.torchft.FaultTolerant`); the launcher relaunches the dead group's worker
+(``trainer.max_restarts`` relaunches in all, none after an error that would recur), which joins the others at a
+coming step and takes a peer's state (``trainer.heal``, :data:`slamb.integrations.torchft.HEAL_POLICIES`).
+While a group is away the global batch lacks its share, as in torchft's own data-parallel training.
+
+* :func:`launch`: the lighthouse, one process per group, the relaunches, the job's one line on a failure;
+* :func:`harness.replica.join`: a worker's replica group (from :func:`harness.init_distributed`): the manager's
+  :class:`~slamb.integrations.torchft.ManagedGroup`, SLAMB's ``process_group`` (:func:`harness.build_optimizer`);
+* :class:`harness.Loop` runs each step under the manager: the steps are numbered by the manager's committed
+  steps (the data, the schedule, SLAMB's masks: a joining group continues where the others are), and the
+  model averaged for evaluation and export commits with the epoch's last step.
+
+A replica group holds its own copy of the run's state, which a joining one copies: the run writes no checkpoint
+(a job that loses every group at once starts again), and numbers its periods in ``metrics.jsonl`` as one run,
+each line written by the first group of the quorum that committed the period's last step.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from .checkpoint import unwrap
+from .distributed import WILL_RECUR_EXIT, WorkerError, _worker_entry, _worker_module, forkserver, started_externally
+from .replica import ENV, Replica, current
+
+MODES = ("none", "torchft")
+PRELOAD = ("slamb.integrations.torchft",)  # what the groups' fork server imports beside the pipeline
+# the lighthouse drops a group silent this long; a quorum waits this long for a group of the last one that has
+# not asked to join (a dead group: the time the others wait before they go on without it)
+HEARTBEAT_MS, JOIN_MS = 5000, 5000
+QUIET = "warn"  # torchft's log level (RUST_LOG), unless the environment sets one
+
+
+def check(cfg: dict, supported: bool) -> None:
+    """``trainer.fault_tolerance`` and the settings it needs, before any worker starts. ``supported``: the
+    pipeline runs under torchft."""
+    from slamb.optim.checks import check_choice, check_count
+
+    t = cfg["trainer"]
+    check_choice("trainer.fault_tolerance", t["fault_tolerance"], MODES)
+    if t["fault_tolerance"] == "none":
+        return
+    mode = "trainer.fault_tolerance=torchft"
+    if not supported:
+        raise ValueError(f"invalid {mode}: this pipeline runs without it so far (cifar10.train has it); set "
+                         "trainer.fault_tolerance=none")
+    try:
+        from slamb.integrations.torchft import HEAL_POLICIES
+    except ImportError:
+        raise ValueError(f"invalid {mode}: torchft is not installed; pip install 'slamb[ft]'") from None
+    check_count("trainer.replica_groups", t["replica_groups"], " (the job's replica groups, one worker each)")
+    check_count("trainer.min_replicas", t["min_replicas"], " (groups a step needs to commit)")
+    if t["min_replicas"] > t["replica_groups"]:
+        raise ValueError(f"invalid trainer.min_replicas={t['min_replicas']}: more than the job's "
+                         f"trainer.replica_groups={t['replica_groups']}")
+    check_choice("trainer.heal", t["heal"], HEAL_POLICIES)
+    needs = [(t["nproc_per_node"] != 1, f"trainer.nproc_per_node={t['nproc_per_node']}",
+              "trainer.nproc_per_node=1 (its workers are trainer.replica_groups)"),
+             (t["parallelism"] != "ddp", f"trainer.parallelism={t['parallelism']}", "trainer.parallelism=ddp"),
+             (t["precision"] == "fp16", "trainer.precision=fp16 (its skips agree over a process group)",
+              "trainer.precision=fp32 or bf16"),
+             (t["checkpoint"]["enabled"], "trainer.checkpoint.enabled=true (its groups hold the run's state and "
+              "heal each other)", "trainer.checkpoint.enabled=false"),
+             (started_externally(), "a job started by torchrun or SLURM",
+              "python -m <pipeline> (the launcher starts the groups and the lighthouse)")]
+    for bad, what, fix in needs:
+        if bad:
+            raise ValueError(f"invalid {mode} with {what}: set {fix} (+mixin=torchft sets them)")
+
+
+def check_optimizer(optimizer, name: str) -> None:
+    """The optimizer runs under torchft: SLAMB (its collectives through the manager) or a data-parallel one."""
+    from slamb.contract import GRADIENT_ALLREDUCE
+    from slamb.optim.slamb import SLAMB
+
+    if isinstance(optimizer, SLAMB):
+        bad = [what for what, on in (("optimizer.overlap=true", optimizer.overlap),
+                                     ("optimizer.hierarchy", optimizer.hierarchy is not None)) if on]
+        if bad:
+            raise ValueError(f"invalid trainer.fault_tolerance=torchft with {' and '.join(bad)}: SLAMB runs its "
+                             "collectives through torchft's manager one at a time; drop the setting")
+    elif optimizer.communication != GRADIENT_ALLREDUCE:
+        raise ValueError(f"invalid trainer.fault_tolerance=torchft with optimizer={name}: SLAMB, or a data-parallel "
+                         "optimizer (lamb, adamw, sgd), runs under it; pick one of those")
+
+
+def quiet() -> None:
+    """torchft's warnings only (it logs each quorum and commit, a dozen lines a step), unless ``RUST_LOG`` says
+    otherwise: set before torchft is imported (it reads it then), in the process that starts the job."""
+    os.environ.setdefault("RUST_LOG", QUIET)
+
+
+# -- the launcher ---------------------------------------------------------------------------------------------
+
+def launch(worker, cfg: dict, run_dir: str) -> dict:
+    """Run ``worker(cfg, run_dir)`` in each of ``trainer.replica_groups`` processes under a lighthouse started
+    here; relaunch a failed one while others train (``trainer.max_restarts`` in all). Returns the run's summary
+    (``metrics.json``). A failure that ends the job is a :class:`harness.distributed.WorkerError`, one line."""
+    from torchft.coordination import LighthouseServer
+
+    t = cfg["trainer"]
+    groups, budget = t["replica_groups"], t["max_restarts"]
+    server = LighthouseServer(bind="[::]:0", min_replicas=t["min_replicas"], join_timeout_ms=JOIN_MS,
+                              heartbeat_timeout_ms=HEARTBEAT_MS)
+    fork = multiprocessing.get_context(forkserver(_worker_module(worker), *PRELOAD))
+    running: dict[int, object] = {}
+    with tempfile.TemporaryDirectory(prefix="slamb_ft_") as folder:
+        errors = Path(folder) / "errors"
+        errors.mkdir()
+
+        def start(index: int, attempt: int):
+            env = f"{server.address()} {index} {groups} {attempt} {folder}"
+            p = fork.Process(target=_worker, args=(worker, cfg, run_dir, env, str(errors)))
+            p.start()
+            running[index] = p
+
+        try:
+            for index in range(groups):
+                start(index, 0)
+            attempts, relaunched, finished = dict.fromkeys(range(groups), 0), 0, set()
+            while running:
+                time.sleep(0.2)
+                for index, p in list(running.items()):
+                    if p.exitcode is None:
+                        continue
+                    del running[index]
+                    if p.exitcode == 0:
+                        finished.add(index)
+                        continue
+                    line = _error_line(errors, index, p.exitcode)
+                    if p.exitcode == WILL_RECUR_EXIT:
+                        raise WorkerError(line, WILL_RECUR_EXIT)
+                    if finished:  # the others have finished the run: nothing to rejoin
+                        print(f"replica group {index} failed after the others finished: {line}", flush=True)
+                        continue
+                    if not running or relaunched >= budget:
+                        why = "no group is left to heal from" if not running else \
+                            f"trainer.max_restarts={budget} relaunches spent"
+                        raise WorkerError(f"{line} ({why})", 1)
+                    relaunched += 1
+                    attempts[index] += 1
+                    print(f"replica group {index} failed ({line}); relaunched ({relaunched} of "
+                          f"trainer.max_restarts={budget}): it joins the others at a coming step", flush=True)
+                    start(index, attempts[index])
+        finally:
+            for p in running.values():
+                if p.is_alive():
+                    os.kill(p.pid, signal.SIGKILL)
+                p.join()
+            server.shutdown()
+    return json.loads((Path(run_dir) / "metrics.json").read_text())
+
+
+def _error_line(errors: Path, index: int, status: int) -> str:
+    for kind in ("error", "fault"):
+        path = errors / f"rank{index}.{kind}"
+        if path.exists():
+            line = path.read_text()
+            path.unlink()
+            return line
+    how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
+    return f"replica group {index}: {how}"
+
+
+def _worker(worker, cfg: dict, run_dir: str, env: str, errors: str) -> None:
+    """A replica group's process: the pipeline's worker, which :func:`join` makes this group's."""
+    index, attempt = env.split()[1], env.split()[3]
+    # RANK names its error file; the restart count, the attempt (the fault-injection hook's first attempt)
+    os.environ.update({ENV: env, "RANK": index, "TORCHELASTIC_RESTART_COUNT": attempt,
+                       "LOCAL_WORLD_SIZE": env.split()[2]})
+    try:
+        _worker_entry(worker, cfg, run_dir, errors)
+    finally:
+        if current() is not None:
+            current().group.shutdown()
+
+
+
+
+# -- a worker's steps -----------------------------------------------------------------------------------------
+
+class ManagedSteps:
+    """A replica group's steps under torchft's manager, for :class:`harness.Loop`.
+
+    Every step begins with the manager's quorum, where a group that is behind (a relaunched or late one, or one
+    whose last commit failed) takes a peer's state, and is numbered by the steps the job has committed: the
+    schedule is set to it, and the loop takes that step's data. ``optimizer.step()`` becomes
+    :meth:`FaultTolerant.step <slamb.integrations.torchft.FaultTolerant.step>`: a step that does not commit
+    changed nothing, and is taken again, on the same data, by the groups of the next quorum. With an epoch's
+    last step the groups also sum the epoch's training totals and average the model (its floating-point buffers,
+    and its parameters where the optimizer's replicas differ): the run's model for evaluation and export, valid
+    where the step committed.
+    """
+
+    def __init__(self, replica: Replica, model, optimizer, scheduler, *, heal: str, steps_per_epoch: int):
+        from slamb.integrations.torchft import FaultTolerant
+
+        self.replica, self.scheduler, self.steps_per_epoch = replica, scheduler, steps_per_epoch
+        self.model, self.optimizer = unwrap(model), optimizer
+        self.ft = FaultTolerant(replica.group, model, optimizer, heal=heal)
+        def step(*args, **kwargs):  # the pipeline's step, through the manager
+            self._step()
+
+        # what torch's LR scheduler marks a step it wraps with: FaultTolerant calls that wrapped step
+        step._wrapped_by_lr_sched = True
+        optimizer.step = step
+        self.quorum = False  # a quorum started for a step not taken yet
+        self.committed = False  # whether the last step taken committed
+        self.totals: torch.Tensor | None = None
+        self.pending = None  # the epoch's last step's collectives, run before its commit
+        self.average: list[torch.Tensor] | None = None  # the run's model, as of the epoch's last step
+        self.writer = False  # this group writes the epoch's line: the first of the quorum that committed it
+
+    @property
+    def done(self) -> int:
+        return self.ft.committed_steps
+
+    def _quorum(self) -> int:
+        if not self.quorum:
+            self.ft.start_step()
+            self.quorum = True
+        return self.done
+
+    def epochs(self, length: int):
+        """The epochs this group takes part in, from where the job stands (a joining group skips the others')."""
+        end = length * self.steps_per_epoch
+        while (self.quorum or self.done < end) and self._quorum() < end:  # no quorum past the run's end
+            yield self.done // self.steps_per_epoch
+
+    def steps(self, first: int, total: int, totals: torch.Tensor | None):
+        """The steps of the epoch whose first step is ``first``: for each attempt, the step's number (0-based, in
+        the run); ``totals`` (the epoch's training sums) is put back after an attempt that did not commit."""
+        self.totals, self.average, self.writer = totals, None, False
+        end = first + total
+        while not (self.committed and self.done == end):
+            step = self._quorum()
+            if not first <= step < end:  # took a peer's state from past this epoch
+                break
+            self.quorum, self.committed = False, False
+            lr = [base * f(step) for base, f in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
+            for group, value in zip(self.optimizer.param_groups, lr):
+                group["lr"] = value
+            self.scheduler.last_epoch, self.scheduler._last_lr = step, lr
+            before = totals.clone() if totals is not None else None
+            self.pending = self._sum_epoch if step == end - 1 else None
+            yield step
+            if not self.committed and totals is not None:
+                totals.copy_(before)
+        self.committed = False
+
+    def _step(self) -> None:
+        self.committed = self.ft.step(before_commit=self.pending)
+        if self.committed and self.pending is not None:
+            self.writer = self.replica.group.rank() == 0
+            if self.totals is not None:
+                self.totals.copy_(self._summed)
+        elif self.pending is not None:
+            self.average = None
+
+    def _model_tensors(self) -> list[torch.Tensor]:
+        params = list(self.model.parameters()) if self.optimizer.params_differ else []
+        return [t.detach() for t in params] + [b for b in self.model.buffers() if b.is_floating_point()]
+
+    @torch.no_grad()
+    def _sum_epoch(self) -> None:
+        from slamb import comm
+
+        group = self.replica.group
+        tensors = self._model_tensors()
+        flat = torch.cat([t.reshape(-1).double() for t in tensors])
+        comm.all_reduce_sum_(flat, kind="eval", ledger=None, group=group)
+        self.average = [a.view_as(t).to(t.dtype) for a, t in zip((flat / group.size()).split([t.numel() for t in tensors]), tensors)]
+        if self.totals is not None:
+            self._summed = self.totals.clone()
+            comm.all_reduce_sum_(self._summed, kind="eval", ledger=None, group=group)
+
+    @contextlib.contextmanager
+    def averaged(self):
+        """The body sees the run's model (the groups' average of the epoch's last step); this group's own after."""
+        tensors = self._model_tensors()
+        saved = [t.clone() for t in tensors]
+        torch._foreach_copy_(tensors, self.average)
+        try:
+            yield
+        finally:
+            torch._foreach_copy_(tensors, saved)
+
+    def keep_average(self) -> None:
+        """The model becomes the run's model, for its export at the end."""
+        torch._foreach_copy_(self._model_tensors(), self.average)
