@@ -332,6 +332,7 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
             with RunLock(run_dir, hold=writer):
                 console.attach(Path(run_dir) / "train.log")
                 try:
+                    fault_tolerance_module.check_run_dir(container, run_dir)
                     why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
                     finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
                                            world_size=planned_world(container["trainer"]))

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import unwrap
+from .checkpoint import Checkpointer, unwrap
 from .distributed import WILL_RECUR_EXIT, WorkerError, _worker_entry, _worker_module, forkserver, started_externally
 from .replica import ENV, Replica, current
 
@@ -81,6 +81,16 @@ def check(cfg: dict, supported: bool) -> None:
     for bad, what, fix in needs:
         if bad:
             raise ValueError(f"invalid {mode} with {what}: set {fix} (+mixin=torchft sets them)")
+
+
+def check_run_dir(cfg: dict, run_dir) -> None:
+    """A torchft run starts from step 0 (its groups keep no checkpoint): a run directory holding another run's
+    checkpoints, which the groups would load, is refused."""
+    if cfg["trainer"]["fault_tolerance"] == "torchft" and cfg["trainer"]["resume"] == "auto" and \
+            Checkpointer(run_dir, None).complete():
+        raise ValueError(f"invalid trainer.fault_tolerance=torchft in {run_dir}: it holds the checkpoints of a run "
+                         "without it, and a torchft run starts from step 0; set trainer.resume=never (they are "
+                         "removed) or another hydra.run.dir")
 
 
 def check_optimizer(optimizer, name: str) -> None:

@@ -398,8 +398,8 @@ def test_training_steps_make_no_host_synchronisation(tiny_dir, tmp_path, monkeyp
     syncs = HostSyncs()
     steps = harness.loop.Loop.steps
 
-    def watched_steps(self, iterable, total, desc):
-        for item in steps(self, iterable, total, desc):
+    def watched_steps(self, iterable, total, desc, **kwargs):
+        for item in steps(self, iterable, total, desc, **kwargs):
             syncs.active = True  # the loop body runs until it asks for the next item
             yield item
             syncs.active = False

@@ -118,3 +118,16 @@ def test_what_torchft_cannot_run_is_refused_in_one_line_before_any_worker(overri
 def test_a_pipeline_without_torchft_refuses_it():
     assert "this pipeline runs without it so far (cifar10.train has it); set trainer.fault_tolerance=none" in \
         refused("experiment=cifar10/slamb", "+mixin=torchft", fault_tolerant=False)
+
+
+@pytest.mark.multiprocess
+def test_a_run_directory_with_another_runs_checkpoints_is_refused(data, tmp_path):
+    run_dir = tmp_path / "run"
+    common = [*SLAMB_TINY, *GROUPS, "epochs=1", f"data.dir={data.parent}", f"hydra.run.dir={run_dir}"]
+    plain = cli([*common, "trainer.nproc_per_node=1", "trainer.checkpoint.enabled=true"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    done = cli([*common, "+mixin=torchft", "trainer.replica_groups=3", "epochs=2"])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: invalid trainer.fault_tolerance=torchft in {run_dir}: it holds the "
+                                  "checkpoints of a run without it, and a torchft run starts from step 0; set "
+                                  "trainer.resume=never"), done.stderr
