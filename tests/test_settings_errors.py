@@ -57,7 +57,8 @@ CIFAR = ["experiment=cifar10/lamb", "trainer.nproc_per_node=2"]
                                   "checkpoint resumes the run); fix: set trainer.checkpoint.keep to an allowed value"),
     ("trainer.timeout_s=0", "error: invalid trainer.timeout_s=0: must be a number of seconds > 0"),
     ("+trainer.max_restart=3", "error: unknown setting trainer.max_restart=3 (did you mean trainer.max_restarts?); "
-                               "known: ['checkpoint', 'cudnn_benchmark', 'deterministic', 'device', 'max_restarts', "),
+                               "known: ['checkpoint', 'cudnn_benchmark', 'deterministic', 'device', 'fault_tolerance', 'heal', "
+                               "'max_restarts', "),
     ("+trainer.checkpoint.evry=5", "error: unknown setting trainer.checkpoint.evry=5 (did you mean "
                                    "trainer.checkpoint.every?); known: ['enabled', 'every', 'keep']; fix: drop "
                                    "trainer.checkpoint.evry or correct its name (configs/trainer/default.yaml)"),
