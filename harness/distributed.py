@@ -456,9 +456,9 @@ def forkserver(*modules: str) -> str:
 
 def prestart(worker, nproc_per_node: int, *modules: str) -> None:
     """Start the fork server :func:`launch` will start ``worker``'s workers from (``modules``: the further ones
-    it imports, :func:`forkserver`), now, where it will start workers: the server's imports (5-8 s of CPU) then run beside the launching process's checks instead of
-    after them. The server's children write to the console it had when it started (:class:`harness.run.ConsoleLog`
-    is entered first)."""
+    it imports, :func:`forkserver`), now, where it will start workers: the server's imports (5-8 s of CPU) then
+    run beside the launching process's checks instead of after them. The server's children write to the console
+    it had when it started (:class:`harness.run.ConsoleLog` is entered first)."""
     if isinstance(nproc_per_node, int) and nproc_per_node > 1 and not started_externally():
         forkserver(_worker_module(worker), *modules)
         multiprocessing.forkserver.ensure_running()

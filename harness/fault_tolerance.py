@@ -34,6 +34,11 @@ from pathlib import Path
 
 import torch
 
+from slamb import comm
+from slamb.averaging import average_tensors_
+from slamb.contract import GRADIENT_ALLREDUCE
+from slamb.optim.checks import check_choice, check_count
+from slamb.optim.slamb import SLAMB
 from .checkpoint import Checkpointer, unwrap
 from .distributed import WILL_RECUR_EXIT, WorkerError, _worker_entry, _worker_module, forkserver, started_externally
 from .replica import ENV, Replica, current
@@ -49,8 +54,6 @@ QUIET = "warn"  # torchft's log level (RUST_LOG), unless the environment sets on
 def check(cfg: dict, supported: bool) -> None:
     """``trainer.fault_tolerance`` and the settings it needs, before any worker starts. ``supported``: the
     pipeline runs under torchft."""
-    from slamb.optim.checks import check_choice, check_count
-
     t = cfg["trainer"]
     check_choice("trainer.fault_tolerance", t["fault_tolerance"], MODES)
     if t["fault_tolerance"] == "none":
@@ -95,9 +98,6 @@ def check_run_dir(cfg: dict, run_dir) -> None:
 
 def check_optimizer(optimizer, name: str) -> None:
     """The optimizer runs under torchft: SLAMB (its collectives through the manager) or a data-parallel one."""
-    from slamb.contract import GRADIENT_ALLREDUCE
-    from slamb.optim.slamb import SLAMB
-
     if isinstance(optimizer, SLAMB):
         bad = [what for what, on in (("optimizer.overlap=true", optimizer.overlap),
                                      ("optimizer.hierarchy", optimizer.hierarchy is not None)) if on]
@@ -288,13 +288,9 @@ class ManagedSteps:
 
     @torch.no_grad()
     def _sum_epoch(self) -> None:
-        from slamb import comm
-
         group = self.replica.group
-        tensors = self._model_tensors()
-        flat = torch.cat([t.reshape(-1).double() for t in tensors])
-        comm.all_reduce_sum_(flat, kind="eval", ledger=None, group=group)
-        self.average = [a.view_as(t).to(t.dtype) for a, t in zip((flat / group.size()).split([t.numel() for t in tensors]), tensors)]
+        self.average = [t.clone() for t in self._model_tensors()]
+        average_tensors_(self.average, process_group=group)  # as slamb.averaged_model averages over ranks
         if self.totals is not None:
             self._summed = self.totals.clone()
             comm.all_reduce_sum_(self._summed, kind="eval", ledger=None, group=group)

@@ -24,8 +24,9 @@ _replica: Replica | None = None
 
 
 def join(device, timeout_s: float) -> Replica | None:
-    """This worker's replica group, where it is one of a torchft job's (:func:`harness.fault_tolerance.launch`), else None: connected to
-    the lighthouse; a group that starts with the job waits for the others' (the first quorum holds them all)."""
+    """This worker's replica group, where it is one of a torchft job's (:func:`harness.fault_tolerance.launch`),
+    else None: connected to the lighthouse; a group that starts with the job waits for the others' (the first
+    quorum holds them all)."""
     global _replica
     if ENV not in os.environ:
         return None
