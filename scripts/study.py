@@ -23,20 +23,32 @@ the bytes each worker sent by kind (the ledger), the curves, and a verdict per
 SLAMB row: its difference to LAMB with a 95% Welch t-interval over the seeds
 and its bytes over LAMB's. ``study.json`` beside it holds every run's metric
 and bytes, the numbers the page is computed from.
+
+The page is computed from the runs' records, kept beside it in ``runs/`` (each
+finished run's ``config.yaml``, ``meta.json``, ``metrics.json`` and
+``metrics.jsonl``: no checkpoints), so that it is rebuilt from a fresh clone with
+``--report-only`` and a study stopped part way continues on another machine: a
+(row, seed) with a record is not run again. The BERT task's data is generated
+from the standard library's source; its digest is recorded, and a continued study
+whose data differ (another Python) is refused.
 """
 from __future__ import annotations
 
 import argparse
 import ast
+import functools
+import hashlib
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
 import sysconfig
 import time
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repository's packages are importable
@@ -193,8 +205,16 @@ def bert_data(root: Path, *, vocab_size: int, dupe_factor: int, limit_files: int
             "train_documents": len(train_docs), "valid_documents": len(valid_docs),
             "train_words": sum(len(d.split()) for d in train_docs), "valid_words": sum(len(d.split()) for d in valid_docs),
             "train_examples": sum(s["examples"] for s in train), "valid_examples": sum(s["examples"] for s in valid),
-            "dupe_factor": dupe_factor,
+            "dupe_factor": dupe_factor, "digest": data_digest(root),
             "unigram_entropy": unigram_cross_entropy(root / "train", root / "valid", vocab)}
+
+
+def data_digest(root: Path) -> str:
+    """sha256 of the vocabulary and the prepared shards under ``root``: what a BERT run read."""
+    h = hashlib.sha256()
+    for path in sorted(p for sub in ("vocab", "train", "valid") for p in (root / sub).rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()
 
 
 def unigram_cross_entropy(train_dir: Path, valid_dir: Path, vocab: Path) -> float:
@@ -242,19 +262,36 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
     return time.perf_counter() - tic
 
 
-def run_missing(module: str, experiments: list[str], seeds: list[int], sweep: Path, overrides: list[str]) -> float:
-    """:func:`multirun` for the (row, seed) pairs without a finished run under ``sweep``: a study stopped part
-    way continues where it stopped. Returns the wall time (s)."""
+RECORD = ("config.yaml", "meta.json", "metrics.json", "metrics.jsonl")
+
+
+def keep_records(sweep: Path, records: Path) -> None:
+    """Copy each finished run's record (:data:`RECORD`) under ``sweep`` into ``records/<run folder>``."""
+    if not sweep.exists():
+        return
+    for r in load_runs(sweep, log=lambda _: None):
+        into = records / r["dir"].name
+        into.mkdir(parents=True, exist_ok=True)
+        for name in RECORD:
+            if (r["dir"] / name).exists():
+                shutil.copyfile(r["dir"] / name, into / name)
+
+
+def run_missing(module: str, experiments: list[str], seeds: list[int], sweep: Path, records: Path,
+                overrides: list[str], spent: Callable[[float], None]) -> None:
+    """:func:`multirun` for each (row, seed) pair without a record under ``records``, one run at a time, its
+    record kept and its wall time handed to ``spent`` as soon as it ends: a study stopped part way continues
+    where it stopped, here or on another machine."""
+    keep_records(sweep, records)
     done = {(f"study/{r['config']['name'].removeprefix('study_')}", r["config"].get("seed"))
-            for r in load_runs(sweep, log=lambda _: None)} if sweep.exists() else set()
-    took = 0.0
+            for r in load_runs(records, log=lambda _: None)} if records.exists() else set()
     for e in experiments:
         missing = [s for s in seeds if (e, s) not in done]
         if len(missing) < len(seeds):
-            print(f"study: {e}: seeds {sorted(set(seeds) - set(missing))} already ran under {sweep}", flush=True)
-        if missing:
-            took += multirun(module, [e], missing, sweep, overrides)
-    return took
+            print(f"study: {e}: seeds {sorted(set(seeds) - set(missing))} already ran ({records})", flush=True)
+        for seed in missing:
+            spent(multirun(module, [e], [seed], sweep, overrides))
+            keep_records(sweep, records)
 
 
 def verdict_rows_first(experiments: list[str]) -> tuple[list[str], list[str]]:
@@ -268,9 +305,9 @@ def verdict_rows_first(experiments: list[str]) -> tuple[list[str], list[str]]:
     return [e for e in experiments if compared(e)], [e for e in experiments if not compared(e)]
 
 
-def task_runs(sweep: Path, task: str, seeds: list[int] | None = None) -> list[dict]:
-    """The runs of ``task`` under ``sweep`` (of these seeds only, when given)."""
-    return [r for r in load_runs(sweep) if (r["config"].get("paper") or {}).get("table") == TABLES[task]
+def task_runs(records: Path, task: str, seeds: list[int] | None = None) -> list[dict]:
+    """The runs of ``task`` recorded under ``records`` (of these seeds only, when given)."""
+    return [r for r in load_runs(records) if (r["config"].get("paper") or {}).get("table") == TABLES[task]
             and (seeds is None or r["config"].get("seed") in seeds)]
 
 
@@ -307,12 +344,12 @@ def top_up_plan(rows_: list[dict], task: str, cap: int) -> dict[str, int]:
     return {e: n for e, n in sorted(want.items()) if n > have[e]}
 
 
-def top_up(module: str, sweep: Path, task: str, overrides: list[str], cap: int, rounds: int = 3) -> float:
+def top_up(module: str, sweep: Path, records: Path, task: str, overrides: list[str], cap: int,
+           spent: Callable[[float], None], rounds: int = 3) -> None:
     """More seeds for the rows whose intervals are wider than the margin (:func:`top_up_plan`), new seeds
-    after each row's highest, re-estimated after each round; returns the wall time (s)."""
-    took = 0.0
+    after each row's highest, re-estimated after each round; ``spent`` is told each run's wall time (s)."""
     for _ in range(rounds):
-        rows_ = table_rows(task_runs(sweep, task), task)
+        rows_ = table_rows(task_runs(records, task), task)
         plan = top_up_plan(rows_, task, cap)
         if not plan:
             break
@@ -320,8 +357,8 @@ def top_up(module: str, sweep: Path, task: str, overrides: list[str], cap: int, 
         for exp, n in plan.items():
             first = max(seeds[exp]) + 1
             print(f"study: {exp} needs {n} runs for a ±{DELTA[task]:g} interval; adding seeds {first}..{first + n - len(seeds[exp]) - 1}", flush=True)
-            took += run_missing(module, [exp], list(range(first, first + n - len(seeds[exp]))), sweep, overrides)
-    return took
+            run_missing(module, [exp], list(range(first, first + n - len(seeds[exp]))), sweep, records, overrides,
+                        spent)
 
 
 METRIC = {"digits": "final_test_top1", "bert": "final_val_mlm_loss"}
@@ -579,8 +616,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default=None, help="where the page, tables and plots go (default: results/study, "
                         "or runs/study-quick/results with --quick)")
     parser.add_argument("--runs", default=None, help="where the run directories go (default: runs/study[-quick]); "
-                        "a (row, seed) that has a finished run there is not run again, so a stopped study continues "
-                        "(delete the folder to start over)")
+                        "each finished run's record is kept under <out>/runs, and a (row, seed) that has one is not "
+                        "run again, so a stopped study continues (delete <out>/runs to start over)")
     parser.add_argument("--digits-seeds", type=int, nargs="+", default=None, help="the seeds of every row, "
                         "without top-ups (default 0..4 (quick: 0 1), then more for LAMB and each SLAMB row whose "
                         "interval is wider than ±1 point, up to --digits-max-seeds)")
@@ -607,10 +644,11 @@ def main(argv=None) -> int:
     chosen = {task: seeds[task] if cap[task] == len(seeds[task]) else None for task in seeds}
     args.machine = args.machine or f"{os.cpu_count()} CPU cores"
     out.mkdir(parents=True, exist_ok=True)
-    times_path = runs_root / "times.json"
+    records = out / "runs"
+    times_path = records / "times.json"
 
     def add_time(task: str, seconds: float) -> None:
-        """The runs under --runs keep the time they took: each invocation adds its own, read and written at once,
+        """The records keep the time the runs took: each invocation adds its own, read and written at once,
         so that two invocations running side by side (one task each) both count."""
         times_path.parent.mkdir(parents=True, exist_ok=True)
         now = json.loads(times_path.read_text()) if times_path.exists() else {}
@@ -629,16 +667,18 @@ def main(argv=None) -> int:
             write_digits(digits_dir)
             overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
             compared, context = verdict_rows_first(todo)
-            add_time("digits", run_missing("cifar10.train", compared, seeds["digits"], sweep, overrides))
-            add_time("digits", top_up("cifar10.train", sweep, "digits", overrides, cap["digits"]))
-            add_time("digits", run_missing("cifar10.train", context, seeds["digits"], sweep, overrides))
-        runs = task_runs(sweep, "digits", chosen["digits"])
+            spent = functools.partial(add_time, "digits")
+            run_missing("cifar10.train", compared, seeds["digits"], sweep, records / "digits", overrides, spent)
+            top_up("cifar10.train", sweep, records / "digits", "digits", overrides, cap["digits"], spent)
+            run_missing("cifar10.train", context, seeds["digits"], sweep, records / "digits", overrides, spent)
+        keep_records(sweep, records / "digits")
+        runs = task_runs(records / "digits", "digits", chosen["digits"])
         parts["digits"] = digits_section(runs, out)
         record["digits"] = per_run(runs, "digits")
 
     if "bert" in args.tasks:
         sweep, bert_root = runs_root / "bert", data_root / "bert"
-        data_json = bert_root / "data.json"
+        data_json, record_json = bert_root / "data.json", records / "bert_data.json"
         todo = QUICK["bert_rows"] if args.quick else rows("bert", args.rows)
         if not args.report_only and todo:
             tic = time.perf_counter()
@@ -648,19 +688,29 @@ def main(argv=None) -> int:
                 data = bert_data(bert_root, vocab_size=400 if args.quick else 2000,
                                  dupe_factor=1 if args.quick else 3, limit_files=60 if args.quick else None)
                 data_json.write_text(json.dumps(data, indent=1))
+            data.setdefault("digest", data_digest(bert_root))  # data prepared before digests were recorded
+            recorded = json.loads(record_json.read_text()) if record_json.exists() else {}
+            ran = records.joinpath("bert").exists() and load_runs(records / "bert", log=lambda _: None)
+            if ran and recorded.get("digest") != data["digest"]:
+                raise SystemExit(f"error: the BERT runs recorded in {records / 'bert'} read other data than "
+                                 f"{bert_root} (digest {str(recorded.get('digest'))[:12]} against "
+                                 f"{data['digest'][:12]}: another Python's standard library); fix: run the "
+                                 f"study with the Python of the recorded runs ({recorded.get('python', '?')}), or "
+                                 f"delete {records / 'bert'} to start the task over")
+            record_json.parent.mkdir(parents=True, exist_ok=True)
+            record_json.write_text(json.dumps({**data, "python": sys.version.split()[0]}, indent=1))
             prep = time.perf_counter() - tic
             overrides = [f"data.dir={data['train_dir']}", f"validation.dir={data['valid_dir']}",
                          f"model.vocab_size={data['vocab_size']}", *(QUICK["bert"] if args.quick else [])]
             compared, context = verdict_rows_first(todo)
-            add_time("bert", prep + run_missing("bert.train", compared, seeds["bert"], sweep, overrides))
-            add_time("bert", top_up("bert.train", sweep, "bert", overrides, cap["bert"]))
-            add_time("bert", run_missing("bert.train", context, seeds["bert"], sweep, overrides))
-        data = json.loads(data_json.read_text())
-        if "unigram_entropy" not in data:  # data prepared before the page printed its reference line
-            data["unigram_entropy"] = unigram_cross_entropy(ROOT / data["train_dir"], ROOT / data["valid_dir"],
-                                                            ROOT / data["vocab"])
-            data_json.write_text(json.dumps(data, indent=1))
-        runs = task_runs(sweep, "bert", chosen["bert"])
+            spent = functools.partial(add_time, "bert")
+            spent(prep)
+            run_missing("bert.train", compared, seeds["bert"], sweep, records / "bert", overrides, spent)
+            top_up("bert.train", sweep, records / "bert", "bert", overrides, cap["bert"], spent)
+            run_missing("bert.train", context, seeds["bert"], sweep, records / "bert", overrides, spent)
+        keep_records(sweep, records / "bert")
+        data = json.loads(record_json.read_text())
+        runs = task_runs(records / "bert", "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)
         record["bert"] = per_run(runs, "bert")
 

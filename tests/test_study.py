@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import shutil
 import statistics
 import subprocess
 import sys
@@ -175,7 +176,8 @@ def _run_dirs(runs: Path, table: str) -> dict[tuple[str, int], dict]:
         cfg = yaml.safe_load((summary.parent / "config.yaml").read_text())
         if cfg["paper"]["table"] == table:
             history = [json.loads(x) for x in (summary.parent / "metrics.jsonl").read_text().splitlines() if x]
-            out[(cfg["paper"]["row"], cfg["seed"])] = {"summary": json.loads(summary.read_text()), "history": history}
+            out[(cfg["paper"]["row"], cfg["seed"])] = {"summary": json.loads(summary.read_text()), "history": history,
+                                                       "dir": summary.parent}
     return out
 
 
@@ -224,6 +226,27 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     assert f"at {slamb_bytes / lamb_bytes:.3f}x LAMB's bytes" in line
     assert (out / "study_bert_curves.png").stat().st_size > 0 and (out / "study_digits_resnet8_curves.png").exists()
     assert {r["metric"] for r in record["runs"]["bert"]} == {b["summary"]["final_val_mlm_loss"] for b in bert.values()}
+
+    # the page is computed from the records kept beside it (no checkpoints), and rebuilt from them alone
+    for task, found in (("digits", digits), ("bert", bert)):
+        for run in found.values():
+            kept = out / "runs" / task / run["dir"].name
+            assert sorted(p.name for p in kept.iterdir()) == sorted(load_study().RECORD)
+            assert (kept / "metrics.jsonl").read_bytes() == (run["dir"] / "metrics.jsonl").read_bytes()
+    shutil.rmtree(runs)
+    subprocess.run([sys.executable, "scripts/study.py", "--quick", "--out", str(out), "--runs", str(runs),
+                    "--report-only"], cwd=ROOT, check=True, timeout=300)
+    again = json.loads((out / "study.json").read_text())
+    assert again["verdicts"] == record["verdicts"] and again["wall_time_s"] == record["wall_time_s"]
+    assert [r["metric"] for r in again["runs"]["bert"]] == [r["metric"] for r in record["runs"]["bert"]]
+
+    # a continued study on data other than its recorded runs' is refused before any run, in one line
+    kept = json.loads((out / "runs" / "bert_data.json").read_text())
+    (out / "runs" / "bert_data.json").write_text(json.dumps({**kept, "digest": "0" * 64}))
+    done = subprocess.run([sys.executable, "scripts/study.py", "--quick", "--tasks", "bert", "--out", str(out),
+                           "--runs", str(runs)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stderr.strip().splitlines()[-1].startswith("error: the BERT runs recorded")
+    assert "fix:" in done.stderr and not (runs / "bert").exists()
 
 
 @pytest.mark.multiprocess  # bert.prepare_data.prepare shards the corpus over a process pool
