@@ -284,3 +284,43 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class StepBatches:
+    """This rank's micro-batches of each optimizer step (:class:`StepStream`), on ``device``, read ``depth``
+    micro-batches ahead (:class:`Prefetcher`), addressed by step: ``batches(step)`` yields step ``step``'s.
+
+    The steps come in order in a plain run. Under torchft a step that did not commit is taken again (the same
+    micro-batches, kept from its attempt) and a group that joins or takes a peer's state goes on at another step
+    (the stream starts again there). :meth:`close` stops the reading thread.
+    """
+
+    def __init__(self, steps: StepStream, device, depth: int):
+        self.steps, self.device, self.depth = steps, device, depth
+        self.reader: Prefetcher | None = None
+        self.next = None  # the step the reader is at
+        self.kept: tuple[int | None, list[dict]] = (None, [])  # the last step taken whole, and its micro-batches
+
+    def __call__(self, step: int):
+        if self.kept[0] == step:
+            yield from self.kept[1]
+            return
+        if step != self.next:
+            self.close()
+            self.reader = Prefetcher(self.steps.micro_batches(start=step), self.device, self.depth)
+        self.next, taken = None, []  # a step left part way leaves the reader part way into it
+        for _ in self.steps.shards:
+            taken.append(next(self.reader))
+            yield taken[-1]
+        self.next, self.kept = step + 1, (step, taken)
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+            self.reader = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -29,8 +29,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import random
-from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
@@ -262,7 +262,11 @@ def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tasks = [(i, str(p), str(out), settings) for i, p in enumerate(inputs)]
-    with Pool(max(1, min(workers, len(tasks))), initializer=_init_worker, initargs=(str(vocab), lowercase)) as pool:
+    # forked from a fresh server, not from this process: a fork inherits its threads' locks (the tokenizer's
+    # pool, torch's) and its signal handlers, and a pool worker forked from a busy process hung at its exit
+    pool = multiprocessing.get_context("forkserver").Pool(max(1, min(workers, len(tasks))), initializer=_init_worker,
+                                                          initargs=(str(vocab), lowercase))
+    with pool:
         results = pool.imap_unordered(prepare_file, tasks)
         if progress:
             from tqdm.auto import tqdm

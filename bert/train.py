@@ -49,7 +49,7 @@ from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
 from harness.settings import check_count
 
-from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, load_shard,
+from .data import (IGNORE_INDEX, PretrainingStream, StepBatches, StepStream, check_shards, find_shards, load_shard,
                    to_batch)
 from .model import build_model, check_model, load_pretrained, shard_blocks
 
@@ -186,43 +186,44 @@ def train(cfg: dict, run_dir: str) -> dict:
                        global_batch=d.global_batch, throughput="seqs", unit="step",
                        micro_batches=d.global_batch // d.micro_batch, streams=streams)
 
-    start = period_start = run.step
     if cfg.get("init_optimizer_from") and not run.restored:  # phase 2 continues phase 1's optimizer (DeepSpeed)
         at = harness.continue_optimizer(optimizer, cfg.init_optimizer_from, env)
         if env.is_main:
             print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
     # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
-    micro_batches = Prefetcher(step_stream.micro_batches(start=start), env.device, d.prefetch)
+    batches = StepBatches(step_stream, env.device, d.prefetch)
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
-    valid = validation_batches(cfg, env) if (cfg.get("validation") or {}).get("dir") else None
+    valid = validation_batches(cfg, run.eval_env) if (cfg.get("validation") or {}).get("dir") else None
     model.train()
-    for step in run.steps(range(start, cfg.steps), total=cfg.steps - start, desc=d.phase):
-        if step % steps_per_epoch == 0 or step == start:
-            optimizer.begin_epoch(step // steps_per_epoch)  # DGC's density and SLAMB's compression warm-ups
-        optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
-        optimizer.zero_grad(set_to_none=True)
-        for m in range(accum):
-            batch = next(micro_batches)
-            # dropout draws from (seed, step, the micro-batch's place in the step), not from this worker's stream:
-            # the same on any number of workers, so a run resumed on another number repeats the steps
-            reseed(cfg.seed, step, step_stream.shards[m])
-            with accumulation_context(model, last_micro_batch=m == accum - 1):
-                with amp.autocast():
-                    out = model(**batch)
-                if out.loss.requires_grad:  # False only in a JointSpar round that sampled no layer
-                    amp.backward(out.loss / accum)
-            sums += batch_sums(out, batch)
-        amp.step(optimizer, params, clip_grad=cfg.clip_grad)
-        scheduler.step()
-        if (step + 1) % cfg.log_every == 0 or step + 1 == cfg.steps:
-            metrics = period_metrics(sums)
-            if valid is not None:
-                metrics.update(run.evaluate(lambda: validation_metrics(model, valid, amp)))
-            run.log_period(step + 1, metrics, steps=step + 1 - period_start)
-            sums.zero_()
-            period_start = step + 1
-        run.save_if_due(step + 1)
-    micro_batches.close()
+    epoch = None
+    for first, end in run.periods(cfg.log_every):
+        for step in run.steps(range(first, end), total=end - first, desc=d.phase, totals=sums):
+            if step // steps_per_epoch != epoch:  # DGC's density and SLAMB's compression warm-ups
+                epoch = step // steps_per_epoch
+                optimizer.begin_epoch(epoch)
+            optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
+            optimizer.zero_grad(set_to_none=True)
+            for m, batch in enumerate(batches(step)):
+                # dropout draws from (seed, step, the micro-batch's place in the step), not from this worker's
+                # stream: the same on any number of workers, so a run resumed on another number repeats the steps
+                reseed(cfg.seed, step, step_stream.shards[m])
+                with accumulation_context(model, last_micro_batch=m == accum - 1):
+                    with amp.autocast():
+                        out = model(**batch)
+                    if out.loss.requires_grad:  # False only in a JointSpar round that sampled no layer
+                        amp.backward(out.loss / accum)
+                sums += batch_sums(out, batch)
+            run.optimizer_step(params, clip_grad=cfg.clip_grad)
+            scheduler.step()
+            if step + 1 < end:  # a period's last step is saved after its line: a resume keeps the lines before it
+                run.save_if_due(step + 1)
+        metrics = period_metrics(sums)
+        if valid is not None:
+            metrics.update(run.evaluate(lambda: validation_metrics(model, valid, amp)))
+        run.log_period(end, metrics, steps=end - first)
+        run.save_if_due(end)
+        sums.zero_()
+    batches.close()
     model_dir = run.export(save_pretrained(data_vocab(d.dir)))
 
     # the averaged model's validation where there is one, else the training batches' (the local models')
@@ -237,7 +238,8 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL)
+    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL,
+                                  fault_tolerant=True)
 
 
 if __name__ == "__main__":

@@ -115,7 +115,7 @@ def train(cfg: dict, run_dir: str) -> dict:
                         amp.backward(loss / accum)
                 sums += torch.stack([loss.detach().double() * len(y), (logits.argmax(1) == y).sum().double(),
                                      torch.full((), float(len(y)), dtype=torch.float64, device=env.device)])
-            amp.step(optimizer, params)  # with fp16, every rank steps or every rank skips
+            run.optimizer_step(params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
         loss_sum, correct, seen = harness.rank_sums(sums)
         metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, run.eval_env, d.eval_batch, stats))

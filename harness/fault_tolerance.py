@@ -15,7 +15,8 @@ While a group is away the global batch lacks its share, as in torchft's own data
   :class:`~slamb.integrations.torchft.ManagedGroup`, SLAMB's ``process_group`` (:func:`harness.build_optimizer`);
 * :class:`harness.Loop` runs each step under the manager: the steps are numbered by the manager's committed
   steps (the data, the schedule, SLAMB's masks: a joining group continues where the others are), and the
-  model averaged for evaluation and export commits with the epoch's last step.
+  model averaged for evaluation and export commits with a logged period's last step (an epoch's, or
+  ``log_every`` steps').
 
 A replica group holds its own copy of the run's state, which a joining one copies: the run writes no checkpoint
 (a job that loses every group at once starts again), and numbers its periods in ``metrics.jsonl`` as one run,
@@ -60,7 +61,7 @@ def check(cfg: dict, supported: bool) -> None:
         return
     mode = "trainer.fault_tolerance=torchft"
     if not supported:
-        raise ValueError(f"invalid {mode}: this pipeline runs without it so far (cifar10.train has it); set "
+        raise ValueError(f"invalid {mode}: this pipeline runs without it so far (cifar10.train and bert.train have it); set "
                          "trainer.fault_tolerance=none")
     try:
         from slamb.integrations.torchft import HEAL_POLICIES
@@ -211,16 +212,17 @@ class ManagedSteps:
     whose last commit failed) takes a peer's state, and is numbered by the steps the job has committed: the
     schedule is set to it, and the loop takes that step's data. ``optimizer.step()`` becomes
     :meth:`FaultTolerant.step <slamb.integrations.torchft.FaultTolerant.step>`: a step that does not commit
-    changed nothing, and is taken again, on the same data, by the groups of the next quorum. With an epoch's
-    last step the groups also sum the epoch's training totals and average the model (its floating-point buffers,
-    and its parameters where the optimizer's replicas differ): the run's model for evaluation and export, valid
-    where the step committed.
+    changed nothing, and is taken again, on the same data, by the groups of the next quorum. With a logged
+    period's last step (an epoch's, or ``log_every`` steps') the groups also sum the period's training totals and
+    average the model (its floating-point buffers, and its parameters where the optimizer's replicas differ): the
+    run's model for evaluation and export, valid where the step committed. ``period``: the steps of a logged
+    period; ``total``: the run's.
     """
 
-    def __init__(self, replica: Replica, model, optimizer, scheduler, *, heal: str, steps_per_epoch: int):
+    def __init__(self, replica: Replica, model, optimizer, scheduler, *, heal: str, period: int, total: int):
         from slamb.integrations.torchft import FaultTolerant
 
-        self.replica, self.scheduler, self.steps_per_epoch = replica, scheduler, steps_per_epoch
+        self.replica, self.scheduler, self.period, self.total = replica, scheduler, period, total
         self.model, self.optimizer = unwrap(model), optimizer
         self.ft = FaultTolerant(replica.group, model, optimizer, heal=heal)
         def step(*args, **kwargs):  # the pipeline's step, through the manager
@@ -232,9 +234,10 @@ class ManagedSteps:
         self.quorum = False  # a quorum started for a step not taken yet
         self.committed = False  # whether the last step taken committed
         self.totals: torch.Tensor | None = None
-        self.pending = None  # the epoch's last step's collectives, run before its commit
-        self.average: list[torch.Tensor] | None = None  # the run's model, as of the epoch's last step
-        self.writer = False  # this group writes the epoch's line: the first of the quorum that committed it
+        self.pending = None  # the period's last step's collectives, run before its commit
+        self.average: list[torch.Tensor] | None = None  # the run's model, as of the period's last step
+        self.writer = False  # this group writes the period's line: the first of the quorum that committed it
+        self.clip_grad: float | None = None  # the step's clipping, after a data-parallel optimizer's average
 
     @property
     def done(self) -> int:
@@ -246,20 +249,21 @@ class ManagedSteps:
             self.quorum = True
         return self.done
 
-    def epochs(self, length: int):
-        """The epochs this group takes part in, from where the job stands (a joining group skips the others')."""
-        end = length * self.steps_per_epoch
-        while (self.quorum or self.done < end) and self._quorum() < end:  # no quorum past the run's end
-            yield self.done // self.steps_per_epoch
+    def periods(self):
+        """(first, end): the steps of each logged period (``period`` steps, the run's last one shorter) this group
+        takes part in, from where the job stands (a joining group skips the others')."""
+        while (self.quorum or self.done < self.total) and self._quorum() < self.total:  # no quorum past the end
+            first = self.done // self.period * self.period
+            yield first, min(first + self.period, self.total)
 
     def steps(self, first: int, total: int, totals: torch.Tensor | None):
-        """The steps of the epoch whose first step is ``first``: for each attempt, the step's number (0-based, in
-        the run); ``totals`` (the epoch's training sums) is put back after an attempt that did not commit."""
+        """The steps of the period whose first step is ``first``: for each attempt, the step's number (0-based, in
+        the run); ``totals`` (the period's training sums) is put back after an attempt that did not commit."""
         self.totals, self.average, self.writer = totals, None, False
         end = first + total
         while not (self.committed and self.done == end):
             step = self._quorum()
-            if not first <= step < end:  # took a peer's state from past this epoch
+            if not first <= step < end:  # took a peer's state from past this period
                 break
             self.quorum, self.committed = False, False
             lr = [base * f(step) for base, f in zip(self.scheduler.base_lrs, self.scheduler.lr_lambdas)]
@@ -267,14 +271,14 @@ class ManagedSteps:
                 group["lr"] = value
             self.scheduler.last_epoch, self.scheduler._last_lr = step, lr
             before = totals.clone() if totals is not None else None
-            self.pending = self._sum_epoch if step == end - 1 else None
+            self.pending = self._sum_period if step == end - 1 else None
             yield step
             if not self.committed and totals is not None:
                 totals.copy_(before)
         self.committed = False
 
     def _step(self) -> None:
-        self.committed = self.ft.step(before_commit=self.pending)
+        self.committed = self.ft.step(before_commit=self.pending, clip_grad=self.clip_grad)
         if self.committed and self.pending is not None:
             self.writer = self.replica.group.rank() == 0
             if self.totals is not None:
@@ -287,7 +291,7 @@ class ManagedSteps:
         return [t.detach() for t in params] + [b for b in self.model.buffers() if b.is_floating_point()]
 
     @torch.no_grad()
-    def _sum_epoch(self) -> None:
+    def _sum_period(self) -> None:
         group = self.replica.group
         self.average = [t.clone() for t in self._model_tensors()]
         average_tensors_(self.average, process_group=group)  # as slamb.averaged_model averages over ranks
@@ -297,15 +301,20 @@ class ManagedSteps:
 
     @contextlib.contextmanager
     def averaged(self):
-        """The body sees the run's model (the groups' average of the epoch's last step); this group's own after."""
+        """The body sees the run's model (the groups' average of the period's last step); this group's own after."""
         tensors = self._model_tensors()
         saved = [t.clone() for t in tensors]
-        torch._foreach_copy_(tensors, self.average)
+        _copy(tensors, self.average)
         try:
             yield
         finally:
-            torch._foreach_copy_(tensors, saved)
+            _copy(tensors, saved)
 
     def keep_average(self) -> None:
         """The model becomes the run's model, for its export at the end."""
-        torch._foreach_copy_(self._model_tensors(), self.average)
+        _copy(self._model_tensors(), self.average)
+
+
+def _copy(into: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    if into:  # none where the replicas' parameters agree and the model has no floating-point buffer (BERT's)
+        torch._foreach_copy_(into, values)

@@ -96,8 +96,9 @@ class Loop:
     column (``images``: ``images_per_s``). ``micro_batches``: those of each step over all workers, where the
     pipeline splits its steps so (:class:`harness.ShardedBatches`): the run may resume on another number of
     workers (:func:`harness.checkpoint.open_run`); ``streams``: the data streams they come from, where not one
-    per micro-batch. ``steps_per_epoch``: where the pipeline runs under ``trainer.fault_tolerance=torchft``,
-    whose steps :class:`harness.fault_tolerance.ManagedSteps` numbers; its ranks are the job's replica groups.
+    per micro-batch. ``steps_per_epoch``: an epoch-based pipeline's, where it runs under
+    ``trainer.fault_tolerance=torchft``, whose steps :class:`harness.fault_tolerance.ManagedSteps` numbers (a
+    step-based one's periods are ``log_every`` steps); its ranks are the job's replica groups.
     """
 
     def __init__(self, run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler, amp=None,
@@ -110,8 +111,13 @@ class Loop:
         self.every = cfg.trainer.checkpoint.every  # in the run's unit
         start = {"epoch": 0, "step": 0} if unit == "epoch" else {"step": 0}
         replica = current_replica()
-        self.managed = None if replica is None else ManagedSteps(replica, model, optimizer, scheduler,
-                                                                 heal=cfg.trainer.heal, steps_per_epoch=steps_per_epoch)
+        if replica is None:
+            self.managed = None
+        else:  # the steps of a logged period, and of the run
+            period = steps_per_epoch if unit == "epoch" else cfg.log_every
+            total = self.length * steps_per_epoch if unit == "epoch" else self.length
+            self.managed = ManagedSteps(replica, model, optimizer, scheduler, heal=cfg.trainer.heal, period=period,
+                                        total=total)
         # a relaunched replica group joins a run whose lines others wrote
         writer = env.is_main and (replica is None or replica.attempt == 0)
         self.ckpt, progress, self.restored, self.log = open_run(run_dir, env, cfg, plain, model=model,
@@ -138,12 +144,39 @@ class Loop:
 
     def epochs(self):
         """The epochs still to run (0-based); each is one logged period."""
-        epochs = range(self.done, self.length) if self.managed is None else self.managed.epochs(self.length)
+        if self.managed is None:
+            epochs = range(self.done, self.length)
+        else:
+            epochs = (first // self.managed.period for first, _ in self.managed.periods())
         for epoch in epochs:
             if self.managed is not None:
-                self.step = epoch * self.managed.steps_per_epoch
+                self.step = epoch * self.managed.period
             self.begin_period()
             yield epoch
+
+    def periods(self, every: int):
+        """A step-based run's logged periods still to run, ``(first, end)`` steps each: to each multiple of
+        ``every`` and the run's last step (a resumed run's first period is the rest of its period)."""
+        if self.managed is None:
+            bounds, step = [], self.step
+            while step < self.length:
+                bounds.append((step, min((step // every + 1) * every, self.length)))
+                step = bounds[-1][1]
+        else:
+            bounds = self.managed.periods()
+        for first, end in bounds:
+            self.step = first
+            self.begin_period()
+            yield first, end
+
+    def optimizer_step(self, params, clip_grad: float | None = None):
+        """``amp.step(optimizer, params, clip_grad=...)``; under torchft the clipping is the managed step's
+        (:meth:`FaultTolerant.step <slamb.integrations.torchft.FaultTolerant.step>`), after a data-parallel
+        optimizer's gradient average, as under DDP."""
+        if self.managed is None:
+            return self.amp.step(self.optimizer, params, clip_grad=clip_grad)
+        self.managed.clip_grad = clip_grad
+        return self.amp.step(self.optimizer, params)
 
     def steps(self, iterable, total: int, desc: str, totals: torch.Tensor | None = None):
         """``iterable``'s items with a progress bar; ``self.step`` counts each one the body finishes. Under

@@ -14,8 +14,8 @@ import torch
 import yaml
 
 from bert import prepare_data as prep
-from bert.data import (IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, StepStream, find_shards, load_shard,
-                       mlm_labels)
+from bert.data import (IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, StepBatches, StepStream,
+                       find_shards, load_shard, mlm_labels)
 from bert.tiny import WORDS, write_corpus
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
 
@@ -329,6 +329,22 @@ def test_prefetched_stream_is_the_stream_and_resumes_exactly(shards):
         with Prefetcher(stream.micro_batches(start=start), "cpu", 0) as inline:
             assert all(torch.equal(a, b) for a, b in zip(next(inline).values(),
                                                           next(stream.micro_batches(start=start)).values()))
+
+
+@pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
+def test_step_batches_are_each_steps_whatever_order_the_steps_come_in(shards):
+    """Steps in order, a step taken again (a torchft step that did not commit), a step ahead and one behind (a group
+    that took a peer's state): each time the micro-batches the stream has for that step."""
+    out, _, _ = shards
+    steps = StepStream(PretrainingStream(find_shards(out), 2, 0, 4, seed=1, seq_len=SEQ), 2, 1, 2)
+    stream = steps.micro_batches()
+    expected = [[example_ids(next(stream)) for _ in steps.shards] for _ in range(12)]
+    with StepBatches(steps, "cpu", 2) as batches:
+        for step in (0, 1, 2, 2, 3, 7, 8, 4, 5, 5, 11):
+            assert [example_ids(b) for b in batches(step)] == expected[step], step
+        left = batches(6)
+        next(left)  # a step left part way (a failed collective) is read again whole
+        assert [example_ids(b) for b in batches(6)] == expected[6]
 
 
 def test_prefetcher_reads_ahead_of_the_loop_and_no_further():

@@ -345,15 +345,21 @@ class FaultTolerant:
         """The quorum of this step; a replica that is behind takes a peer's state now (:meth:`_load`)."""
         self.manager.start_quorum()
 
-    def step(self, before_commit=None) -> bool:
+    def step(self, before_commit=None, clip_grad: float | None = None) -> bool:
         """The optimizer's step under the manager; whether it committed (if not, nothing changed).
 
         ``before_commit()``: collectives of the caller's (through the group) that commit with the step, run
         after SLAMB's step (a data-parallel optimizer's: after its gradient all-reduce, as it steps only once
-        committed); their results hold only if the step commits."""
+        committed); their results hold only if the step commits. ``clip_grad``: clip the gradients' global norm
+        to it before the optimizer's step, after their average where the optimizer is data-parallel (as under
+        DDP, whose average precedes the caller's clipping; SLAMB's gradients are each replica's own)."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not self.local:
-            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
-            average_tensors_(grads, process_group=self.group, ledger=self.optimizer.ledger, kind="grads")
+            average_tensors_([p.grad for p in params], process_group=self.group, ledger=self.optimizer.ledger,
+                             kind="grads")
+        if clip_grad:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
+        if not self.local:
             if before_commit is not None:
                 before_commit()
             if not self.manager.should_commit():
