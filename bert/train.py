@@ -49,7 +49,7 @@ from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
 from harness.settings import check_count
 
-from .data import (IGNORE_INDEX, PretrainingStream, StepBatches, StepStream, check_shards, find_shards, load_shard,
+from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, load_shard,
                    to_batch)
 from .model import build_model, check_model, load_pretrained, shard_blocks
 
@@ -191,7 +191,8 @@ def train(cfg: dict, run_dir: str) -> dict:
         if env.is_main:
             print(f"optimizer continues from {cfg.init_optimizer_from} at its step {at}", flush=True)
     # read ahead in a thread, pinned on an accelerator: the loop only starts an asynchronous copy
-    batches = StepBatches(step_stream, env.device, d.prefetch)
+    batches = harness.StepReader(lambda step: Prefetcher(step_stream.micro_batches(start=step), env.device,
+                                                         d.prefetch), len(step_stream.shards))
     sums = torch.zeros(6, dtype=torch.float64, device=env.device)
     valid = validation_batches(cfg, run.eval_env) if (cfg.get("validation") or {}).get("dir") else None
     model.train()

@@ -25,10 +25,11 @@
 from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import (Checkpointer, data_streams, open_run, restore_training, save_training, step_micro_batches,
                          unwrap)
-from .data import ShardedBatches, eval_shard
+from .data import ShardedBatches, StepReader, eval_shard
 from .loop import PERIOD_HOOKS, Loop, check_counts, rank_sums, save_state_dict, summary_line
 from .parallel import distribute
-from .distributed import DistEnv, barrier, init_distributed, launch, maybe_inject_fault, under_torchrun
+from .distributed import (DistEnv, barrier, evaluation_env, init_distributed, launch, maybe_inject_fault,
+                          under_torchrun)
 from .run import RunLogger, comm_metrics, comm_totals, git_revision
 from .seeding import seed_everything
 from .tables import compressed_share
@@ -36,7 +37,8 @@ from .tables import compressed_share
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
     "continue_optimizer", "restore_training", "step_micro_batches", "data_streams",
-    "save_training", "unwrap", "ShardedBatches", "eval_shard", "DistEnv", "barrier", "init_distributed", "launch",
+    "save_training", "unwrap", "ShardedBatches", "StepReader", "eval_shard", "evaluation_env", "DistEnv", "barrier",
+    "init_distributed", "launch",
     "maybe_inject_fault", "under_torchrun", "RunLogger", "comm_metrics", "comm_totals", "compressed_share",
     "git_revision",
     "seed_everything", "distribute", "Loop", "PERIOD_HOOKS", "check_counts", "rank_sums", "save_state_dict",

@@ -1,5 +1,7 @@
-"""Index batches of each rank's shard: the sampling every pipeline shares."""
+"""Index batches of each rank's shard, and each step's micro-batches by step: the sampling every pipeline shares."""
 from __future__ import annotations
+
+from typing import Callable, Iterator
 
 import torch
 from torch.utils.data import DistributedSampler
@@ -62,3 +64,44 @@ class ShardedBatches:
 def eval_shard(num_samples: int, env: DistEnv) -> torch.Tensor:
     """Indices this rank evaluates: a strided shard, no padding, so summed counts are exact."""
     return torch.arange(env.rank, num_samples, env.world_size)
+
+
+class StepReader:
+    """A worker's micro-batches of each step, addressed by the run's step: ``reader(step)`` yields the ``per_step``
+    micro-batches of step ``step``, read from ``open_at(step)`` (an iterator of the micro-batches from that step
+    on, read ahead as the pipeline reads).
+
+    In a plain run the steps come in order and one iterator serves them all. Under torchft a step that did not
+    commit is taken again (its micro-batches kept from its attempt), and a group that joins, or takes a peer's
+    state, goes on at another step: an iterator is opened there, and the last one closed where it can be.
+    """
+
+    def __init__(self, open_at: Callable[[int], Iterator], per_step: int):
+        self.open_at, self.per_step = open_at, per_step
+        self.items: Iterator | None = None
+        self.next: int | None = None  # the step the iterator is at
+        self.kept: tuple[int | None, list] = (None, [])  # the last step read whole, and its micro-batches
+
+    def __call__(self, step: int):
+        if self.kept[0] == step:
+            yield from self.kept[1]
+            return
+        if step != self.next:
+            self.close()
+            self.items = self.open_at(step)
+        self.next, taken = None, []  # a step left part way leaves the iterator part way into it
+        for _ in range(self.per_step):
+            taken.append(next(self.items))
+            yield taken[-1]
+        self.next, self.kept = step + 1, (step, taken)
+
+    def close(self) -> None:
+        if hasattr(self.items, "close"):
+            self.items.close()
+        self.items = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -49,7 +49,7 @@ from torch.distributed.rendezvous import rendezvous
 
 from slamb import comm
 from .atomic import DiskFull
-from .replica import join
+from .replica import current as current_replica, join
 
 FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
 
@@ -217,6 +217,13 @@ def set_cuda_math(tf32: bool | None = None, cudnn_benchmark: bool | None = None)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
     if cudnn_benchmark is not None:
         torch.backends.cudnn.benchmark = bool(cudnn_benchmark)
+
+
+def evaluation_env(env: DistEnv) -> DistEnv:
+    """The ranks an evaluation shares its data among (:func:`harness.eval_shard`, :func:`harness.rank_sums`): the
+    run's, except under torchft, where each replica group scores the whole set (its collectives would run outside
+    a step's commit)."""
+    return env if current_replica() is None else dataclasses.replace(env, rank=0, world_size=1)
 
 
 def init_distributed(device: str = "auto", threads_per_worker: int | None = None,

@@ -23,7 +23,6 @@ batch. :class:`Loop` does the rest, the same way in all four:
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ from slamb.ddp import full_state_dict
 from slamb.optim.checks import check_count
 from .atomic import atomic_torch_save, atomic_write_json
 from .checkpoint import open_run, save_training, unwrap
-from .distributed import DistEnv, barrier, maybe_inject_fault
+from .distributed import DistEnv, barrier, evaluation_env, maybe_inject_fault
 from .fault_tolerance import ManagedSteps
 from .replica import current as current_replica
 from .run import comm_metrics, comm_totals
@@ -135,10 +134,8 @@ class Loop:
 
     @property
     def eval_env(self) -> DistEnv:
-        """The ranks an evaluation shares its data among (:func:`harness.eval_shard`, :func:`rank_sums`): the
-        run's, except under torchft, where each replica group scores the whole set (its collectives would run
-        outside a step's commit)."""
-        return self.env if self.managed is None else dataclasses.replace(self.env, rank=0, world_size=1)
+        """The ranks an evaluation shares its data among: :func:`harness.distributed.evaluation_env`."""
+        return evaluation_env(self.env)
 
     # -- the loop ---------------------------------------------------------------------------
 

@@ -116,25 +116,37 @@ class MicroBatches:
     :class:`KeyedAugmentation` keys."""
 
     def __init__(self, batches: ShardedBatches):
-        self.batches, self.epoch = batches, 0
+        self.batches, self.epoch, self.start = batches, 0, 0
         self.shards = batches.shards
 
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
+    def set_epoch(self, epoch: int, start: int = 0) -> None:
+        """The epoch the next iteration reads, from its step ``start``."""
+        self.epoch, self.start = epoch, start
 
     def __len__(self) -> int:
-        return len(self.batches) * len(self.shards)
+        return (len(self.batches) - self.start) * len(self.shards)
 
     def __iter__(self):
-        for step in self.batches.epoch(self.epoch):
+        for step in self.batches.epoch(self.epoch, self.start):
             for micro in step.tolist():
                 yield [(self.epoch, i) for i in micro]
 
 
+def micro_batches_from(loader: DataLoader, sampler: MicroBatches, step: int):
+    """The loader's micro-batches from the run's step ``step`` on, epoch after epoch (:class:`harness.StepReader`
+    opens it where a run starts, or a torchft group joins)."""
+    epoch, start = divmod(step, len(sampler.batches))
+    while True:
+        sampler.set_epoch(epoch, start)
+        yield from loader
+        epoch, start = epoch + 1, 0
+
+
 def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: int,
-                  micro_batches: int | None = None):
+                  micro_batches: int | None = None, eval_env: DistEnv | None = None):
     """(train loader, its :class:`MicroBatches`, val loader) of this rank; each step in ``micro_batches``
-    micro-batches over all workers (default: one per worker)."""
+    micro-batches over all workers (default: one per worker); the val loader holds ``eval_env``'s shard (default:
+    ``env``'s)."""
     root = Path(dcfg["dir"])
     check_classes(root, num_classes)
     train_tf, val_tf = transforms(dcfg, img_size)
@@ -145,7 +157,7 @@ def build_loaders(dcfg, img_size: int, num_classes: int, env: DistEnv, *, seed: 
     common = {"num_workers": dcfg["workers"], "pin_memory": dcfg["pin_memory"] and env.device.type != "cpu",
               "persistent_workers": dcfg["workers"] > 0}
     train = DataLoader(KeyedAugmentation(train_set, seed), batch_sampler=sampler, **common)
-    val = DataLoader(Subset(val_set, eval_shard(len(val_set), env).tolist()), batch_size=dcfg["eval_batch"],
+    val = DataLoader(Subset(val_set, eval_shard(len(val_set), eval_env or env).tolist()), batch_size=dcfg["eval_batch"],
                      shuffle=False, **common)
     return train, sampler, val
 

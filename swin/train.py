@@ -117,7 +117,7 @@ def check(cfg: dict) -> None:
 def train(cfg: dict, run_dir: str) -> dict:
     # timm (and the wandb it imports) here, in the workers: 1-3 s that a command refused by its settings
     # check, before any worker starts, would otherwise spend
-    from .data import build_loaders, mixup_and_loss
+    from .data import build_loaders, micro_batches_from, mixup_and_loss
     from .model import build_model, image_size, shard_blocks
 
     plain, cfg = cfg, OmegaConf.create(cfg)
@@ -133,7 +133,8 @@ def train(cfg: dict, run_dir: str) -> dict:
     # workers resume it: fewer take more each, so the global batch and its images stay
     micro_batches = harness.step_micro_batches(run_dir, t.resume, env.world_size, per_worker=accum)
     train_loader, sampler, val_loader = build_loaders(d, image_size(model), num_classes, env, seed=cfg.seed,
-                                                      micro_batches=micro_batches)
+                                                      micro_batches=micro_batches,
+                                                      eval_env=harness.evaluation_env(env))
     accum = len(sampler.shards)  # this worker's micro-batches of each step
     mixup, criterion = mixup_and_loss(d, num_classes)
     steps_per_epoch = len(sampler.batches)
@@ -149,33 +150,36 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=global_batch, throughput="images", micro_batches=micro_batches)
+                       global_batch=global_batch, throughput="images", micro_batches=micro_batches,
+                       steps_per_epoch=steps_per_epoch)
 
+    # each step's micro-batches by the run's step: a torchft step taken again, or a group that joins, reads its own
+    batches = harness.StepReader(lambda step: micro_batches_from(train_loader, sampler, step), accum)
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
-        sampler.set_epoch(epoch)
-        batches = iter(train_loader)
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum over steps, steps
         timer = PhaseTimer(env.device, cfg.time_breakdown)
-        for _ in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
-            micro = [tuple(v.to(env.device, non_blocking=True) for v in next(batches)) for _ in range(accum)]
+        for _ in run.steps(range(steps_per_epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}", totals=sums):
+            micro = [tuple(v.to(env.device, non_blocking=True) for v in batch) for batch in batches(run.step)]
             timer.mark("data")
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             optimizer.zero_grad(set_to_none=True)
             # mixup's and stochastic depth's draws from (seed, step, the micro-batch's place in the step), not
             # from this worker's streams
-            loss_sum += forward_backward(model, micro, criterion, amp, mixup, draws=lambda j: reseed(
-                cfg.seed, run.step, sampler.shards[j])).double()
+            loss = forward_backward(model, micro, criterion, amp, mixup, draws=lambda j: reseed(
+                cfg.seed, run.step, sampler.shards[j]))
+            sums += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=env.device)])
             timer.mark("forward_backward")
-            amp.step(optimizer, params, clip_grad=cfg.clip_grad)
+            run.optimizer_step(params, clip_grad=cfg.clip_grad)
             scheduler.step()
             timer.mark("optimizer")
-        (loss_sum,) = harness.rank_sums(loss_sum)
-        metrics = run.evaluate(lambda: evaluate(model, val_loader, env, amp))
-        run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics,
+        loss_sum, steps = harness.rank_sums(sums)
+        metrics = run.evaluate(lambda: evaluate(model, val_loader, run.eval_env, amp))
+        run.end_epoch(epoch, {"train_loss": loss_sum / max(steps, 1), **metrics,
                               **{f"{phase}_time_s": s / steps_per_epoch for phase, s in timer.totals.items()}},
                       steps=steps_per_epoch)
+    batches.close()
 
     model_dir = run.export(harness.save_state_dict(plain["model"]))
     return run.finish(headline=("final_test_top1", "final_test_top5"), model_dir=model_dir,
@@ -186,7 +190,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, fault_tolerant=True)
 
 
 if __name__ == "__main__":

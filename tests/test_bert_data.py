@@ -14,10 +14,11 @@ import torch
 import yaml
 
 from bert import prepare_data as prep
-from bert.data import (IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, StepBatches, StepStream,
+from bert.data import (IGNORE_INDEX, SHARD_PATTERN, Prefetcher, PretrainingStream, StepStream,
                        find_shards, load_shard, mlm_labels)
 from bert.tiny import WORDS, write_corpus
 from bert.vocab import check_tokenizer, load_tokenizer, train_vocab
+from harness import StepReader
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SEQ, PRED = 64, 10
@@ -332,19 +333,27 @@ def test_prefetched_stream_is_the_stream_and_resumes_exactly(shards):
 
 
 @pytest.mark.multiprocess  # the shards fixture prepares them with a pool of 2 workers
-def test_step_batches_are_each_steps_whatever_order_the_steps_come_in(shards):
-    """Steps in order, a step taken again (a torchft step that did not commit), a step ahead and one behind (a group
+def test_step_reader_gives_each_steps_micro_batches_whatever_order_the_steps_come_in(shards):
+    """harness.StepReader over BERT's prefetched stream: steps in order, a step taken again (a torchft step that did not commit), a step ahead and one behind (a group
     that took a peer's state): each time the micro-batches the stream has for that step."""
     out, _, _ = shards
     steps = StepStream(PretrainingStream(find_shards(out), 2, 0, 4, seed=1, seq_len=SEQ), 2, 1, 2)
     stream = steps.micro_batches()
     expected = [[example_ids(next(stream)) for _ in steps.shards] for _ in range(12)]
-    with StepBatches(steps, "cpu", 2) as batches:
+    opened = []
+
+    def open_at(step):
+        opened.append(step)
+        return Prefetcher(steps.micro_batches(start=step), "cpu", 2)
+
+    with StepReader(open_at, len(steps.shards)) as batches:
         for step in (0, 1, 2, 2, 3, 7, 8, 4, 5, 5, 11):
             assert [example_ids(b) for b in batches(step)] == expected[step], step
         left = batches(6)
         next(left)  # a step left part way (a failed collective) is read again whole
         assert [example_ids(b) for b in batches(6)] == expected[6]
+    # read on while the steps come in order; a step taken again whole is not read again, one left part way is
+    assert opened == [0, 7, 4, 11, 6, 6]
 
 
 def test_prefetcher_reads_ahead_of_the_loop_and_no_further():

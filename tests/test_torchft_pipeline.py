@@ -1,10 +1,11 @@
-"""The CIFAR-10 and BERT pipelines under ``trainer.fault_tolerance=torchft`` (harness/fault_tolerance.py), as a user
+"""The CIFAR-10, BERT and Swin pipelines under ``trainer.fault_tolerance=torchft`` (harness/fault_tolerance.py), as a user
 runs them: ``python -m cifar10.train ... +mixin=torchft``, whose launcher starts torchft's lighthouse and 3 replica
 groups of one gloo worker each on the CPU; a group killed before a step (the fault-injection hook) and relaunched.
 LAMB's (data-parallel) steps under a failure: tests/test_torchft.py."""
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -136,7 +137,8 @@ def test_what_torchft_cannot_run_is_refused_in_one_line_before_any_worker(overri
 
 
 def test_a_pipeline_without_torchft_refuses_it():
-    assert "this pipeline runs without it so far (cifar10.train and bert.train have it); set trainer.fault_tolerance=none" in \
+    assert "this pipeline runs without it so far (cifar10.train, bert.train and swin.train have it); set " \
+           "trainer.fault_tolerance=none" in \
         refused("experiment=cifar10/slamb", "+mixin=torchft", fault_tolerant=False)
 
 
@@ -231,3 +233,64 @@ def test_a_killed_bert_group_is_relaunched_and_rejoins_while_the_others_train_on
     cpu = DistEnv(0, 1, 0, 1, torch.device("cpu"))
     scored = validation_metrics(model, validation_batches(cfg, cpu), MixedPrecision("fp32", cpu.device))
     assert scored["val_mlm_loss"] == pytest.approx(summary["final_val_mlm_loss"], rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------- Swin
+
+# 48 images, 3 groups x 4 a step: 4 steps an epoch; the peak LR is optimizer.lr (reference batch = the global one)
+SWIN = ["model=swin_tiny_test", "optimizer=slamb", "optimizer.lr=0.01", "optimizer.min_compress_numel=500",
+        "optimizer.sync_interval=3", "lr_scaling.reference_batch=12", "data.micro_batch=4", "data.eval_batch=8",
+        "data.workers=0", "schedule.warmup_epochs=1", "trainer.progress=false", "trainer.threads_per_worker=1",
+        "trainer.device=cpu", "trainer.precision=fp32"]
+SWIN_COMPARED = ("epoch", "step", "train_loss", "test_loss", "test_top1", "test_top5", "lr", "bytes_cum/momentum",
+                 "bytes_cum/momentum_dense", "bytes_cum/params")
+
+
+@pytest.fixture(scope="module")
+def swin_data(tmp_path_factory):
+    from swin.tiny import write_tiny_imagenet
+
+    return write_tiny_imagenet(tmp_path_factory.mktemp("imagenet_ft"), train=12, val=3)
+
+
+def swin_cli(args, extra_env=None):
+    return subprocess.run([sys.executable, "-m", "swin.train", *args], cwd=ROOT, env=env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+@pytest.mark.multiprocess
+def test_a_torchft_swin_run_computes_what_the_same_job_on_three_workers_computes(swin_data, tmp_path):
+    common = [*SWIN, f"data.dir={swin_data}", "epochs=2"]
+    ft = swin_cli([*common, *BERT_FT, f"hydra.run.dir={tmp_path / 'ft'}"])
+    assert ft.returncode == 0, ft.stderr[-3000:]
+    plain = swin_cli([*common, "trainer.nproc_per_node=3", "trainer.checkpoint.enabled=false",
+                      f"hydra.run.dir={tmp_path / 'plain'}"])
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    a, b = ([{k: r[k] for k in SWIN_COMPARED if k in r} for r in history(tmp_path / d)] for d in ("ft", "plain"))
+    assert [r["step"] for r in a] == [4, 8] and [sorted(r) for r in a] == [sorted(r) for r in b]
+    assert a[0]["train_loss"] != a[1]["train_loss"]  # it trains
+    for ra, rb in zip(a, b):
+        for key, value in ra.items():
+            assert rb[key] == pytest.approx(value, rel=EVALUATED.get(key, 1e-6)), key
+    model_a, model_b = exported(tmp_path / "ft"), exported(tmp_path / "plain")
+    assert model_a.keys() == model_b.keys()
+    for key in model_a:
+        assert_same_tensor(model_a[key], model_b[key], key)
+
+
+@pytest.mark.multiprocess
+def test_a_killed_swin_group_is_relaunched_and_rejoins_while_the_others_train_on(swin_data, tmp_path):
+    run_dir = tmp_path / "run"
+    # group 1 dies before step 6 (mid epoch 2); the relaunched group reads its micro-batches from the step it joins
+    done = swin_cli([*SWIN, f"data.dir={swin_data}", "epochs=3", *BERT_FT, f"hydra.run.dir={run_dir}"],
+                    extra_env={"SLAMB_FAULT_AT_STEP": "6", "SLAMB_FAULT_RANK": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert "[fault injection] rank 1 exits before step 6" in out
+    assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
+        "replica group 1 failed (replica group 1: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
+        "joins the others at a coming step"], out[-3000:]
+    lines = history(run_dir)
+    assert [(r["epoch"], r["step"]) for r in lines] == [(1, 4), (2, 8), (3, 12)]
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["final_test_top1"] == lines[-1]["test_top1"] and math.isfinite(lines[-1]["train_loss"])
