@@ -61,8 +61,8 @@ def check(cfg: dict, supported: bool) -> None:
         return
     mode = "trainer.fault_tolerance=torchft"
     if not supported:
-        raise ValueError(f"invalid {mode}: this pipeline runs without it so far (cifar10.train, bert.train and "
-                         "swin.train have it); set trainer.fault_tolerance=none")
+        raise ValueError(f"invalid {mode}: this pipeline runs without it (a pipeline whose loop is harness.Loop's "
+                         "takes it with run_from_hydra(..., fault_tolerant=True)); set trainer.fault_tolerance=none")
     try:
         from slamb.integrations.torchft import HEAL_POLICIES
     except ImportError:

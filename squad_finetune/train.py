@@ -145,17 +145,18 @@ def train(cfg: dict, run_dir: str) -> dict:
     scheduler = build_lr_scheduler(optimizer, cfg.schedule, steps_per_epoch, steps_per_epoch * cfg.epochs)
     harness.seed_everything(cfg.seed, env.rank, t.deterministic)
     run = harness.Loop(run_dir, env, cfg, plain, model=model, optimizer=optimizer, scheduler=scheduler, amp=amp,
-                       global_batch=d.global_batch, throughput="sequences", micro_batches=micro_batches)
+                       global_batch=d.global_batch, throughput="sequences", micro_batches=micro_batches,
+                       steps_per_epoch=steps_per_epoch)
 
-    def dev_scores() -> dict:
-        logits = predict(model, dev_feats, env, d.eval_batch, amp)
-        return score(dev_examples, dev_feats, logits, cfg, run_dir, env)
+    def dev_scores() -> dict:  # under torchft, each group that committed writes the same predictions (atomically)
+        logits = predict(model, dev_feats, run.eval_env, d.eval_batch, amp)
+        return score(dev_examples, dev_feats, logits, cfg, run_dir, run.eval_env)
 
     for epoch in run.epochs():
         optimizer.begin_epoch(epoch)  # DGC's density and SLAMB's compression warm-ups
         model.train()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=env.device)  # no host sync per step
-        for step in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}"):
+        sums = torch.zeros(2, dtype=torch.float64, device=env.device)  # loss sum, steps: no host sync per step
+        for step in run.steps(batches.epoch(epoch), total=steps_per_epoch, desc=f"epoch {epoch + 1}", totals=sums):
             optimizer.begin_step()  # JointSpar: draw this round's layers, freeze the others
             optimizer.zero_grad(set_to_none=True)
             for j, idx in enumerate(step):
@@ -168,13 +169,13 @@ def train(cfg: dict, run_dir: str) -> dict:
                                      end_positions=train_feats.end_positions[idx].to(env.device)).loss.float() / accum
                     if loss.requires_grad:  # False only in a JointSpar round that sampled no layer
                         amp.backward(loss)
-                loss_sum += loss.detach().double()
-            amp.step(optimizer, params)
+                sums[0] += loss.detach().double()
+            sums[1] += 1
+            run.optimizer_step(params)
             scheduler.step()
-        (loss_sum,) = harness.rank_sums(loss_sum)
+        loss_sum, steps = harness.rank_sums(sums)
         metrics = run.evaluate(dev_scores)
-        run.end_epoch(epoch, {"train_loss": loss_sum / (steps_per_epoch * env.world_size), **metrics},
-                      steps=steps_per_epoch)
+        run.end_epoch(epoch, {"train_loss": loss_sum / max(steps, 1), **metrics}, steps=steps_per_epoch)
 
     return run.finish(headline=("exact_match", "f1"), model_dir=str(cfg.model.dir), train_windows=len(train_feats),
                       dev_questions=len(dev_examples), exact_match=run.last("exact_match"), f1=run.last("f1"))
@@ -182,7 +183,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check, fault_tolerant=True)
 
 
 if __name__ == "__main__":

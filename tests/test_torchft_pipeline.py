@@ -1,4 +1,4 @@
-"""The CIFAR-10, BERT and Swin pipelines under ``trainer.fault_tolerance=torchft`` (harness/fault_tolerance.py), as a user
+"""The CIFAR-10, BERT, Swin and SQuAD pipelines under ``trainer.fault_tolerance=torchft`` (harness/fault_tolerance.py), as a user
 runs them: ``python -m cifar10.train ... +mixin=torchft``, whose launcher starts torchft's lighthouse and 3 replica
 groups of one gloo worker each on the CPU; a group killed before a step (the fault-injection hook) and relaunched.
 LAMB's (data-parallel) steps under a failure: tests/test_torchft.py."""
@@ -24,12 +24,12 @@ from bert.train import validation_batches, validation_metrics
 from harness.amp import MixedPrecision
 from tests.test_cifar10 import ROOT, SLAMB_TINY, TINY, cli, env, history
 from tests.test_configs import compose_cfg, compose_root
+from tests.test_squad import bert_dir as squad_bert_dir  # noqa: F401 (a fixture)
 
 pytest.importorskip("torchft")
 
 # TINY's job on 3 replica groups; each epoch is 3 steps of 3 x 16 images
 GROUPS = [a for a in TINY if not a.startswith("trainer.nproc_per_node")]
-FT = [*GROUPS, "+mixin=torchft", "trainer.replica_groups=3", "trainer.timeout_s=60"]
 # a torchft group scores the whole evaluation set in batches of its own, the 3 workers each their shard: other
 # float32 sums in each batch's loss (measured: 2.2e-6 relative on the test loss, on one machine and not another)
 EVALUATED = {"test_loss": 1e-5, "val_mlm_loss": 1e-5}
@@ -60,25 +60,59 @@ def exported(run_dir) -> dict:
     return torch.load(run_dir / "model" / "model.pt", weights_only=True)
 
 
-@pytest.mark.parametrize("optimizer", [SLAMB_TINY, ["experiment=cifar10/lamb"]], ids=["slamb", "lamb"])
-@pytest.mark.multiprocess
-def test_a_torchft_run_computes_what_the_same_job_on_three_workers_computes(data, tmp_path, optimizer):
-    common = [*optimizer, "epochs=2", f"data.dir={data.parent}"]
-    ft = cli([*common, *FT, f"hydra.run.dir={tmp_path / 'ft'}"])
-    assert ft.returncode == 0, ft.stderr[-3000:]
-    plain = cli([*common, *GROUPS, "trainer.nproc_per_node=3", "trainer.checkpoint.enabled=false",
-                 f"hydra.run.dir={tmp_path / 'plain'}"])
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    # the same samples per step, the same exchange through the manager, the same averaged model
-    a, b = rows(tmp_path / "ft"), rows(tmp_path / "plain")
-    assert [r["step"] for r in a] == [3, 6] and [sorted(r) for r in a] == [sorted(r) for r in b]
+TORCHFT = ["+mixin=torchft", "trainer.replica_groups=3", "trainer.timeout_s=60"]
+PLAIN = ["trainer.nproc_per_node=3", "trainer.checkpoint.enabled=false"]  # the same job on 3 workers
+
+
+def command(module: str, args, extra_env=None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env(**(extra_env or {})),
+                          capture_output=True, text=True, timeout=600, check=False)
+
+
+def torchft_and_plain(module: str, common: list[str], tmp_path, compared) -> tuple[list[dict], list[dict]]:
+    """``common`` under torchft (3 groups, ``tmp_path/ft``) and on 3 plain workers (``tmp_path/plain``): the
+    ``compared`` keys of each run's lines."""
+    for name, mode in (("ft", TORCHFT), ("plain", PLAIN)):
+        done = command(module, [*common, *mode, f"hydra.run.dir={tmp_path / name}"])
+        assert done.returncode == 0, done.stderr[-3000:]
+    return tuple([{k: r[k] for k in compared if k in r} for r in history(tmp_path / d)] for d in ("ft", "plain"))
+
+
+def assert_same_lines(a: list[dict], b: list[dict], steps: list[int]) -> None:
+    assert [r["step"] for r in a] == steps and [sorted(r) for r in a] == [sorted(r) for r in b]
     for ra, rb in zip(a, b):
         for key, value in ra.items():
             assert rb[key] == pytest.approx(value, rel=EVALUATED.get(key, 1e-6)), key
-    model_a, model_b = exported(tmp_path / "ft"), exported(tmp_path / "plain")
-    assert model_a.keys() == model_b.keys()
-    for key in model_a:
-        assert_same_tensor(model_a[key], model_b[key], key)
+
+
+def assert_same_exports(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_same_tensor(a[key], b[key], key)
+
+
+def killed_and_relaunched(module: str, args: list[str], step: int, run_dir) -> list[dict]:
+    """``args`` under torchft with group 1 killed before ``step``: the others train on and the group is relaunched
+    once (one line); the run's lines."""
+    done = command(module, [*args, *TORCHFT, f"hydra.run.dir={run_dir}"],
+                   extra_env={"SLAMB_FAULT_AT_STEP": str(step), "SLAMB_FAULT_RANK": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout + done.stderr
+    assert f"[fault injection] rank 1 exits before step {step}" in out
+    assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
+        "replica group 1 failed (replica group 1: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
+        "joins the others at a coming step"], out[-3000:]
+    return history(run_dir)
+
+
+@pytest.mark.parametrize("optimizer", [SLAMB_TINY, ["experiment=cifar10/lamb"]], ids=["slamb", "lamb"])
+@pytest.mark.multiprocess
+def test_a_torchft_run_computes_what_the_same_job_on_three_workers_computes(data, tmp_path, optimizer):
+    # the same samples per step, the same exchange through the manager, the same averaged model
+    a, b = torchft_and_plain("cifar10.train", [*optimizer, *GROUPS, "epochs=2", f"data.dir={data.parent}"], tmp_path,
+                             COMPARED)
+    assert_same_lines(a, b, [3, 6])
+    assert_same_exports(exported(tmp_path / "ft"), exported(tmp_path / "plain"))
 
 
 @pytest.mark.multiprocess
@@ -86,16 +120,9 @@ def test_a_killed_group_is_relaunched_and_rejoins_while_the_others_train_on(data
     run_dir = tmp_path / "run"
     # group 1 dies before step 5 (mid epoch 2); the others fail that step's commit, take it again without it,
     # and go on; the launcher relaunches group 1, which takes a peer's state and joins at a coming step
-    done = cli([*SLAMB_TINY, *FT, "epochs=4", f"data.dir={data.parent}", f"hydra.run.dir={run_dir}"],
-               extra_env={"SLAMB_FAULT_AT_STEP": "5", "SLAMB_FAULT_RANK": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout + done.stderr
-    assert "[fault injection] rank 1 exits before step 5" in out
-    relaunched = [line for line in out.splitlines() if line.startswith("replica group ")]
-    assert relaunched == ["replica group 1 failed (replica group 1: exit status 17); relaunched (1 of "
-                          "trainer.max_restarts=3): it joins the others at a coming step"], out[-3000:]
+    lines = killed_and_relaunched("cifar10.train", [*SLAMB_TINY, *GROUPS, "epochs=4", f"data.dir={data.parent}"],
+                                  5, run_dir)
     # every epoch once, in order, though the group that wrote the first may not write the others
-    lines = history(run_dir)
     assert [(r["epoch"], r["step"]) for r in lines] == [(1, 3), (2, 6), (3, 9), (4, 12)]
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["steps"] == 12 and summary["final_test_loss"] == lines[-1]["test_loss"]
@@ -137,8 +164,8 @@ def test_what_torchft_cannot_run_is_refused_in_one_line_before_any_worker(overri
 
 
 def test_a_pipeline_without_torchft_refuses_it():
-    assert "this pipeline runs without it so far (cifar10.train, bert.train and swin.train have it); set " \
-           "trainer.fault_tolerance=none" in \
+    assert "this pipeline runs without it (a pipeline whose loop is harness.Loop's takes it with " \
+           "run_from_hydra(..., fault_tolerant=True)); set trainer.fault_tolerance=none" in \
         refused("experiment=cifar10/slamb", "+mixin=torchft", fault_tolerant=False)
 
 
@@ -148,7 +175,7 @@ def test_a_run_directory_with_another_runs_checkpoints_is_refused(data, tmp_path
     common = [*SLAMB_TINY, *GROUPS, "epochs=1", f"data.dir={data.parent}", f"hydra.run.dir={run_dir}"]
     plain = cli([*common, "trainer.nproc_per_node=1", "trainer.checkpoint.enabled=true"])
     assert plain.returncode == 0, plain.stderr[-3000:]
-    done = cli([*common, "+mixin=torchft", "trainer.replica_groups=3", "epochs=2"])
+    done = cli([*common, *TORCHFT[:2], "epochs=2"])
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
     assert done.stderr.startswith(f"error: invalid trainer.fault_tolerance=torchft in {run_dir}: it holds the "
                                   "checkpoints of a run without it, and a torchft run starts from step 0; set "
@@ -177,32 +204,12 @@ def bert_data(tmp_path_factory) -> list[str]:
             "trainer.device=cpu", "trainer.precision=fp32"]
 
 
-def bert_cli(args, extra_env=None):
-    return subprocess.run([sys.executable, "-m", "bert.train", *args], cwd=ROOT, env=env(**(extra_env or {})),
-                          capture_output=True, text=True, timeout=600, check=False)
-
-
-BERT_FT = ["+mixin=torchft", "trainer.replica_groups=3", "trainer.timeout_s=60"]
-
-
 @pytest.mark.parametrize("row", list(BERT_ROWS))
 @pytest.mark.multiprocess
 def test_a_torchft_bert_run_computes_what_the_same_job_on_three_workers_computes(bert_data, tmp_path, row):
-    common = [*BERT_ROWS[row], *bert_data, "steps=4"]
-    ft = bert_cli([*common, *BERT_FT, f"hydra.run.dir={tmp_path / 'ft'}"])
-    assert ft.returncode == 0, ft.stderr[-3000:]
-    plain = bert_cli([*common, "trainer.nproc_per_node=3", "trainer.checkpoint.enabled=false",
-                      f"hydra.run.dir={tmp_path / 'plain'}"])
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    a, b = ([{k: r[k] for k in BERT_COMPARED if k in r} for r in history(tmp_path / d)] for d in ("ft", "plain"))
-    assert [r["step"] for r in a] == [2, 4] and [sorted(r) for r in a] == [sorted(r) for r in b]
-    for ra, rb in zip(a, b):
-        for key, value in ra.items():
-            assert rb[key] == pytest.approx(value, rel=EVALUATED.get(key, 1e-6)), key
-    model_a, model_b = (exported_bert(tmp_path / d).state_dict() for d in ("ft", "plain"))
-    assert model_a.keys() == model_b.keys()
-    for key in model_a:
-        assert_same_tensor(model_a[key], model_b[key], key)
+    a, b = torchft_and_plain("bert.train", [*BERT_ROWS[row], *bert_data, "steps=4"], tmp_path, BERT_COMPARED)
+    assert_same_lines(a, b, [2, 4])
+    assert_same_exports(*(exported_bert(tmp_path / d).state_dict() for d in ("ft", "plain")))
 
 
 def exported_bert(run_dir):
@@ -215,15 +222,7 @@ def test_a_killed_bert_group_is_relaunched_and_rejoins_while_the_others_train_on
     # group 1 dies before step 4 (the first of the second period): the others fail that step's commit and take it
     # again without it; the relaunched group takes a peer's state and joins at a coming step, its data stream
     # started at that step
-    done = bert_cli([*BERT_ROWS["slamb"], *bert_data, *BERT_FT, "steps=8", f"hydra.run.dir={run_dir}"],
-                    extra_env={"SLAMB_FAULT_AT_STEP": "4", "SLAMB_FAULT_RANK": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout + done.stderr
-    assert "[fault injection] rank 1 exits before step 4" in out
-    assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
-        "replica group 1 failed (replica group 1: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
-        "joins the others at a coming step"], out[-3000:]
-    lines = history(run_dir)
+    lines = killed_and_relaunched("bert.train", [*BERT_ROWS["slamb"], *bert_data, "steps=8"], 4, run_dir)
     assert [r["step"] for r in lines] == [2, 4, 6, 8] and all(r["period_steps"] == 2 for r in lines)
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["steps"] == 8 and summary["final_val_mlm_loss"] == lines[-1]["val_mlm_loss"]
@@ -253,44 +252,44 @@ def swin_data(tmp_path_factory):
     return write_tiny_imagenet(tmp_path_factory.mktemp("imagenet_ft"), train=12, val=3)
 
 
-def swin_cli(args, extra_env=None):
-    return subprocess.run([sys.executable, "-m", "swin.train", *args], cwd=ROOT, env=env(**(extra_env or {})),
-                          capture_output=True, text=True, timeout=600, check=False)
-
-
 @pytest.mark.multiprocess
 def test_a_torchft_swin_run_computes_what_the_same_job_on_three_workers_computes(swin_data, tmp_path):
-    common = [*SWIN, f"data.dir={swin_data}", "epochs=2"]
-    ft = swin_cli([*common, *BERT_FT, f"hydra.run.dir={tmp_path / 'ft'}"])
-    assert ft.returncode == 0, ft.stderr[-3000:]
-    plain = swin_cli([*common, "trainer.nproc_per_node=3", "trainer.checkpoint.enabled=false",
-                      f"hydra.run.dir={tmp_path / 'plain'}"])
-    assert plain.returncode == 0, plain.stderr[-3000:]
-    a, b = ([{k: r[k] for k in SWIN_COMPARED if k in r} for r in history(tmp_path / d)] for d in ("ft", "plain"))
-    assert [r["step"] for r in a] == [4, 8] and [sorted(r) for r in a] == [sorted(r) for r in b]
+    a, b = torchft_and_plain("swin.train", [*SWIN, f"data.dir={swin_data}", "epochs=2"], tmp_path, SWIN_COMPARED)
+    assert_same_lines(a, b, [4, 8])
     assert a[0]["train_loss"] != a[1]["train_loss"]  # it trains
-    for ra, rb in zip(a, b):
-        for key, value in ra.items():
-            assert rb[key] == pytest.approx(value, rel=EVALUATED.get(key, 1e-6)), key
-    model_a, model_b = exported(tmp_path / "ft"), exported(tmp_path / "plain")
-    assert model_a.keys() == model_b.keys()
-    for key in model_a:
-        assert_same_tensor(model_a[key], model_b[key], key)
+    assert_same_exports(exported(tmp_path / "ft"), exported(tmp_path / "plain"))
 
 
 @pytest.mark.multiprocess
 def test_a_killed_swin_group_is_relaunched_and_rejoins_while_the_others_train_on(swin_data, tmp_path):
     run_dir = tmp_path / "run"
     # group 1 dies before step 6 (mid epoch 2); the relaunched group reads its micro-batches from the step it joins
-    done = swin_cli([*SWIN, f"data.dir={swin_data}", "epochs=3", *BERT_FT, f"hydra.run.dir={run_dir}"],
-                    extra_env={"SLAMB_FAULT_AT_STEP": "6", "SLAMB_FAULT_RANK": "1"})
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout + done.stderr
-    assert "[fault injection] rank 1 exits before step 6" in out
-    assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
-        "replica group 1 failed (replica group 1: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
-        "joins the others at a coming step"], out[-3000:]
-    lines = history(run_dir)
+    lines = killed_and_relaunched("swin.train", [*SWIN, f"data.dir={swin_data}", "epochs=3"], 6, run_dir)
     assert [(r["epoch"], r["step"]) for r in lines] == [(1, 4), (2, 8), (3, 12)]
     summary = json.loads((run_dir / "metrics.json").read_text())
     assert summary["final_test_top1"] == lines[-1]["test_top1"] and math.isfinite(lines[-1]["train_loss"])
+
+
+# ------------------------------------------------------------------------------------------------- SQuAD
+
+SQUAD_COMPARED = ("epoch", "step", "train_loss", "exact_match", "f1", "lr", "bytes_cum/momentum", "bytes_cum/params",
+                  "bytes_cum/grads")
+
+
+@pytest.mark.parametrize("optimizer", [["optimizer=slamb", "optimizer.min_compress_numel=500",
+                                        "optimizer.sync_interval=3"], ["optimizer=lamb"]], ids=["slamb", "lamb"])
+@pytest.mark.multiprocess
+def test_a_torchft_squad_run_computes_what_the_same_job_on_three_workers_computes(squad_bert_dir, tmp_path,  # noqa: F811
+                                                                                  optimizer):
+    from tests.test_squad import squad_json, write_json
+
+    train_file = write_json(tmp_path / "train.json", squad_json())
+    common = [*optimizer, f"model.dir={squad_bert_dir}", f"data.train_file={train_file}", f"data.dev_file={train_file}",
+              "data.max_length=48", "data.doc_stride=16", "data.max_query_length=16", "data.global_batch=6",
+              "data.eval_batch=5", "epochs=2", "optimizer.lr=3e-3", "schedule.warmup_fraction=0",
+              "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.device=cpu", "trainer.precision=fp32"]
+    a, b = torchft_and_plain("squad_finetune.train", common, tmp_path, SQUAD_COMPARED)
+    assert_same_lines(a, b, [a[0]["step"], 2 * a[0]["step"]])
+    # the predictions of the run's model (each group that committed writes the same ones)
+    assert json.loads((tmp_path / "ft" / "predictions.json").read_text()) == \
+        json.loads((tmp_path / "plain" / "predictions.json").read_text())
