@@ -284,4 +284,3 @@ class Prefetcher:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
