@@ -391,6 +391,36 @@ def _can_mount_tmpfs() -> bool:
     return done.returncode == 0
 
 
+def _dcp_short_write(folder):
+    """What DCP raises when ``torch.save`` streams a tensor onto a full disk (seen on an 8 MB tmpfs): torch's
+    short-write error, the file's ENOSPC only as its context, wrapped in DCP's exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    except RuntimeError as e:
+        raise CheckpointException("save failed", {0: (e, e.__traceback__)}) from None
+
+
+def test_a_full_disk_behind_torchs_short_write_in_a_sharded_save_is_a_full_disk(tmp_path):
+    ckpt = Checkpointer(tmp_path / "run", solo())
+    with pytest.raises(harness.distributed.WILL_RECUR) as raised:
+        ckpt.save({"step": 3}, {}, {}, write=_dcp_short_write)
+    assert str(raised.value) == (f"no space left on the disk of the checkpoint {tmp_path / 'run/ckpt/step000000003'} "
+                                 "(writing dcp): free space there (an older checkpoint folder can go), or lower "
+                                 "trainer.checkpoint.keep (now 2): a save needs room for one more checkpoint beside "
+                                 "those kept")
+    assert not (tmp_path / "run/ckpt/step000000003").exists()
+
+    def other_error(folder):  # a short write of another cause stays the error it is
+        raise RuntimeError("unexpected pos 704 vs 598")
+    with pytest.raises(RuntimeError, match="unexpected pos"):
+        ckpt.save({"step": 4}, {}, {}, write=other_error)
+
+
 @pytest.mark.multiprocess  # starts workers
 def test_a_full_disk_ends_the_save_in_one_line_leaves_no_partial_checkpoint_and_is_refused_before_the_rerun(
         tiny_data, tmp_path):  # noqa: F811 (the imported fixture)
