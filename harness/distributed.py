@@ -21,7 +21,9 @@ workers when ``__main__`` is another program, as under submitit):
 Test hook: ``SLAMB_FAULT_AT_STEP=N`` kills (``os._exit``) the worker of rank
 ``SLAMB_FAULT_RANK`` (default 0) just before its N-th optimizer step, on the
 first attempt of the job only, so that restarts (``--max-restarts``) and
-auto-resume can be exercised.
+auto-resume can be exercised. ``SLAMB_FAULT_AT_STEP=N0,N1,...``: attempt k
+(the k-th restart; under torchft, the group's k-th relaunch) dies before step
+N_k, so that one run meets several failures.
 """
 from __future__ import annotations
 
@@ -278,7 +280,10 @@ def barrier() -> None:
 def maybe_inject_fault(step: int, env: DistEnv) -> None:
     """The ``SLAMB_FAULT_AT_STEP`` test hook (see the module docstring)."""
     at = os.environ.get(FAULT_ENV)
-    if at and restart_count() == 0 and step == int(at) and env.rank == int(os.environ.get(FAULT_RANK_ENV, "0")):
+    if not at or env.rank != int(os.environ.get(FAULT_RANK_ENV, "0")):
+        return
+    steps, attempt = [int(s) for s in at.split(",")], restart_count()
+    if attempt < len(steps) and step == steps[attempt]:
         print(f"[fault injection] rank {env.rank} exits before step {step} ({FAULT_ENV}={at})", flush=True)
         os._exit(17)
 

@@ -647,3 +647,28 @@ def test_sweep_pages_state_where_slamb_stays_with_lamb_and_at_what_bytes(tmp_pat
     assert f"{t}_beta3_compress_ratio_bytes_heatmap.png" in names and f"{t}_beta3_compress_ratio_heatmap.png" in names
     line = (tmp_path / "out" / f"{t}_sync_interval.md").read_text()
     assert "| 5 | 96.60 ± 0.14 | 2 | 400 KB | - | yes |" in line and "| 50 | 93.50 ± 0.71 | 2 | 40 KB | - | no |" in line
+
+
+@pytest.mark.parametrize("at, rank, died", [
+    ("5", "1", [(0, 5)]),  # one fault: the first attempt only, so that the restart trains through
+    ("5,9,12", "1", [(0, 5), (1, 9), (2, 12)]),  # attempt k dies before step N_k: several failures in one run
+    ("5,9,12", "0", []),  # another rank's hook
+])
+def test_the_fault_hook_kills_each_attempt_before_its_own_step(monkeypatch, at, rank, died):
+    def exit_(status):
+        raise SystemExit(status)
+    monkeypatch.setattr(os, "_exit", exit_)
+    monkeypatch.setenv("SLAMB_FAULT_AT_STEP", at)
+    monkeypatch.setenv("SLAMB_FAULT_RANK", rank)
+    env = harness.DistEnv(1, 2, 1, 2, torch.device("cpu"))
+    seen = []
+    for attempt in range(4):
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
+        for step in range(1, 16):
+            try:
+                harness.maybe_inject_fault(step, env)
+            except SystemExit as e:
+                assert e.code == 17
+                seen.append((attempt, step))
+                break
+    assert seen == died
