@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -92,10 +93,7 @@ def watch(cmd: list[str], run_dir: Path, env: dict) -> tuple[subprocess.Complete
 def one_run(row: str, seed: int, data: Path, runs: Path, epochs: int, failures: tuple[int, ...]) -> dict:
     experiment, mode, failing = ROWS[row]
     run_dir = runs / f"{row}_seed{seed}"
-    if run_dir.exists():
-        import shutil
-
-        shutil.rmtree(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished attempt's: the run starts over
     env = {**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"}
     if failing:
         env.update({"SLAMB_FAULT_AT_STEP": ",".join(map(str, failures)), "SLAMB_FAULT_RANK": "1"})
@@ -110,6 +108,7 @@ def one_run(row: str, seed: int, data: Path, runs: Path, epochs: int, failures: 
     out = done.stdout
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() else {}
     return {"row": row, "seed": seed, "command": " ".join(cmd[1:]), "commit": meta.get("git", {}).get("commit"),
+            "dirty": meta.get("git", {}).get("dirty"),
             "final_test_top1": summary["final_test_top1"], "final_test_loss": summary["final_test_loss"],
             "steps": summary["steps"], "wall_s": round(wall, 2), "lines": lines,
             "failures": out.count("[fault injection]"),
@@ -143,7 +142,8 @@ def render(record: dict) -> str:
         base = next((b for b in of(BASE[r["row"]]) if b["seed"] == r["seed"]), None) if r["row"] in BASE else None
         return (r["wall_s"] - base["wall_s"]) / r["failures"] if base and r["failures"] else None
 
-    commits = sorted({str(r["commit"])[:12] for r in runs})
+    commits = sorted({str(r["commit"])[:12] + (" (with uncommitted changes)" if r.get("dirty") else "")
+                      for r in runs})
     lines = ["# Training through failures in a pipeline: the digits recipe under torchft and with restarts", "",
              f"Written by `{COMMAND}` ({record['started']}); the runs on commit{'s' if len(commits) > 1 else ''} "
              f"{', '.join(commits)}, torch {record['torch']}, on {record['hardware']} (the runs' wall time "
