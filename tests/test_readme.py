@@ -22,7 +22,10 @@ def units(text: str) -> list[str]:
 def figures_and_pages(unit: str) -> tuple[list[str], list[Path]]:
     pages = [ROOT / target.split("#")[0] for _, target in LINK.findall(unit)
              if target.startswith("results/") and target.split("#")[0].endswith(".md")]
-    # a link's text and target, and code, are names, not figures
+    # a link's text and target, and code, are names, not figures; so is a table row's first cell (the status
+    # table's paper experiment: "ResNet-110" is the paper's model, not a figure of the page)
+    if unit.startswith("|"):
+        unit = "|".join(unit.split("|")[2:])
     prose = re.sub(r"`[^`]*`", " ", LINK.sub(" ", unit))
     return FIGURE.findall(prose), pages
 
