@@ -113,7 +113,22 @@ def one_run(row: str, seed: int, data: Path, runs: Path, epochs: int, failures: 
             "steps": summary["steps"], "wall_s": round(wall, 2), "lines": lines,
             "failures": out.count("[fault injection]"),
             "relaunches": sum(line.startswith("replica group ") for line in out.splitlines()),
-            "resumed_from": summary.get("resumed_from", []), "bytes_total": summary["bytes_total"]}
+            "resumed_from": summary.get("resumed_from", []), "bytes_total": summary["bytes_total"],
+            "step_s": step_seconds(run_dir)}
+
+
+def step_seconds(run_dir: Path) -> float:
+    """The median over the run's epochs of the mean step time each epoch's line gives (forward, backward and the
+    optimizer's step with its collectives; not the epoch's averaging and evaluation)."""
+    lines = [json.loads(raw) for raw in (run_dir / "metrics.jsonl").read_text().splitlines() if raw.strip()]
+    return round(statistics.median(r["step_time_s"] for r in lines), 4)
+
+
+def epoch_seconds(run: dict) -> float:
+    """The median seconds from one epoch's line to the next's, as the runner saw them appear (the epoch's steps,
+    its averaging and its evaluation)."""
+    t = [x[0] for x in run["lines"]]
+    return statistics.median(b - a for a, b in zip(t, t[1:]))
 
 
 def time_to(run: dict, target: float) -> float | None:
@@ -171,11 +186,15 @@ def render(record: dict) -> str:
              "- Time lost per failure: the run's wall time over that of the same seed's run of the same mode "
              "without a failure (torchft rows: under torchft; the restart row: the plain run, which writes no "
              "checkpoint), per failure.",
+             "- Step: the median over a run's epochs of their mean step time (forward, backward, the optimizer's "
+             "step with its collectives and, under torchft, the quorum and the commit). Epoch, line to line: the "
+             "median time between two epochs' metrics lines (the steps, the end of epoch's model average and the "
+             "evaluation).",
              f"- Seeds {', '.join(map(str, record['seeds']))}; mean ± sample standard deviation.", "",
              "## Results", "",
              "| run | final top-1 (%) | final test loss | time to target (s) | wall time (s) | failures | "
-             "time lost per failure (s) | healing bytes per worker | seeds |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "time lost per failure (s) | step (s) | epoch, line to line (s) | healing bytes per worker | seeds |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row, name in NAMES.items():
         rs = of(row)
         if not rs:
@@ -187,6 +206,7 @@ def render(record: dict) -> str:
         lines.append(f"| {name} | {pm([r['final_test_top1'] for r in rs], 2)} | "
                      f"{pm([r['final_test_loss'] for r in rs], 3)} | {ttt} | {pm([r['wall_s'] for r in rs])} | "
                      f"{pm([r['failures'] for r in rs], 0)} | {pm(losts) if losts else '-'} | "
+                     f"{pm([r['step_s'] for r in rs if 'step_s' in r], 3)} | {pm([epoch_seconds(r) for r in rs], 2)} | "
                      f"{f'{statistics.mean(heal):,.0f}' if any(heal) else '-'} | {len(rs)} |")
     restart = of("slamb_restart")
     lines += ["", "## What a failure costs", ""]
@@ -195,8 +215,9 @@ def render(record: dict) -> str:
         redone = [f - 1 - 5 * e for r in restart for f, e in zip(record["failures"], r["resumed_from"])]
         lines.append(f"- A restart from a checkpoint resumed from epochs "
                      f"{'; '.join(', '.join(map(str, r['resumed_from'])) for r in restart)} (seeds in order) and took "
-                     f"{pm(redone, 1)} steps again per failure. Its final test loss and top-1 equal those of the same seed's "
-                     f"run without a failure in {sum(same_end(r, of('slamb')) for r in restart)} of {len(restart)} "
+                     f"{pm(redone, 1)} steps again per failure. Its final test loss and top-1 equal those of the "
+                     f"same seed's run without a failure in {sum(same_end(r, of('slamb')) for r in restart)} of "
+                     f"{len(restart)} "
                      "seeds: a restart resumes exactly.")
     from harness.fault_tolerance import HEARTBEAT_MS, JOIN_MS
 
@@ -241,6 +262,10 @@ def main(argv=None) -> int:
     record = json.loads(page_json.read_text()) if page_json.exists() and not args.fresh else {"runs": []}
     target, n = study_target(args.study)
     record.update({"target": target, "target_runs": n})
+    for run in record["runs"]:  # runs recorded before the step time was
+        run_dir = args.runs / f"{run['row']}_seed{run['seed']}"
+        if "step_s" not in run and (run_dir / "metrics.jsonl").exists():
+            run["step_s"] = step_seconds(run_dir)
     if not args.report_only:
         record.update({"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
                        "hardware": hardware(torch.device("cpu")), "seeds": list(range(args.seeds)),
