@@ -15,14 +15,15 @@ from bench import ft_pipelines
 def test_two_failures_restart_from_their_checkpoints_and_end_as_the_run_without_one(tmp_path):
     study = tmp_path / "study"
     for seed, top1 in enumerate((30.0, 40.0)):  # the study's LAMB runs: the target is their mean less 1 point
-        (study / f"study_digits_lamb_seed{seed}").mkdir(parents=True)
-        (study / f"study_digits_lamb_seed{seed}" / "metrics.json").write_text(json.dumps({"final_test_top1": top1}))
+        run = study / "digits" / f"study_digits_lamb_seed{seed}"
+        run.mkdir(parents=True)
+        (run / "metrics.json").write_text(json.dumps({"final_test_top1": top1}))
     out = tmp_path / "out"
     # worker 1 dies before step 8 (epoch 2), and the restarted job's worker 1 before step 13 (epoch 3)
     assert ft_pipelines.main(["--epochs", "4", "--failures", "8", "13", "--rows", "slamb", "slamb_restart",
                               "--seeds", "1", "--out", str(out), "--runs", str(tmp_path / "runs"),
                               "--study", str(study)]) == 0
-    record = json.loads((out / "fault_tolerance_pipelines.json").read_text())
+    record = json.loads((out / "fault_tolerance_pipelines_digits.json").read_text())
     assert record["target"] == 34.0 and record["target_runs"] == 2
     plain, restart = sorted(record["runs"], key=lambda r: r["row"])
     assert (plain["row"], plain["failures"], plain["resumed_from"]) == ("slamb", 0, [])
@@ -30,9 +31,10 @@ def test_two_failures_restart_from_their_checkpoints_and_end_as_the_run_without_
     # a restart resumes exactly: the same final model's scores, and every epoch's line once, when first written
     assert (restart["final_test_loss"], restart["final_test_top1"]) == (plain["final_test_loss"],
                                                                          plain["final_test_top1"])
-    assert [e for _, e, _ in restart["lines"]] == [e for _, e, _ in plain["lines"]] == [1, 2, 3, 4]
+    assert [s for _, s, _ in restart["lines"]] == [s for _, s, _ in plain["lines"]] == [5, 10, 15, 20]
     assert all(a[0] < b[0] for a, b in zip(restart["lines"], restart["lines"][1:]))
     page = (out / "fault_tolerance_pipelines.md").read_text()
     assert "| SLAMB, restart from a checkpoint, failures | " in page and "| SLAMB, no failure (4 workers) | " in page
     assert "resumed from epochs 1, 2 (seeds in order) and took 2.0 ± 0.0 steps again per failure" in page
-    assert "in 1 of 1 seeds: a restart resumes exactly" in page
+    assert "in 1 of 1 seeds (a restart resumes exactly)" in page
+    assert restart["step_s"] > 0 and plain["step_s"] > 0
