@@ -48,27 +48,29 @@ class Task:
     finals: tuple  # the summary's keys kept per run; the first is the target's
     higher_is_better: bool
     margin: float  # the study's equivalence margin: the target is LAMB's mean less (or plus) this
-    period: int  # optimizer steps per metrics line
     failures: tuple  # steps before which worker (group) 1 dies, one per attempt
     checkpoint: tuple  # what the restart row adds: its checkpoints
+    resumed: tuple  # what a resumed run's ``resumed_from`` counts, and the steps in one: ("epochs", 5) | ("steps", 1)
     setup: str  # the recipe, for the page
 
 
 TASKS = {
     "digits": Task(
         "cifar10.train", {"slamb": "study/digits_slamb_v1", "lamb": "study/digits_lamb"}, "test_top1",
-        ("final_test_top1", "final_test_loss"), True, 1.0, 5,
+        ("final_test_top1", "final_test_loss"), True, 1.0,
         (48, 98, 148),  # mid-epoch (the 3rd of an epoch's 5 steps): a restart redoes 2 steps of each
         ("trainer.checkpoint.enabled=true",),  # one each epoch
+        ("epochs", 5),
         "`cifar10.train` with a ResNet-8 (75,290 parameters) on scikit-learn's digits in the CIFAR-10 layout (1,500 "
         "training, 297 test images), global batch 256 (4 x 64), epochs of 5 steps, fp32; SLAMB v1 (k 0.1, beta3 0.99, "
         "H 10, the compression warm-up) and LAMB, as the study's rows; a checkpoint each epoch for the restart row; "
         "the metric: the test top-1 (%) of the ranks' (groups') averaged model at each epoch's end"),
     "bert": Task(
         "bert.train", {"slamb": "study/bert_slamb", "lamb": "study/bert_lamb"}, "val_mlm_loss",
-        ("final_val_mlm_loss", "final_val_mlm_acc"), False, 0.05, 50,
+        ("final_val_mlm_loss", "final_val_mlm_acc"), False, 0.05,
         (175, 375, 575),  # half-way between two checkpoints: a restart redoes 24 steps of each
         ("trainer.checkpoint.enabled=true", "trainer.checkpoint.every=50"),
+        ("steps", 1),
         "`bert.train`, phase 1 of a 2-layer BERT (hidden 64, 271,570 parameters) on the standard library's "
         "docstrings (the study's shards), seq 128, global batch 128 (4 x 32), 800 steps, fp32; SLAMB v2 (k 0.1, "
         "beta3 0.93, H 11) and LAMB, as the study's rows; a checkpoint every 50 steps for the restart row; the "
@@ -243,10 +245,10 @@ def section(task: str, record: dict) -> list[str]:
     restart, plain = of("slamb_restart"), of("slamb")
     if restart:
         # a restart resumes at its last checkpoint and takes again the steps from there to the failure
-        per = 1 if task == "bert" else t.period  # BERT's checkpoints record a step, the digits' an epoch
+        unit, per = t.resumed
         redone = [f - 1 - per * at for r in restart for f, at in zip(record["failures"], r["resumed_from"])]
         same = sum(any(p["seed"] == r["seed"] and all(p[k] == r[k] for k in t.finals) for p in plain) for r in restart)
-        lines += ["", f"A restart from a checkpoint resumed from {'steps' if task == 'bert' else 'epochs'} "
+        lines += ["", f"A restart from a checkpoint resumed from {unit} "
                   f"{'; '.join(', '.join(map(str, r['resumed_from'])) for r in restart)} (seeds in order) and took "
                   f"{pm(redone, 1)} steps again per failure. Its final metrics equal those of the same seed's run "
                   f"without a failure in {same} of {len(restart)} seeds (a restart resumes exactly)."]
