@@ -148,8 +148,9 @@ def watch(cmd: list[str], run_dir: Path, env: dict, task: Task) -> tuple[subproc
 def step_seconds(run_dir: Path) -> float:
     """The median over the run's metrics lines of the mean step time each gives (forward, backward and the
     optimizer's step with its collectives; not the period's averaging and evaluation)."""
-    lines = [json.loads(raw) for raw in (run_dir / "metrics.jsonl").read_text().splitlines() if raw.strip()]
-    return round(statistics.median(r["step_time_s"] for r in lines), 4)
+    from harness.run import read_jsonl
+
+    return round(statistics.median(r["step_time_s"] for r in read_jsonl(run_dir / "metrics.jsonl")), 4)
 
 
 def one_run(task: str, row: str, seed: int, overrides: list[str], runs: Path, failures: tuple[int, ...]) -> dict:
@@ -192,10 +193,10 @@ def time_to(run: dict, target: float, higher_is_better: bool) -> float | None:
 
 
 def pm(values: list[float], digits: int = 1) -> str:
-    if not values:
-        return "-"
-    sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
+    """``mean ± sd`` of the runs' values (the mean alone for one run)."""
+    from harness.tables import pm as mean_sd, stat
+
+    return mean_sd(stat(values), digits)
 
 
 LABELS = {"final_test_top1": ("final top-1 (%)", 2), "final_test_loss": ("final test loss", 3),
