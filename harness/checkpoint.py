@@ -282,16 +282,11 @@ def _gather_objects(obj) -> list:
 
 
 def _disk_full(err: BaseException) -> OSError | None:
-    """The full disk behind a failed save, if that is what it was: DCP wraps the writer's error in its
-    ``CheckpointException``, and a DCP write that ``torch.save`` streams raises torch's "unexpected pos 704 vs
-    598" with the file's ENOSPC only as its context."""
-    for failure in (err, *(f[0] for f in (getattr(err, "failures", None) or {}).values())):
-        e, seen = failure, set()
-        while e is not None and id(e) not in seen:
-            if isinstance(e, OSError) and e.errno in FULL:
-                return e
-            seen.add(id(e))
-            e = e.__cause__ or e.__context__
+    """The full disk behind a failed save, if that is what it was: the error itself, or a rank's in DCP's
+    ``CheckpointException`` (``slamb.save_sharded`` makes each the file's own ``OSError``)."""
+    for e in (err, *(f[0] for f in (getattr(err, "failures", None) or {}).values())):
+        if isinstance(e, OSError) and e.errno in FULL:
+            return e
     return None
 
 

@@ -218,6 +218,35 @@ def _dcp_entries(model, optimizer, sd: dict, topology, names) -> tuple[dict, dic
     return entries, {n: s for n, s in state.items() if s}
 
 
+def _os_error_behind(err: BaseException) -> OSError | None:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, OSError):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__
+    return None
+
+
+def _dcp_writer(directory):
+    """DCP's file writer, raising a failed file's own ``OSError``. ``torch.save`` streaming onto a full disk
+    raises "unexpected pos 704 vs 598" with the ENOSPC only as its context, and DCP pickles a rank's error to
+    the others, which drops the context: every rank would learn a short write of no cause."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class Writer(FileSystemWriter):
+        def write_data(self, plan, planner):
+            try:
+                return super().write_data(plan, planner)
+            except Exception as err:
+                found = _os_error_behind(err)
+                if found is None or found is err:
+                    raise
+                raise found from None
+
+    return Writer(directory)
+
+
 def save_sharded(model, optimizer, directory) -> None:
     """Save an FSDP2/HSDP ``model`` and its SLAMB or LAMB ``optimizer`` with ``torch.distributed.checkpoint``.
 
@@ -246,7 +275,7 @@ def save_sharded(model, optimizer, directory) -> None:
                f"replica{topology.replica if copies > 1 else 0}": {"model": entries, "optim": state}}
     if ledger is not None:  # the bytes each rank sent: its own (uneven shards send different numbers)
         payload[f"ledger.rank{r}-of-{n}"] = _blob(ledger.state_dict())
-    dcp.save(payload, checkpoint_id=str(directory))
+    dcp.save(payload, storage_writer=_dcp_writer(str(directory)))
 
 
 def _read_metadata(directory):

@@ -25,7 +25,9 @@ from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
 from harness.tables import load_runs
+from slamb.checkpoint import _dcp_writer
 from tests import distributed
+from tests.disk import as_the_other_ranks_learn_it, disk_with_room
 from tests.test_bert_pretrain import tiny_data  # noqa: F401 (a fixture)
 
 CPU = torch.device("cpu")
@@ -392,17 +394,17 @@ def _can_mount_tmpfs() -> bool:
 
 
 def _dcp_short_write(folder):
-    """What DCP raises when ``torch.save`` streams a tensor onto a full disk (seen on an 8 MB tmpfs): torch's
-    short-write error, the file's ENOSPC only as its context, wrapped in DCP's exception."""
+    """What a rank learns when another rank's ``torch.save`` streams a tensor onto a full disk: its short-write
+    error ("unexpected pos 704 vs 598"), pickled to this rank without the ENOSPC behind it, unless the writer
+    raised that."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
-        try:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-    except RuntimeError as e:
-        raise CheckpointException("save failed", {0: (e, e.__traceback__)}) from None
+        with disk_with_room(4096), pytest.warns(UserWarning):  # DCP's warning: no process group, one writer
+            dcp.save({"x": torch.zeros(100_000)}, storage_writer=_dcp_writer(str(folder / "dcp")), no_dist=True)
+    except CheckpointException as err:
+        raise as_the_other_ranks_learn_it(err) from None
 
 
 def test_a_full_disk_behind_torchs_short_write_in_a_sharded_save_is_a_full_disk(tmp_path):

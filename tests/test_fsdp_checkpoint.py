@@ -9,6 +9,7 @@ what the files hold, read back whole in the test process (``dcp_to_torch_save``)
 """
 from __future__ import annotations
 
+import errno
 import logging
 
 import pytest
@@ -16,8 +17,9 @@ import torch
 import torch.distributed as dist
 
 import slamb
-from slamb.checkpoint import _shard_mesh, _shard_of, _unblob
+from slamb.checkpoint import _dcp_writer, _shard_mesh, _shard_of, _unblob
 from tests import distributed
+from tests.disk import as_the_other_ranks_learn_it, disk_with_room
 from tests.test_fsdp import hsdp_mesh, loss_of, make_model, slamb_settings
 
 pytestmark = pytest.mark.multiprocess
@@ -307,3 +309,24 @@ def test_ddp_and_sharded_checkpoints_refuse_each_other_in_one_line(runs):
     for name, hint in expect.items():
         print(f"{name}: {refused[name]}")
         assert refused[name] is not None and hint in refused[name] and "\n" not in refused[name], (name, refused)
+
+
+# ---------------------------------------------------------------------------------- a full disk
+
+
+@pytest.mark.parametrize("room", [100, 4096])
+def test_a_full_disk_reaches_every_rank_as_the_files_own_error(tmp_path, room):
+    """Before: at 4 kB of room DCP carried torch's "unexpected pos 704 vs 598", whose ENOSPC every other rank
+    lost: none could tell a full disk from a broken writer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with disk_with_room(room), pytest.raises(CheckpointException) as raised, pytest.warns(UserWarning):
+        dcp.save({"x": torch.zeros(100_000)}, storage_writer=_dcp_writer(str(tmp_path)), no_dist=True)
+    (error, _), = as_the_other_ranks_learn_it(raised.value).failures.values()
+    assert isinstance(error, OSError) and error.errno == errno.ENOSPC, repr(error)
+
+    with disk_with_room(room), pytest.raises(CheckpointException) as raised, pytest.warns(UserWarning):
+        dcp.save({"x": torch.zeros(100_000)}, checkpoint_id=str(tmp_path), no_dist=True)  # DCP's own writer
+    (error, _), = as_the_other_ranks_learn_it(raised.value).failures.values()
+    assert isinstance(error, OSError if room < 600 else RuntimeError), repr(error)
