@@ -20,8 +20,9 @@ attempt k dies before step N_k, so one run meets three failures). The rows, each
 Every failing row may restart (relaunch) once per failure (``trainer.max_restarts``). The runner watches each run's
 ``metrics.jsonl`` and records when each line appears (seconds from the command's start): the time to the study's
 target is the first line at or above it (digits; BERT: at or below), whichever attempt wrote it. Each finished run
-is kept in ``fault_tolerance_pipelines_<task>.json`` at once, and a run already there is not run again, so a
-stopped page continues (``--fresh`` starts the task over).
+is kept at once in ``<runs>/fault_tolerance_pipelines_<task>.json``, outside the checkout, so that the runs after it
+find the checkout as committed; a run already there (or on the page) is not run again, so a stopped page continues
+(``--fresh`` starts the task over). The page and its ``.json`` in ``results/`` are written when the runs end.
 """
 from __future__ import annotations
 
@@ -329,7 +330,9 @@ def main(argv=None) -> int:
     if not args.report_only:
         task, t = args.task, TASKS[args.task]
         page_json = args.out / f"fault_tolerance_pipelines_{task}.json"
-        record = {"runs": []} if args.fresh or task not in records else records[task]
+        staged = args.runs / page_json.name
+        record = ({"runs": []} if args.fresh else json.loads(staged.read_text()) if staged.exists()
+                  else records.get(task, {"runs": []}))
         target, n = study_target(task, args.study)
         failures = tuple(args.failures or t.failures)
         overrides = data_overrides(task, args.runs, args.study_runs)
@@ -346,9 +349,12 @@ def main(argv=None) -> int:
                 run = one_run(task, row, seed, overrides, args.runs, failures)
                 record["runs"].append(run)
                 record["steps"] = run["steps"]
-                page_json.write_text(json.dumps(record, indent=1) + "\n")
+                staged.parent.mkdir(parents=True, exist_ok=True)
+                staged.write_text(json.dumps(record, indent=1) + "\n")
                 print(json.dumps({k: run[k] for k in ("row", "seed", t.finals[0], "wall_s", "failures")}),
                       flush=True)
+        page_json.write_text(json.dumps(record, indent=1) + "\n")
+        staged.unlink(missing_ok=True)
     (args.out / "fault_tolerance_pipelines.md").write_text(render(records))
     return 0
 

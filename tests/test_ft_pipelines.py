@@ -12,17 +12,26 @@ from bench import ft_pipelines
 
 @pytest.mark.multiprocess
 @pytest.mark.e2e
-def test_two_failures_restart_from_their_checkpoints_and_end_as_the_run_without_one(tmp_path):
+def test_two_failures_restart_from_their_checkpoints_and_end_as_the_run_without_one(tmp_path, monkeypatch):
     study = tmp_path / "study"
     for seed, top1 in enumerate((30.0, 40.0)):  # the study's LAMB runs: the target is their mean less 1 point
         run = study / "digits" / f"study_digits_lamb_seed{seed}"
         run.mkdir(parents=True)
         (run / "metrics.json").write_text(json.dumps({"final_test_top1": top1}))
     out = tmp_path / "out"
+    seen, real = [], ft_pipelines.one_run
+
+    def one_run(*args, **kwargs):  # what the checkout's results/ holds when each run starts
+        seen.append(sorted(p.name for p in out.iterdir()))
+        return real(*args, **kwargs)
+    monkeypatch.setattr(ft_pipelines, "one_run", one_run)
     # worker 1 dies before step 8 (epoch 2), and the restarted job's worker 1 before step 13 (epoch 3)
     assert ft_pipelines.main(["--epochs", "4", "--failures", "8", "13", "--rows", "slamb", "slamb_restart",
                               "--seeds", "1", "--out", str(out), "--runs", str(tmp_path / "runs"),
                               "--study", str(study)]) == 0
+    # the runs find results/ as committed (a run's meta.json would call a changed one uncommitted changes)
+    assert seen == [[], []]
+    assert not (tmp_path / "runs" / "fault_tolerance_pipelines_digits.json").exists()  # kept there while running
     record = json.loads((out / "fault_tolerance_pipelines_digits.json").read_text())
     assert record["target"] == 34.0 and record["target_runs"] == 2
     plain, restart = sorted(record["runs"], key=lambda r: r["row"])
