@@ -2,7 +2,7 @@
 BERT (``bert.train``) under torchft, against the same jobs restarted from their checkpoints.
 
     python -m bench.ft_pipelines                         # the digits rows, 3 seeds (about 40 minutes)
-    python -m bench.ft_pipelines --task bert --seeds 1 --rows slamb slamb_ft_fail slamb_restart   # about 40 minutes
+    python -m bench.ft_pipelines --task bert --rows slamb slamb_ft_fail slamb_restart lamb_ft_fail  # 35 min a seed
     python -m bench.ft_pipelines --report-only           # results/fault_tolerance_pipelines.md again from the .json
 
 Each run is the pipeline's own command (``python -m cifar10.train experiment=study/digits_<row> ...``), as a user
