@@ -255,6 +255,8 @@ def save_sharded(model, optimizer, directory) -> None:
     rank and a different shard count can load them. SLAMB's replicas differ between syncs: each replica's
     parameters and state are saved apart (``replica{r}.*``); a data-parallel optimizer's once. The step,
     the mask (seed, compression ratio, variant) and the parameter groups are saved once (entry ``slamb``).
+    A failed write raises DCP's ``CheckpointException`` on every rank, holding each failed rank's ``OSError``
+    (a full disk: ``errno.ENOSPC``).
     """
     import torch.distributed.checkpoint as dcp
 
