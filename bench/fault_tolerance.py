@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 import traceback
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -49,12 +50,15 @@ class Fault:
     """Replica ``replica`` (-1: whichever gets there first, in any attempt) dies by SIGKILL during step ``step`` ``where``
     (:data:`WHERE`: SLAMB's momentum exchange or a data-parallel optimizer's gradient all-reduce; SLAMB's
     parameter sync; or, any step from ``step`` on, as it sends its state to a joining replica), in its
-    ``attempt``-th process; ``relaunch``: whether the runner starts it again."""
+    ``attempt``-th process; ``relaunch``: whether the runner starts it again. ``rank``: which process of the
+    replica group dies (the others of the group are killed by the runner, as a job scheduler ends a group
+    that lost a process)."""
     replica: int
     step: int
     where: str = "step"
     attempt: int = 0
     relaunch: bool = True
+    rank: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +66,7 @@ class Job:
     optimizer: str = "slamb"  # slamb | lamb | adamw
     heal: str = "peer"
     replicas: int = 3
+    group_size: int = 1  # processes per replica group, which shard its model (FSDP2 on the group's 1-D mesh)
     steps: int = 13
     sync_interval: int = 4
     variant: str = "v1"
@@ -80,6 +85,10 @@ class Job:
         for f in self.faults:
             if f.where not in WHERE:
                 raise ValueError(f"invalid Fault.where={f.where!r}: must be one of {WHERE}")
+            if not 0 <= f.rank < self.group_size:
+                raise ValueError(f"invalid Fault.rank={f.rank}: a replica group has ranks 0 .. {self.group_size - 1}")
+        if self.group_size > 1 and self.optimizer == "adamw":
+            raise ValueError("invalid Job.optimizer='adamw' with group_size > 1: SLAMB and LAMB take sharded parameters")
 
 
 # -- the task ---------------------------------------------------------------------------------------------
@@ -145,11 +154,44 @@ def make_optimizer(job: Job, params, group):
 
 # -- a replica's process ------------------------------------------------------------------------------------
 
-def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> None:
-    from slamb.integrations.torchft import FaultTolerant, ManagedGroup, connect
+def _group_store(index: int, attempt: int, rank: int, job: Job, out: Path):
+    """Replica group ``index``'s store (its ``attempt``-th, hosted by its rank 0, found by the others through a file)
+    and its process group over it, on which the group shards its model; None for a group of one process."""
+    if job.group_size == 1:
+        return None
+    import torch.distributed as dist
 
-    faults = [f for f in job.faults if f.replica == -1 or (f.replica == index and f.attempt == attempt)]
-    state = {}  # the model's size, once it is built
+    found = out / f"store{index}.{attempt}"
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        (out / f"{found.name}.tmp").write_text(str(store.port))
+        os.replace(out / f"{found.name}.tmp", found)
+    else:
+        while not found.exists():
+            time.sleep(0.01)
+        store = dist.TCPStore("127.0.0.1", int(found.read_text()), is_master=False, wait_for_workers=False)
+    # the managers write keys of their own into the store
+    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=job.group_size,
+                            timeout=timedelta(seconds=job.timeout))
+    return store
+
+
+def _full(model) -> dict:
+    """The model's state with whole tensors (a sharded one's gathered inside its group: collective there)."""
+    from slamb.sharding import is_sharded
+
+    return {k: v.full_tensor() if is_sharded(v) else v for k, v in model.state_dict().items()}
+
+
+def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: Path) -> None:
+    import slamb
+    from slamb.ddp import reshard
+    from slamb.integrations.torchft import FaultTolerant, ManagedGroup, connect
+    from slamb.sharding import local
+
+    faults = [f for f in job.faults if f.rank == rank and (f.replica == -1 or (f.replica == index and
+                                                                               f.attempt == attempt))]
+    state = {}  # the model's size (this rank's shards of it), once it is built
 
     def die(where: str, step: int) -> bool:
         for f in faults:
@@ -179,19 +221,34 @@ def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> Non
             return super()._state()
 
     torch.set_num_threads(1)
-    g = connect(address, replica_id=str(index), timeout=job.timeout, host="127.0.0.1", init_sync=False)
+    store = _group_store(index, attempt, rank, job, out)
+    g = connect(address, replica_id=str(index), rank=rank, world_size=job.group_size, store=store,
+                timeout=job.timeout, host="127.0.0.1", init_sync=False)
     group = Dying(g.manager, g.pg, g.transport, g.store)
     first = [r for r in range(job.replicas) if r not in dict(job.late)]
-    if attempt == 0 and index in first:  # the first quorum holds every replica that starts with the job
+    if attempt == 0 and index in first and rank == 0:  # the first quorum holds every replica that starts with the job
         (out / f"up{index}").touch()
         while not all((out / f"up{r}").exists() for r in first):
             time.sleep(0.01)
     task = Task(job)
     model = task.model
-    state["numel"] = sum(p.numel() for p in model.parameters())
+    if job.group_size > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        slamb.shard_model(model, init_device_mesh("cpu", (job.group_size,)))
+    state["numel"] = sum(local(p).numel() for p in model.parameters())
     opt = make_optimizer(job, model.parameters(), group)
+    if job.group_size > 1:
+        model = slamb.wrap_model(model, opt)  # FSDP's reduce-scatter inside the group, and the ledger's record of it
     ft = Sending(group, model, opt, heal=job.heal)
-    with open(out / f"replica{index}.jsonl", "a") as log:
+
+    def evaluate() -> dict:
+        metrics = task.evaluate()
+        reshard(model)  # an evaluation's forward leaves a sharded model's root gathered
+        return metrics
+
+    name = f"replica{index}" if rank == 0 else f"replica{index}.rank{rank}"
+    with open(out / f"{name}.jsonl", "a") as log:
         while ft.committed_steps < job.steps:
             (out / f"joining{index}").unlink(missing_ok=True)  # at once it asks to join: the others go on
             # a replica the runner starts once the others committed this many steps joins at the next one
@@ -200,20 +257,21 @@ def _replica(index: int, attempt: int, address: str, job: Job, out: Path) -> Non
             began = time.time()
             ft.start_step()
             t = ft.committed_steps + 1
-            x, y = task.batch(t, index)
+            x, y = (part.chunk(job.group_size)[rank] for part in task.batch(t, index))  # this rank's share
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             committed = ft.step()
             opt.zero_grad()
             record = {"attempt": attempt, "step": t, "loss": float(loss.detach()), "committed": committed,
-                      **(task.evaluate() if committed else {}),
+                      **(evaluate() if committed else {}),
                       "replicas": group.size(), "began": began, "ended": time.time(), "heals": ft.heals,
                       "bytes": {k: v["payload"] for k, v in opt.ledger.summary()["last_step"].items()}}
             log.write(json.dumps(record) + "\n")
             log.flush()
-    torch.save({"model": model.state_dict(), "ledger": opt.ledger.summary(), "heals": ft.heals,
-                "steps": getattr(opt, "steps", None), "committed": ft.committed_steps, **task.evaluate(),
-                "attempt": attempt}, out / f"replica{index}.pt")
+    end = {"model": _full(model), "ledger": opt.ledger.summary(), "heals": ft.heals,
+           "steps": getattr(opt, "steps", None), "committed": ft.committed_steps, **evaluate(), "attempt": attempt}
+    if rank == 0:
+        torch.save(end, out / f"replica{index}.pt")
     group.shutdown()
 
 
@@ -289,7 +347,11 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
         address = (out / "lighthouse").read_text()
         waiting = {}  # replica -> the others' committed steps before it starts
         attempts = {r: 0 for r in range(job.replicas)}
-        running: dict[int, object] = {}
+        running: dict[int, list] = {}  # replica group -> its processes
+
+        def launch(r):
+            running[r] = [start(_replica, (r, attempts[r], k, address, job, out), f"replica{r}.{attempts[r]}"
+                                + (f".rank{k}" if k else "")) for k in range(job.group_size)]
 
         def later(r, after):
             waiting[r] = after
@@ -302,18 +364,26 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
             later(r, after)
         for r in range(job.replicas):
             if r not in waiting:
-                running[r] = start(_replica, (r, 0, address, job, out), f"replica{r}.0")
+                launch(r)
         while any(not (out / f"replica{r}.pt").exists() for r in range(job.replicas)):
             if time.time() > deadline:
                 raise TimeoutError(f"the job outlasted {limit} s: " + "; ".join(
                     f"replica {r}: {read_log(out / f'replica{r}.jsonl')[-1:]}" for r in range(job.replicas)))
-            for r, p in list(running.items()):
-                if p.exitcode is None or (out / f"replica{r}.pt").exists():
+            for r, procs in list(running.items()):
+                codes = [p.exitcode for p in procs]
+                if all(c in (None, 0) for c in codes) or (out / f"replica{r}.pt").exists():
                     continue
                 fault = [f for f in job.faults if f.replica == -1 or (f.replica == r and f.attempt == attempts[r])]
-                if p.exitcode != KILLED or not fault:
-                    raise RuntimeError(f"replica {r} (attempt {attempts[r]}) exited with {p.exitcode}:\n"
-                                       + (out / f"replica{r}.{attempts[r]}.log").read_text()[-4000:])
+                killed = [k for k, c in enumerate(codes) if c == KILLED and any(f.rank == k for f in fault)]
+                if not killed:
+                    k = next(k for k, c in enumerate(codes) if c not in (None, 0))
+                    log = out / (f"replica{r}.{attempts[r]}" + (f".rank{k}" if k else "") + ".log")
+                    raise RuntimeError(f"replica {r} (attempt {attempts[r]}, rank {k}) exited with {codes[k]}:\n"
+                                       + log.read_text()[-4000:])
+                for p in procs:  # the group's other processes go with it, as a scheduler ends the group
+                    if p.exitcode is None:
+                        os.kill(p.pid, signal.SIGKILL)
+                    p.join()
                 del running[r]
                 attempts[r] += 1
                 if any(f.relaunch for f in fault):  # as a scheduler would, once the others went on without it
@@ -323,10 +393,11 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
             for r, after in list(waiting.items()):
                 if running and max(map(committed, running)) >= after:
                     del waiting[r]
-                    running[r] = start(_replica, (r, attempts[r], address, job, out), f"replica{r}.{attempts[r]}")
+                    launch(r)
             time.sleep(0.05)
-        for p in running.values():
-            p.join(timeout=max(1.0, deadline - time.time()))
+        for procs in running.values():
+            for p in procs:
+                p.join(timeout=max(1.0, deadline - time.time()))
     finally:
         for p in started:
             if p.is_alive():
@@ -335,7 +406,9 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
     results = {}
     for r in range(job.replicas):
         path = out / f"replica{r}.pt"
-        results[r] = {"log": read_log(out / f"replica{r}.jsonl"),
+        results[r] = {"log": read_log(out / f"replica{r}.jsonl"),  # rank 0's; "ranks": every rank's
+                      "ranks": [read_log(out / (f"replica{r}.rank{k}.jsonl" if k else f"replica{r}.jsonl"))
+                                for k in range(job.group_size)],
                       "end": torch.load(path, weights_only=False) if path.stat().st_size else None}
     return results
 

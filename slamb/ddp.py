@@ -319,8 +319,10 @@ def _record_fsdp_collectives(model, modules, ledger: comm.CommLedger, *, replica
 @torch.no_grad()
 def _broadcast_replicas(model: torch.nn.Module, topology: MeshTopology) -> None:
     """Every replica starts from replica 0's shards, as DDP starts every rank from rank 0's parameters
-    (``fully_shard`` shards each rank's own copy and sends nothing)."""
-    if topology.replicate is None:
+    (``fully_shard`` shards each rank's own copy and sends nothing). Under torchft (replicas meeting through its
+    manager) there is no step yet to commit a broadcast with: the replica groups start alike (seeded), or from a
+    peer's state at their first quorum (``init_sync``)."""
+    if topology.replicate is None or isinstance(topology.replicate, comm.Collectives):
         return
     for p in model.parameters():
         if is_sharded(p) and local(p).numel():

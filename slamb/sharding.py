@@ -20,10 +20,12 @@ reduction the one the optimizer needs) is :mod:`slamb.ddp`'s, beside DDP's.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 from .topology import MeshTopology, mesh_topology
@@ -75,14 +77,57 @@ def sharded_topology(params, process_group=None) -> MeshTopology | None:
     if len(sharded) != len(params):
         raise ValueError(f"{len(params) - len(sharded)} of the parameters are plain tensors and the others FSDP2 "
                          "DTensors: shard every parameter (fully_shard on the root module as well)")
-    if process_group is not None:
+    replicas = process_group if isinstance(process_group, comm.Collectives) else None
+    if process_group is not None and replicas is None:
         raise ValueError("sharded parameters carry their process groups in their device mesh: leave process_group "
                          "unset")
     meshes = {p.device_mesh for p in sharded}
     dims = {_shard_dim(p) for p in sharded}
     if len(meshes) != 1 or len(dims) != 1:
         raise ValueError("the parameters are sharded over different device meshes: SLAMB and LAMB take one mesh")
-    return mesh_topology(meshes.pop(), dims.pop())
+    topology = mesh_topology(meshes.pop(), dims.pop())
+    if replicas is None:
+        return topology
+    if topology.replicate is not None:
+        raise ValueError("sharded parameters whose replicas meet through process_group (torchft's replica groups) "
+                         "are sharded over their own replica group alone: a 1-D mesh, not an HSDP mesh")
+    return dataclasses.replace(topology, replicate=replicas, group=EveryRank(topology.shard, replicas))
+
+
+class EveryRank(comm.Collectives):
+    """Every rank of a job whose replicas are sharded over their own process group (``shard``) and meet through
+    a :class:`slamb.comm.Collectives` group (``replicas``: torchft's replica groups): the group a step's
+    decisions are agreed over (:func:`slamb.comm.agree_max`, its only collective).
+
+    A maximum is taken inside the replica, across the replicas, then inside the replica again: a collective
+    across that failed on some of a replica's ranks (torchft: the step will not commit) leaves them a partial
+    maximum, and the second one makes every rank of the replica decide alike, so that they go on running the
+    same collectives among themselves."""
+
+    def __init__(self, shard, replicas: comm.Collectives):
+        self.shard, self.replicas = shard, replicas
+
+    def size(self) -> int:
+        return self.shard.size() * self.replicas.size()
+
+    def rank(self) -> int:
+        return self.replicas.rank() * self.shard.size() + self.shard.rank()
+
+    def all_reduce(self, tensor, op, async_op=False):
+        if op != dist.ReduceOp.MAX or async_op:
+            raise NotImplementedError("EveryRank takes the maximum only, at once (slamb.comm.agree_max)")
+        dist.all_reduce(tensor, op=op, group=self.shard)
+        self.replicas.all_reduce(tensor, op)
+        dist.all_reduce(tensor, op=op, group=self.shard)
+
+    def all_gather_into_tensor(self, output, input):
+        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
+
+    def all_to_all_single(self, output, input, async_op=False):
+        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
+
+    def broadcast(self, tensor, src):
+        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
 
 
 def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:

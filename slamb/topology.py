@@ -86,16 +86,27 @@ class MeshTopology:
     worker, ``world_size`` the number of replicas), except that the ranks of a replica hold different
     shards, so each one exchanges its own shard with the ranks holding the same shard in the other
     replicas (its ``replicate`` group): nothing is chunked or gathered inside the replica.
+
+    Under torchft (:mod:`slamb.integrations.torchft`) the mesh is one replica group's, 1-D, and ``replicate``
+    and ``group`` are the manager's: the replicas are the groups of each step's quorum, their number read from
+    ``replicate`` at each collective.
     """
 
     mesh: object  # the parameters' DeviceMesh
-    group: dist.ProcessGroup | None  # every rank of the mesh (None: the default group)
-    replicate: dist.ProcessGroup | None  # the ranks holding this rank's shard, one per replica (None: one replica)
+    group: object  # every rank of the job (None: the default process group)
+    replicate: object  # the ranks holding this rank's shard, one per replica (None: one replica)
     shard: dist.ProcessGroup  # this rank's replica
-    n_replicas: int
     n_shards: int
-    replica: int  # this rank's replica, 0 .. n_replicas - 1
     shard_rank: int  # which shard this rank holds
+
+    @property
+    def n_replicas(self) -> int:
+        return 1 if self.replicate is None else self.replicate.size()
+
+    @property
+    def replica(self) -> int:
+        """This rank's replica, 0 .. n_replicas - 1."""
+        return 0 if self.replicate is None else self.replicate.rank()
 
 
 def mesh_topology(mesh, shard_dim: int) -> MeshTopology:
@@ -108,10 +119,7 @@ def mesh_topology(mesh, shard_dim: int) -> MeshTopology:
     if mesh.size() != dist.get_world_size():
         raise ValueError(f"the parameters' device mesh spans {mesh.size()} of the {dist.get_world_size()} ranks: "
                          "SLAMB and LAMB take a mesh over every rank of the default process group")
-    shard = mesh.get_group(shard_dim)
     replicate_dim = 1 - shard_dim if mesh.ndim == 2 else None
-    n_replicas = mesh.size(replicate_dim) if replicate_dim is not None else 1
-    return MeshTopology(mesh=mesh, group=None, replicate=mesh.get_group(replicate_dim) if n_replicas > 1 else None,
-                        shard=shard, n_replicas=n_replicas, n_shards=mesh.size(shard_dim),
-                        replica=mesh.get_local_rank(replicate_dim) if replicate_dim is not None else 0,
-                        shard_rank=mesh.get_local_rank(shard_dim))
+    replicate = mesh.get_group(replicate_dim) if replicate_dim is not None and mesh.size(replicate_dim) > 1 else None
+    return MeshTopology(mesh=mesh, group=None, replicate=replicate, shard=mesh.get_group(shard_dim),
+                        n_shards=mesh.size(shard_dim), shard_rank=mesh.get_local_rank(shard_dim))

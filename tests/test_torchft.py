@@ -1,6 +1,7 @@
 """SLAMB, LAMB and AdamW under torchft on the CPU: replica groups killed with SIGKILL in a step's collective, in a
-parameter sync and while sending their state, relaunched, joining late; a lighthouse and one gloo process per
-replica group, started by the tests (:func:`bench.fault_tolerance.run_job`)."""
+parameter sync and while sending their state, relaunched, joining late; a lighthouse and one or two gloo processes
+per replica group (two shard the group's model with FSDP2), started by the tests
+(:func:`bench.fault_tolerance.run_job`)."""
 from __future__ import annotations
 
 import itertools
@@ -54,6 +55,9 @@ def check_common(job: Job, res: dict) -> None:
             # an attempt's committed steps follow each other, a relaunched one's from where the others were
             assert steps == list(range(steps[0], steps[0] + len(steps))), (r, attempt, steps)
         assert [e["step"] for e in log if e["committed"]][-1] == job.steps
+        for other in v["ranks"][1:]:  # a group's processes commit together, or not at all
+            assert [(e["attempt"], e["step"]) for e in other if e["committed"]] == \
+                [(e["attempt"], e["step"]) for e in log if e["committed"]], r
         for failed, retry in zip(log, log[1:]):
             if not failed["committed"] and retry["attempt"] == failed["attempt"]:
                 # a failed step is seen at once and the next one commits without waiting out a timeout
@@ -69,11 +73,24 @@ def survivor(res, r, steps) -> list[dict]:
 
 
 def heal_bytes(res) -> tuple[int, int]:
-    """(bytes the senders recorded as kind "heal", successful heals)."""
-    sent = sum(e["bytes"].get("heal", 0) for v in res.values() for e in v["log"])
-    heals = sum(max(e["heals"] for e in v["log"] if e["attempt"] == a)
-                for v in res.values() for a in {e["attempt"] for e in v["log"]})
+    """(bytes the senders recorded as kind "heal", successful heals), over every process of every group: each
+    process of a group of two sends and receives its own shards."""
+    logs = [log for v in res.values() for log in v["ranks"]]
+    sent = sum(e["bytes"].get("heal", 0) for log in logs for e in log)
+    heals = sum(max(e["heals"] for e in log if e["attempt"] == a) for log in logs for a in {e["attempt"] for e in log})
     return sent, heals
+
+
+def group_bytes(res, r) -> dict[int, dict]:
+    """Per step group ``r`` committed, the ledger's bytes by kind summed over its processes."""
+    steps = {}
+    for log in res[r]["ranks"]:
+        for e in log:
+            if e["committed"]:
+                mine = steps.setdefault(e["step"], {})
+                for k, b in e["bytes"].items():
+                    mine[k] = mine.get(k, 0) + b
+    return steps
 
 
 @pytest.mark.multiprocess
@@ -132,6 +149,66 @@ def test_data_parallel_optimizers_survive_a_kill_in_the_gradient_all_reduce(tmp_
     sent, heals = heal_bytes(res)
     assert heals == 2  # the parameters, m and v, and a 4-byte step count per tensor
     assert sent == heals * (3 * 4 * PARAMS + 4 * 4)
+
+
+@pytest.mark.multiprocess
+def test_a_group_of_two_processes_sharding_its_model_trains_as_a_group_of_one(tmp_path):
+    ends = {}
+    for w in (1, 2):
+        res = run(Job(group_size=w, steps=9, sync_interval=4), tmp_path / str(w))
+        ends[w] = res[0]["end"]["model"]
+    # FSDP's reduce-scatter averages the two halves of the group's batch; the masks are drawn over the whole model
+    assert all(torch.allclose(ends[1][k], ends[2][k], rtol=0, atol=1e-5) for k in ends[1])
+    assert not all(torch.equal(ends[1][k], ends[2][k]) for k in ends[1])  # two processes did run
+
+
+@pytest.mark.multiprocess
+def test_groups_of_two_survive_a_kill_of_either_process_in_the_exchange_and_in_a_sync(tmp_path):
+    job = Job(group_size=2, steps=17, sync_interval=4, late=((2, 2),),
+              faults=(Fault(replica=2, step=5, rank=1), Fault(replica=1, step=13, where="sync", rank=0)))
+    res = run(job, tmp_path)
+    log = survivor(res, 0, job.steps)
+    runs = [(n, len(list(g))) for n, g in itertools.groupby(e["replicas"] for e in log)]
+    assert [n for n, _ in runs] == [2, 3, 2, 3, 2, 3], runs
+    sampled = sampled_bytes(job)  # one process's masks: the shards' entries add up to them
+    for step, b in group_bytes(res, 0).items():
+        assert (b["momentum_dense"], b["momentum"]) == (4 * DENSE, sampled[step]), step
+        assert b.get("params", 0) == (4 * PARAMS if (step - 1) % job.sync_interval == 0 else 0)
+        assert b["control"] == 2 * 4  # each process's vote on the step, agreed over every process of the job
+    sent, heals = heal_bytes(res)
+    assert heals == 3 * 2  # the late group, and each relaunched one: each of its two processes
+    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2) // 2  # a shard of the parameters, m, v and the ages
+
+
+@pytest.mark.multiprocess
+def test_groups_of_two_survive_two_kills_at_once_and_a_kill_while_healing(tmp_path):
+    job = Job(group_size=2, steps=17, sync_interval=4,
+              faults=(Fault(replica=1, step=4, rank=1), Fault(replica=2, step=4, rank=0),  # group 0 goes on alone
+                      Fault(replica=2, step=10, attempt=1, rank=1),
+                      Fault(replica=-1, step=12, where="send", rank=1)))  # a process sending 2 its shards dies
+    res = run(job, tmp_path)
+    alone = [e["step"] for e in res[0]["log"] if e["attempt"] == 0 and e["committed"] and e["replicas"] == 1]
+    assert len(alone) >= job.relaunch_after and alone == list(range(alone[0], alone[0] + len(alone)))
+    # group 2's third start: its second process got no state at the first try, so the group did not commit
+    # then, and its two processes took the shards again at the next quorum
+    third = [[e for e in log if e["attempt"] == 2] for log in res[2]["ranks"]]
+    assert third[1][0]["heals"] == 0 and not third[0][0]["committed"] and not third[1][0]["committed"]
+    assert third[1][1]["heals"] == 1 and third[1][1]["committed"] and third[0][1]["committed"]
+    sent, heals = heal_bytes(res)
+    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2) // 2
+
+
+@pytest.mark.multiprocess
+def test_lamb_in_groups_of_two_survives_a_kill_in_the_gradient_all_reduce(tmp_path):
+    # the kill after the late group's heal: a process killed in the step it sent in never logs that step's bytes
+    job = Job(optimizer="lamb", group_size=2, steps=10, late=((2, 2),), faults=(Fault(replica=1, step=6, rank=1),))
+    res = run(job, tmp_path)
+    survivor(res, 0, job.steps)
+    for step, b in group_bytes(res, 0).items():
+        assert b["grads"] == 4 * PARAMS, step  # each process averages its shard of the gradients across the groups
+    sent, heals = heal_bytes(res)
+    assert heals == 2 * 2
+    assert sent == heals * (3 * 4 * PARAMS // 2 + 4 * 4)  # a shard of the parameters, m and v; 4 step counts
 
 
 # -- in one process ---------------------------------------------------------------------------------------

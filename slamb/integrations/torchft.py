@@ -38,8 +38,12 @@ LAMB and AdamW (data-parallel: their state is the same on every replica) take on
 all-reduce through the manager (kind ``"grads"``), then the commit, then their step only if it
 committed: nothing to undo. Their joining replicas take the peer's state (``heal="peer"``).
 
-One process per replica group (SLAMB's worker is the replica); the groups meet through the
-manager's process group (gloo on the CPU, NCCL on GPUs).
+A replica group is one process, or several that shard its model (FSDP2's ``fully_shard`` on a 1-D mesh of the
+group's own process group, as HSDP's shard dimension): SLAMB's worker is the replica group, and each of its
+ranks meets the ranks holding the same shard in the other groups through its manager's process group (gloo on
+the CPU, NCCL on GPUs), as HSDP's replicate dimension (:func:`slamb.sharding.sharded_topology`). A step
+commits only where every rank of every group in the quorum commits it; a joining group's rank r takes rank r's
+shards of a peer group.
 """
 from __future__ import annotations
 
@@ -56,6 +60,7 @@ from .. import comm
 from ..averaging import average_tensors_
 from ..contract import GRADIENT_ALLREDUCE, adopt
 from ..optim.slamb import SLAMB
+from ..sharding import local
 
 __all__ = ["ManagedGroup", "HealTransport", "connect", "FaultTolerant", "Undo", "HEAL_POLICIES"]
 
@@ -212,12 +217,18 @@ class HealTransport(CheckpointTransport):
         self.inner.shutdown(wait)
 
 
-def connect(lighthouse: str, replica_id: str, *, min_replicas: int = 1, timeout: float = 60.0,
-            quorum_timeout: float = 300.0, device: str = "cpu", host: str | None = None,
-            init_sync: bool = True) -> ManagedGroup:
-    """This process as replica group ``replica_id`` of the job whose lighthouse is at ``lighthouse``
-    (``http://host:port``): its store, the manager's process group (gloo on ``"cpu"``, NCCL on ``"cuda"``),
-    the checkpoint transport joining replicas heal through, and the manager, its quorum synchronous.
+def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int = 1, store=None,
+            min_replicas: int = 1, timeout: float = 60.0, quorum_timeout: float = 300.0, device: str = "cpu",
+            host: str | None = None, init_sync: bool = True) -> ManagedGroup:
+    """This process as (rank ``rank`` of the ``world_size`` processes of) replica group ``replica_id`` of the job
+    whose lighthouse is at ``lighthouse`` (``http://host:port``): the manager's process group (gloo on ``"cpu"``,
+    NCCL on ``"cuda"``), the checkpoint transport joining replicas heal through, and the manager, its quorum
+    synchronous.
+
+    ``store``: the replica group's :class:`torch.distributed.TCPStore`, hosted by its rank 0, where the group's
+    managers meet (they write keys of their own: build the group's process group on a
+    ``torch.distributed.PrefixStore`` of it). Needed for a group of several processes; one process alone gets a
+    store of its own at ``host``.
 
     ``min_replicas``: a step commits only with at least this many replicas in it. ``timeout``: seconds a
     collective, a commit or a heal may take before it fails (a dead peer is usually seen at once, as a
@@ -227,15 +238,21 @@ def connect(lighthouse: str, replica_id: str, *, min_replicas: int = 1, timeout:
     """
     if device not in ("cpu", "cuda"):
         raise ValueError(f"invalid device={device!r}: must be 'cpu' (gloo) or 'cuda' (NCCL)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"invalid rank={rank} of world_size={world_size}: must be 0 .. world_size - 1")
+    if store is None and world_size > 1:
+        raise ValueError(f"a replica group of world_size={world_size} processes meets through its store: pass store=, "
+                         "a TCPStore its rank 0 hosts")
     host = host or socket.gethostname()
     limit = timedelta(seconds=timeout)
-    store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+    if store is None:
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=limit) if device == "cpu" else ProcessGroupNCCL(timeout=limit)
     transport = HealTransport(HTTPTransport(timeout=limit, num_chunks=0))
     manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
                       use_async_quorum=False, timeout=limit, quorum_timeout=timedelta(seconds=quorum_timeout),
-                      connect_timeout=limit, replica_id=replica_id, store_addr=host, store_port=store.port,
-                      rank=0, world_size=1, lighthouse_addr=lighthouse, checkpoint_transport=transport,
+                      connect_timeout=limit, replica_id=replica_id, store_addr=store.host, store_port=store.port,
+                      rank=rank, world_size=world_size, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       init_sync=init_sync)
     return ManagedGroup(manager, pg, transport, store)
 
@@ -256,7 +273,7 @@ class Undo:
         self.steps = 0
 
     def _tensors(self) -> tuple[list, list[torch.Tensor]]:
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [local(p) for g in self.optimizer.param_groups for p in g["params"]]
         keys, tensors = list(range(len(params))), list(params)
         for i, p in enumerate(params):
             for name, t in self.optimizer.state.get(p, {}).items():
@@ -315,8 +332,10 @@ class FaultTolerant:
         self.local = isinstance(optimizer, SLAMB)
         if self.local:
             bad = [what for what, on in (("overlap=True", optimizer.overlap), (f"hierarchy={optimizer.hierarchy!r}",
-                   optimizer.hierarchy is not None), ("sharded parameters", optimizer.shards is not None)) if on]
-            if optimizer.process_group is not group or bad:
+                   optimizer.hierarchy is not None)) if on]
+            # sharded: the replica group's ranks each hold a shard, and meet the other groups through the manager
+            replicas = optimizer.process_group if optimizer.shards is None else optimizer.shards.replicate
+            if replicas is not group or bad:
                 raise ValueError("SLAMB under torchft runs its collectives through the manager: build it with "
                                  "process_group=group (the ManagedGroup of connect()), without "
                                  f"{', '.join(bad) or 'another process group'}")
@@ -331,6 +350,7 @@ class FaultTolerant:
             raise ValueError(f"invalid heal={heal!r} for {type(optimizer).__name__}: a data-parallel optimizer's "
                              "state is the same on every replica, a joining one takes the peer's (heal='peer')")
         self.heal = heal
+        self._before = None  # the manager's state before this step's quorum
         self.joined = False  # healed with heal="mean", the mean over the others still to take
         self.heals = 0  # states this replica received
         if group.transport is not None:
@@ -343,7 +363,17 @@ class FaultTolerant:
 
     def start_step(self) -> None:
         """The quorum of this step; a replica that is behind takes a peer's state now (:meth:`_load`)."""
+        self._before = self.manager.state_dict()
         self.manager.start_quorum()
+
+    def _not_committed(self) -> bool:
+        """After a step that did not commit: a replica that healed at its quorum goes back to the step it was at
+        before, and heals again at the next one. Another process of its group may have failed to take its
+        state, and the group's step, which torchft takes from whichever of its processes asks for a quorum
+        last, must be every process's: or a process left behind would train on with another step's state."""
+        if self._before is not None and self.manager.current_step() != self._before["step"]:
+            self.manager.load_state_dict(self._before)
+        return False
 
     def step(self, before_commit=None, clip_grad: float | None = None) -> bool:
         """The optimizer's step under the manager; whether it committed (if not, nothing changed).
@@ -355,7 +385,7 @@ class FaultTolerant:
         DDP, whose average precedes the caller's clipping; SLAMB's gradients are each replica's own)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not self.local:
-            average_tensors_([p.grad for p in params], process_group=self.group, ledger=self.optimizer.ledger,
+            average_tensors_([local(p.grad) for p in params], process_group=self.group, ledger=self.optimizer.ledger,
                              kind="grads")
         if clip_grad:
             torch.nn.utils.clip_grad_norm_(params, clip_grad, foreach=True)
@@ -364,7 +394,7 @@ class FaultTolerant:
                 before_commit()
             if not self.manager.should_commit():
                 self.optimizer.ledger.end_step()  # the attempt's bytes, a step of the ledger as SLAMB's are
-                return False
+                return self._not_committed()
             self._optimizer_step()
             return True
         self.undo.take()
@@ -382,13 +412,13 @@ class FaultTolerant:
             self.joined = False
             return True
         self.undo.restore()
-        return False
+        return self._not_committed()
 
     @torch.no_grad()
     def _mean_at_join(self) -> None:
         """heal="mean": where replicas joined at this step's quorum, every replica's parameters become the
         mean over the others (one 4-byte all-reduce each step, kind "control", to learn of a join)."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = [local(p) for g in self.optimizer.param_groups for p in g["params"]]
         count = torch.tensor([float(self.joined)], device=params[0].device)
         comm.all_reduce_sum_(count, kind="control", ledger=self.optimizer.ledger, group=self.group)
         joined, n = int(count.item()), self.group.size()
@@ -406,16 +436,21 @@ class FaultTolerant:
         replica's step waits for it at its first collective); the buffers (BatchNorm's statistics) change in
         the forward pass that runs meanwhile, and are copied."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        state = {i: {name: t.detach() for name, t in self.optimizer.state.get(p, {}).items() if torch.is_tensor(t)}
-                 for i, p in enumerate(params)}
+        state = {i: {name: local(t).detach() for name, t in self.optimizer.state.get(p, {}).items()
+                     if torch.is_tensor(t)} for i, p in enumerate(params)}
         weights = dict(self.model.named_parameters())
-        model = {k: v if k in weights else v.clone() for k, v in self.model.state_dict().items()}
+        # a sharded model's: this rank's shards, which the joining group's rank of the same shard receives
+        model = {k: local(v) if k in weights else v.clone() for k, v in self.model.state_dict().items()}
         return {"model": model, "state": state, "steps": getattr(self.optimizer, "steps", None)}
 
     @torch.no_grad()
     def _load(self, received: dict) -> None:
         """A peer's state, kept as ``heal`` says."""
-        self.model.load_state_dict(received["model"])
+        own = self.model.state_dict()
+        if set(own) != set(received["model"]):
+            raise ValueError(f"a peer's state for another model: {sorted(set(own) ^ set(received['model']))[:4]}")
+        for k, v in own.items():  # in place, into this rank's shards of a sharded model
+            local(v).copy_(received["model"][k])
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         for i, p in enumerate(params):
             mine = self.optimizer.state.setdefault(p, {})
