@@ -32,13 +32,13 @@ import sys
 import tempfile
 import time
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from harness.distributed import forkserver
+from harness.replica import group_store
 from slamb.comm import HEAL
 
 KILLED = -signal.SIGKILL
@@ -154,28 +154,6 @@ def make_optimizer(job: Job, params, group):
 
 # -- a replica's process ------------------------------------------------------------------------------------
 
-def _group_store(index: int, attempt: int, rank: int, job: Job, out: Path):
-    """Replica group ``index``'s store (its ``attempt``-th, hosted by its rank 0, found by the others through a file)
-    and its process group over it, on which the group shards its model; None for a group of one process."""
-    if job.group_size == 1:
-        return None
-    import torch.distributed as dist
-
-    found = out / f"store{index}.{attempt}"
-    if rank == 0:
-        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        (out / f"{found.name}.tmp").write_text(str(store.port))
-        os.replace(out / f"{found.name}.tmp", found)
-    else:
-        while not found.exists():
-            time.sleep(0.01)
-        store = dist.TCPStore("127.0.0.1", int(found.read_text()), is_master=False, wait_for_workers=False)
-    # the managers write keys of their own into the store
-    dist.init_process_group("gloo", store=dist.PrefixStore("group", store), rank=rank, world_size=job.group_size,
-                            timeout=timedelta(seconds=job.timeout))
-    return store
-
-
 def _full(model) -> dict:
     """The model's state with whole tensors (a sharded one's gathered inside its group: collective there)."""
     from slamb.sharding import is_sharded
@@ -221,7 +199,7 @@ def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: P
             return super()._state()
 
     torch.set_num_threads(1)
-    store = _group_store(index, attempt, rank, job, out)
+    store = group_store(index, attempt, rank, job.group_size, out, job.timeout)
     g = connect(address, replica_id=str(index), rank=rank, world_size=job.group_size, store=store,
                 timeout=job.timeout, host="127.0.0.1", init_sync=False)
     group = Dying(g.manager, g.pg, g.transport, g.store)
@@ -381,8 +359,7 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
                     raise RuntimeError(f"replica {r} (attempt {attempts[r]}, rank {k}) exited with {codes[k]}:\n"
                                        + log.read_text()[-4000:])
                 for p in procs:  # the group's other processes go with it, as a scheduler ends the group
-                    if p.exitcode is None:
-                        os.kill(p.pid, signal.SIGKILL)
+                    p.kill()  # (not os.kill: the fork server may have reaped it since its exit code was read)
                     p.join()
                 del running[r]
                 attempts[r] += 1

@@ -262,8 +262,10 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
 
 
 def planned_world(t: dict) -> int:
-    """The ranks a job will have: its torchft replica groups, or its workers (:func:`planned_world_size`)."""
-    return t["replica_groups"] if t["fault_tolerance"] == "torchft" else planned_world_size(t["nproc_per_node"])
+    """The ranks a job will have: its torchft replica groups' workers, or its workers (:func:`planned_world_size`)."""
+    if t["fault_tolerance"] == "torchft":
+        return t["replica_groups"] * t["nproc_per_node"]
+    return planned_world_size(t["nproc_per_node"])
 
 
 def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), fault_tolerant: bool = False):

@@ -250,7 +250,7 @@ def init_distributed(device: str = "auto", threads_per_worker: int | None = None
     set_cuda_math(tf32, cudnn_benchmark)
     replica = join(dev, timeout_s)
     if replica is not None:  # one of a torchft job's replica groups: they meet through its manager, not dist
-        return DistEnv(replica.index, replica.groups, 0, local_world, dev)
+        return DistEnv(replica.global_rank, replica.groups * replica.size, local_rank, local_world, dev)
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)

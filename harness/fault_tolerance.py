@@ -2,15 +2,20 @@
 
     python -m cifar10.train experiment=cifar10/slamb +mixin=torchft trainer.replica_groups=4
 
-The job is ``trainer.replica_groups`` replica groups of one worker each, which torchft's lighthouse (started
-here, by the launcher) gathers into a quorum at every step. When a group dies (its process killed, its host
-lost) the step's commit fails on the others, who undo the step and take it again without it
-(:class:`slamb.integrations.torchft.FaultTolerant`); the launcher relaunches the dead group's worker
-(``trainer.max_restarts`` relaunches in all, none after an error that would recur), which joins the others at a
-coming step and takes a peer's state (``trainer.heal``, :data:`slamb.integrations.torchft.HEAL_POLICIES`).
-While a group is away the global batch lacks its share, as in torchft's own data-parallel training.
+    python -m bert.train experiment=bert/slamb +mixin=torchft trainer.replica_groups=3 \
+        trainer.nproc_per_node=2 trainer.parallelism=hsdp trainer.shard_size=2
 
-* :func:`launch`: the lighthouse, one process per group, the relaunches, the job's one line on a failure;
+The job is ``trainer.replica_groups`` replica groups, which torchft's lighthouse (started here, by the launcher)
+gathers into a quorum at every step. A group is one worker, or ``trainer.nproc_per_node`` workers that shard its
+model (HSDP whose replicas are the groups: ``trainer.parallelism=hsdp``, ``trainer.shard_size`` its workers).
+When a group dies (a process of it killed, its host lost) the step's commit fails on the others, who undo the
+step and take it again without it (:class:`slamb.integrations.torchft.FaultTolerant`); the launcher ends the
+group's other workers and relaunches it (``trainer.max_restarts`` relaunches in all, none after an error that
+would recur), and it joins the others at a coming step, each worker taking its shards of a peer group's state
+(``trainer.heal``, :data:`slamb.integrations.torchft.HEAL_POLICIES`). While a group is away the global batch
+lacks its share, as in torchft's own data-parallel training.
+
+* :func:`launch`: the lighthouse, the groups' processes, the relaunches, the job's one line on a failure;
 * :func:`harness.replica.join`: a worker's replica group (from :func:`harness.init_distributed`): the manager's
   :class:`~slamb.integrations.torchft.ManagedGroup`, SLAMB's ``process_group`` (:func:`harness.build_optimizer`);
 * :class:`harness.Loop` runs each step under the manager: the steps are numbered by the manager's committed
@@ -38,8 +43,10 @@ import torch
 from slamb import comm
 from slamb.averaging import average_tensors_
 from slamb.contract import GRADIENT_ALLREDUCE
+from slamb.ddp import reshard
 from slamb.optim.checks import check_choice, check_count
 from slamb.optim.slamb import SLAMB
+from slamb.sharding import local
 from .checkpoint import Checkpointer, unwrap
 from .distributed import WILL_RECUR_EXIT, WorkerError, _worker_entry, _worker_module, forkserver, started_externally
 from .replica import ENV, Replica, current
@@ -67,15 +74,24 @@ def check(cfg: dict, supported: bool) -> None:
         from slamb.integrations.torchft import HEAL_POLICIES
     except ImportError:
         raise ValueError(f"invalid {mode}: torchft is not installed; pip install 'slamb[ft]'") from None
-    check_count("trainer.replica_groups", t["replica_groups"], " (the job's replica groups, one worker each)")
+    check_count("trainer.replica_groups", t["replica_groups"], " (the job's replica groups, of trainer.nproc_per_node workers each)")
     check_count("trainer.min_replicas", t["min_replicas"], " (groups a step needs to commit)")
     if t["min_replicas"] > t["replica_groups"]:
         raise ValueError(f"invalid trainer.min_replicas={t['min_replicas']}: more than the job's "
                          f"trainer.replica_groups={t['replica_groups']}")
     check_choice("trainer.heal", t["heal"], HEAL_POLICIES)
-    needs = [(t["nproc_per_node"] != 1, f"trainer.nproc_per_node={t['nproc_per_node']}",
-              "trainer.nproc_per_node=1 (its workers are trainer.replica_groups)"),
-             (t["parallelism"] != "ddp", f"trainer.parallelism={t['parallelism']}", "trainer.parallelism=ddp"),
+    workers = t["nproc_per_node"]
+    check_count("trainer.nproc_per_node", workers, " (each replica group's workers)")
+    # a group of several workers is one replica sharded over them: HSDP, its replicas torchft's groups
+    alone = workers == 1
+    needs = [(alone and t["parallelism"] != "ddp", f"trainer.parallelism={t['parallelism']} and one worker per group",
+              "trainer.parallelism=ddp, or trainer.nproc_per_node=N trainer.parallelism=hsdp trainer.shard_size=N "
+              "(groups of N workers sharding their model)"),
+             (not alone and (t["parallelism"] != "hsdp" or t["shard_size"] != workers),
+              f"trainer.nproc_per_node={workers} (each replica group's workers) and trainer.parallelism="
+              f"{t['parallelism']} trainer.shard_size={t['shard_size']}",
+              f"trainer.parallelism=hsdp trainer.shard_size={workers} (each group shards its model over its workers), "
+              "or trainer.nproc_per_node=1"),
              (t["precision"] == "fp16", "trainer.precision=fp16 (its skips agree over a process group)",
               "trainer.precision=fp32 or bf16"),
              (t["checkpoint"]["enabled"], "trainer.checkpoint.enabled=true (its groups hold the run's state and "
@@ -119,26 +135,29 @@ def quiet() -> None:
 # -- the launcher ---------------------------------------------------------------------------------------------
 
 def launch(worker, cfg: dict, run_dir: str) -> dict:
-    """Run ``worker(cfg, run_dir)`` in each of ``trainer.replica_groups`` processes under a lighthouse started
-    here; relaunch a failed one while others train (``trainer.max_restarts`` in all). Returns the run's summary
+    """Run ``worker(cfg, run_dir)`` in the ``trainer.nproc_per_node`` processes of each of
+    ``trainer.replica_groups`` groups under a lighthouse started here; relaunch a failed group (all its processes:
+    the others of it are ended) while others train (``trainer.max_restarts`` in all). Returns the run's summary
     (``metrics.json``). A failure that ends the job is a :class:`harness.distributed.WorkerError`, one line."""
     from torchft.coordination import LighthouseServer
 
     t = cfg["trainer"]
-    groups, budget = t["replica_groups"], t["max_restarts"]
+    groups, budget, size = t["replica_groups"], t["max_restarts"], t["nproc_per_node"]
     server = LighthouseServer(bind="[::]:0", min_replicas=t["min_replicas"], join_timeout_ms=JOIN_MS,
                               heartbeat_timeout_ms=HEARTBEAT_MS)
     fork = multiprocessing.get_context(forkserver(_worker_module(worker), *PRELOAD))
-    running: dict[int, object] = {}
+    running: dict[int, list] = {}  # a group's processes
     with tempfile.TemporaryDirectory(prefix="slamb_ft_") as folder:
         errors = Path(folder) / "errors"
         errors.mkdir()
 
         def start(index: int, attempt: int):
-            env = f"{server.address()} {index} {groups} {attempt} {folder}"
-            p = fork.Process(target=_worker, args=(worker, cfg, run_dir, env, str(errors)))
-            p.start()
-            running[index] = p
+            running[index] = []
+            for rank in range(size):
+                env = f"{server.address()} {index} {groups} {attempt} {folder} {rank} {size}"
+                p = fork.Process(target=_worker, args=(worker, cfg, run_dir, env, str(errors)))
+                p.start()
+                running[index].append(p)
 
         try:
             for index in range(groups):
@@ -146,15 +165,21 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
             attempts, relaunched, finished = dict.fromkeys(range(groups), 0), 0, set()
             while running:
                 time.sleep(0.2)
-                for index, p in list(running.items()):
-                    if p.exitcode is None:
+                for index, procs in list(running.items()):
+                    codes = [p.exitcode for p in procs]
+                    if None in codes and not any(codes):  # running, or some of it finished
                         continue
                     del running[index]
-                    if p.exitcode == 0:
+                    if not any(codes):
                         finished.add(index)
                         continue
-                    line = _error_line(errors, index, p.exitcode)
-                    if p.exitcode == WILL_RECUR_EXIT:
+                    rank, code = next((k, c) for k, c in enumerate(codes) if c)
+                    for p in procs:  # the group's other processes: it is relaunched whole
+                        p.kill()  # (not os.kill: the fork server may have reaped it since its exit code was read)
+                        p.join()
+                    line = _error_line(errors, index * size + rank, code, f"replica group {index}" +
+                                       (f", its worker {rank}" if size > 1 else ""))
+                    if code == WILL_RECUR_EXIT:
                         raise WorkerError(line, WILL_RECUR_EXIT)
                     if finished:  # the others have finished the run: nothing to rejoin
                         print(f"replica group {index} failed after the others finished: {line}", flush=True)
@@ -169,7 +194,7 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
                           f"trainer.max_restarts={budget}): it joins the others at a coming step", flush=True)
                     start(index, attempts[index])
         finally:
-            for p in running.values():
+            for p in (p for procs in running.values() for p in procs):
                 if p.is_alive():
                     os.kill(p.pid, signal.SIGKILL)
                 p.join()
@@ -177,23 +202,25 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
     return json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
-def _error_line(errors: Path, index: int, status: int) -> str:
+def _error_line(errors: Path, rank: int, status: int, who: str) -> str:
     for kind in ("error", "fault"):
-        path = errors / f"rank{index}.{kind}"
+        path = errors / f"rank{rank}.{kind}"
         if path.exists():
             line = path.read_text()
             path.unlink()
             return line
     how = f"killed by {signal.Signals(-status).name}" if status < 0 else f"exit status {status}"
-    return f"replica group {index}: {how}"
+    return f"{who}: {how}"
 
 
 def _worker(worker, cfg: dict, run_dir: str, env: str, errors: str) -> None:
     """A replica group's process: the pipeline's worker, which :func:`join` makes this group's."""
-    index, attempt = env.split()[1], env.split()[3]
-    # RANK names its error file; the restart count, the attempt (the fault-injection hook's first attempt)
-    os.environ.update({ENV: env, "RANK": index, "TORCHELASTIC_RESTART_COUNT": attempt,
-                       "LOCAL_WORLD_SIZE": env.split()[2]})
+    _, index, groups, attempt, _, rank, size = env.split()
+    # RANK names its error file; the restart count, the attempt (the fault-injection hook's first attempt); the
+    # processes of the machine: every group's (the CPU threads divide among them), a group's one device each
+    global_rank = str(int(index) * int(size) + int(rank))
+    os.environ.update({ENV: env, "RANK": global_rank, "TORCHELASTIC_RESTART_COUNT": attempt,
+                       "LOCAL_RANK": global_rank, "LOCAL_WORLD_SIZE": str(int(groups) * int(size))})
     try:
         _worker_entry(worker, cfg, run_dir, errors)
     finally:
@@ -231,6 +258,7 @@ class ManagedSteps:
         # what torch's LR scheduler marks a step it wraps with: FaultTolerant calls that wrapped step
         step._wrapped_by_lr_sched = True
         optimizer.step = step
+        self.started = False  # the first quorum asked for
         self.quorum = False  # a quorum started for a step not taken yet
         self.committed = False  # whether the last step taken committed
         self.totals: torch.Tensor | None = None
@@ -245,6 +273,9 @@ class ManagedSteps:
 
     def _quorum(self) -> int:
         if not self.quorum:
+            if not self.started:
+                self.replica.before_first_quorum()
+                self.started = True
             self.ft.start_step()
             self.quorum = True
         return self.done
@@ -280,15 +311,18 @@ class ManagedSteps:
     def _step(self) -> None:
         self.committed = self.ft.step(before_commit=self.pending, clip_grad=self.clip_grad)
         if self.committed and self.pending is not None:
-            self.writer = self.replica.group.rank() == 0
+            self.writer = self.replica.group.rank() == 0 and self.replica.rank == 0
             if self.totals is not None:
                 self.totals.copy_(self._summed)
         elif self.pending is not None:
             self.average = None
 
     def _model_tensors(self) -> list[torch.Tensor]:
+        """This worker's part of the run's model: its shards of a sharded model's parameters (an evaluation's
+        forward leaves the root's gathered: resharded first)."""
+        reshard(self.model)
         params = list(self.model.parameters()) if self.optimizer.params_differ else []
-        return [t.detach() for t in params] + [b for b in self.model.buffers() if b.is_floating_point()]
+        return [local(t).detach() for t in params] + [b for b in self.model.buffers() if b.is_floating_point()]
 
     @torch.no_grad()
     def _sum_period(self) -> None:
@@ -297,6 +331,8 @@ class ManagedSteps:
         average_tensors_(self.average, process_group=group)  # as slamb.averaged_model averages over ranks
         if self.totals is not None:
             self._summed = self.totals.clone()
+            if self.replica.size > 1:  # the group's workers' sums first, over the group's own process group
+                comm.all_reduce_sum_(self._summed, kind="eval", ledger=None)
             comm.all_reduce_sum_(self._summed, kind="eval", ledger=None, group=group)
 
     @contextlib.contextmanager
@@ -308,6 +344,7 @@ class ManagedSteps:
         try:
             yield
         finally:
+            reshard(self.model)  # the root's gathered parameters, the average's: the next forward gathers these
             _copy(tensors, saved)
 
     def keep_average(self) -> None:

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import slamb
 from slamb.ddp import fsdp_modules
 from slamb.optim.checks import check_choice
+from .replica import current as current_replica
 
 PARALLELISMS = ("ddp", "fsdp", "hsdp")
 MESH_DIMS = ("replicate", "shard")
@@ -108,12 +109,16 @@ def check_parallelism(cfg: dict, world_size: int, shards: bool, build_optimizer)
 
 
 def device_mesh(trainer, env):
-    """The run's device mesh (None under DDP): 1-D ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP."""
+    """The run's device mesh (None under DDP): 1-D ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP. Under
+    torchft, a replica group's own 1-D ``(shard,)`` over its workers: its replicas are torchft's groups, which
+    meet through its manager (:mod:`harness.fault_tolerance`)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     replicas, shards = shard_groups(trainer.parallelism, trainer.shard_size, env.world_size)
     if trainer.parallelism == "ddp":
         return None
+    if current_replica() is not None:
+        return init_device_mesh(env.device.type, (shards,), mesh_dim_names=MESH_DIMS[1:])
     if trainer.parallelism == "fsdp":
         return init_device_mesh(env.device.type, (shards,), mesh_dim_names=MESH_DIMS[1:])
     return init_device_mesh(env.device.type, (replicas, shards), mesh_dim_names=MESH_DIMS)

@@ -98,6 +98,7 @@ class averaged_model:
     """
 
     def __init__(self, model: torch.nn.Module, *, process_group=None, buffers: bool = True):
+        self.module = getattr(model, "module", model)
         self.parts = _averaged_together(model, process_group, buffers)
         self.tensors = [t for tensors, _ in self.parts for t in tensors]
         self.saved: list[torch.Tensor] | None = None
@@ -111,6 +112,9 @@ class averaged_model:
 
     def __exit__(self, *exc) -> None:
         if self.saved is not None:
+            # an FSDP2 model's root keeps its parameters gathered after the body's forward: the average's. The next
+            # forward would train on them rather than gather the local shards put back here
+            reshard(self.module)
             with torch.no_grad():
                 torch._foreach_copy_(self.tensors, self.saved)
             self.saved = None

@@ -69,7 +69,9 @@ def _shard_dim(p) -> int:
 
 
 def sharded_topology(params, process_group=None) -> MeshTopology | None:
-    """The replicas of the mesh the DTensor ``params`` share, or None where none is a DTensor."""
+    """The replicas of the mesh the DTensor ``params`` share, or None where none is a DTensor. ``process_group``: a
+    :class:`slamb.comm.Collectives` group the replicas meet through (torchft's replica groups, each sharded over
+    its own 1-D mesh), or None (the mesh's replicate dimension, where it has one)."""
     params = list(params)
     sharded = [p for p in params if is_sharded(p)]
     if not sharded:

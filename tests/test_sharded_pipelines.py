@@ -72,9 +72,12 @@ def runs(tiny_data, tmp_path_factory):  # noqa: F811 (the imported fixture)
     jobs.append(("swin", swin, str(root / "swin"), None))
     jobs.append(("bert", jobs[0][1], str(root / "slamb_resumed"), jobs[0][2]))
     jobs.append(("swin", swin, str(root / "swin_resumed"), str(root / "swin")))
+    # SLAMB's job evaluating at every step, without checkpoints (a checkpoint's save reshards the model)
+    jobs.append(("bert", tiny_cfg(tiny_data, root / "slamb_eval", f"data.dir={shards}", *bert["slamb"], "log_every=1",
+                                  "trainer.checkpoint.enabled=false"), str(root / "slamb_eval"), None))
     summaries = distributed.run(worker, WORLD, jobs)[0]
     return {"root": root, "summaries": dict(zip(["slamb", "lamb", "lamb_ddp", "slamb_fused", "swin", "slamb_resumed",
-                                                 "swin_resumed"], summaries)), "jobs": jobs}
+                                                 "swin_resumed", "slamb_eval"], summaries)), "jobs": jobs}
 
 
 @pytest.mark.multiprocess
@@ -96,6 +99,17 @@ def test_hsdp_slamb_bert_lowers_the_loss_and_exports_the_replicas_average(runs):
         differ += not torch.equal(a, b)
         assert torch.allclose(p, (a + b) / 2, rtol=0, atol=1e-6), name
     assert differ > 0  # SLAMB's replicas differ between syncs (every 3 steps)
+
+
+@pytest.mark.multiprocess
+def test_evaluating_the_average_between_steps_leaves_the_training_as_it_was(runs):
+    # the averaged model is evaluated every 2 steps in one run (each followed by a checkpoint), at every step in the
+    # other: FSDP's root keeps the average's parameters gathered after an evaluation, where the next step must
+    # gather the local shards again (else the root's parameters, the embeddings, end elsewhere)
+    cfg = OmegaConf.create(runs["jobs"][0][1])
+    a, b = (load_pretrained(runs["root"] / run / "model", cfg.model).state_dict() for run in ("slamb", "slamb_eval"))
+    assert [r["step"] for r in history(runs["root"] / "slamb_eval")] == [1, 2, 3, 4, 5, 6]
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
 
 
 def dcp_state(directory: Path) -> dict:

@@ -1,6 +1,7 @@
 """The CIFAR-10, BERT, Swin and SQuAD pipelines under ``trainer.fault_tolerance=torchft`` (harness/fault_tolerance.py), as a user
 runs them: ``python -m cifar10.train ... +mixin=torchft``, whose launcher starts torchft's lighthouse and 3 replica
-groups of one gloo worker each on the CPU; a group killed before a step (the fault-injection hook) and relaunched.
+groups of one gloo worker each on the CPU (BERT also of two workers sharding the model); a group killed before a
+step (the fault-injection hook) and relaunched.
 LAMB's (data-parallel) steps under a failure: tests/test_torchft.py."""
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def command(module: str, args, extra_env=None) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=600, check=False)
 
 
-def torchft_and_plain(module: str, common: list[str], tmp_path, compared) -> tuple[list[dict], list[dict]]:
+def torchft_and_plain(module: str, common: list[str], tmp_path, compared, torchft=TORCHFT,
+                      plain=PLAIN) -> tuple[list[dict], list[dict]]:
     """``common`` under torchft (3 groups, ``tmp_path/ft``) and on 3 plain workers (``tmp_path/plain``): the
     ``compared`` keys of each run's lines."""
-    for name, mode in (("ft", TORCHFT), ("plain", PLAIN)):
+    for name, mode in (("ft", torchft), ("plain", plain)):
         done = command(module, [*common, *mode, f"hydra.run.dir={tmp_path / name}"])
         assert done.returncode == 0, done.stderr[-3000:]
     return tuple([{k: r[k] for k in compared if k in r} for r in history(tmp_path / d)] for d in ("ft", "plain"))
@@ -91,16 +93,17 @@ def assert_same_exports(a: dict, b: dict) -> None:
         assert_same_tensor(a[key], b[key], key)
 
 
-def killed_and_relaunched(module: str, args: list[str], step: int, run_dir) -> list[dict]:
-    """``args`` under torchft with group 1 killed before ``step``: the others train on and the group is relaunched
-    once (one line); the run's lines."""
+def killed_and_relaunched(module: str, args: list[str], step: int, run_dir, rank: int = 1,
+                          who: str = "replica group 1") -> list[dict]:
+    """``args`` under torchft with worker ``rank`` (``who``: of group 1) killed before ``step``: the others train
+    on and the group is relaunched once (one line); the run's lines."""
     done = command(module, [*args, *TORCHFT, f"hydra.run.dir={run_dir}"],
-                   extra_env={"SLAMB_FAULT_AT_STEP": str(step), "SLAMB_FAULT_RANK": "1"})
+                   extra_env={"SLAMB_FAULT_AT_STEP": str(step), "SLAMB_FAULT_RANK": str(rank)})
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
-    assert f"[fault injection] rank 1 exits before step {step}" in out
+    assert f"[fault injection] rank {rank} exits before step {step}" in out
     assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
-        "replica group 1 failed (replica group 1: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
+        f"replica group 1 failed ({who}: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
         "joins the others at a coming step"], out[-3000:]
     return history(run_dir)
 
@@ -145,8 +148,12 @@ def refused(*overrides, root="cifar10", fault_tolerant=True) -> str:
 
 
 @pytest.mark.parametrize("overrides, line", [
-    (["trainer.nproc_per_node=2"], "error: invalid trainer.fault_tolerance=torchft with trainer.nproc_per_node=2: set "
-     "trainer.nproc_per_node=1 (its workers are trainer.replica_groups) (+mixin=torchft sets them)"),
+    (["trainer.nproc_per_node=2"], "error: invalid trainer.fault_tolerance=torchft with trainer.nproc_per_node=2 "
+     "(each replica group's workers) and trainer.parallelism=ddp trainer.shard_size=None: set trainer.parallelism=hsdp "
+     "trainer.shard_size=2 (each group shards its model over its workers), or trainer.nproc_per_node=1"),
+    (["trainer.parallelism=fsdp"], "error: invalid trainer.fault_tolerance=torchft with trainer.parallelism=fsdp and "
+     "one worker per group: set trainer.parallelism=ddp, or trainer.nproc_per_node=N trainer.parallelism=hsdp "
+     "trainer.shard_size=N (groups of N workers sharding their model)"),
     (["trainer.checkpoint.enabled=true"], "with trainer.checkpoint.enabled=true (its groups hold the run's state and "
      "heal each other): set trainer.checkpoint.enabled=false"),
     (["trainer.precision=fp16"], "set trainer.precision=fp32 or bf16"),
@@ -210,6 +217,38 @@ def test_a_torchft_bert_run_computes_what_the_same_job_on_three_workers_computes
     a, b = torchft_and_plain("bert.train", [*BERT_ROWS[row], *bert_data, "steps=4"], tmp_path, BERT_COMPARED)
     assert_same_lines(a, b, [2, 4])
     assert_same_exports(*(exported_bert(tmp_path / d).state_dict() for d in ("ft", "plain")))
+
+
+# 3 groups of 2 workers sharding the model, and the same job on 6 workers under HSDP of 3 replicas of 2 shards
+GROUPS_OF_TWO = [*TORCHFT, "trainer.nproc_per_node=2", "trainer.parallelism=hsdp", "trainer.shard_size=2"]
+HSDP = ["trainer.nproc_per_node=6", "trainer.parallelism=hsdp", "trainer.shard_size=2", "trainer.checkpoint.enabled=false"]
+
+
+@pytest.mark.parametrize("row", list(BERT_ROWS))
+@pytest.mark.multiprocess
+def test_torchft_groups_of_two_workers_sharding_bert_compute_what_hsdp_on_six_workers_computes(bert_data, tmp_path,
+                                                                                            row):
+    a, b = torchft_and_plain("bert.train", [*BERT_ROWS[row], *bert_data, "steps=4"], tmp_path, BERT_COMPARED,
+                             torchft=GROUPS_OF_TWO, plain=HSDP)
+    assert_same_lines(a, b, [2, 4])
+    assert history(tmp_path / "ft")[0]["bytes_cum/fsdp_reduce_scatter"] > 0  # the groups' workers shard the model
+    assert_same_exports(*(exported_bert(tmp_path / d).state_dict() for d in ("ft", "plain")))
+
+
+@pytest.mark.multiprocess
+def test_a_killed_worker_ends_its_group_of_two_which_is_relaunched_and_rejoins(bert_data, tmp_path):
+    run_dir = tmp_path / "run"
+    # worker 3 (group 1's second) dies before step 4: its group's other worker is ended with it, the others take the
+    # step again without the group, which is relaunched, each worker taking its shards of a peer group's state
+    args = [*BERT_ROWS["slamb"], *bert_data, "steps=8", *GROUPS_OF_TWO[len(TORCHFT):]]
+    lines = killed_and_relaunched("bert.train", args, 4, run_dir, rank=3, who="replica group 1, its worker 1")
+    assert [r["step"] for r in lines] == [2, 4, 6, 8] and lines[-1]["val_mlm_loss"] < lines[0]["val_mlm_loss"]
+    summary = json.loads((run_dir / "metrics.json").read_text())
+    assert summary["steps"] == 8 and summary["final_val_mlm_loss"] == lines[-1]["val_mlm_loss"]
+    cfg = OmegaConf.load(run_dir / "config.yaml")
+    cpu = DistEnv(0, 1, 0, 1, torch.device("cpu"))
+    scored = validation_metrics(exported_bert(run_dir), validation_batches(cfg, cpu), MixedPrecision("fp32", cpu.device))
+    assert scored["val_mlm_loss"] == pytest.approx(summary["final_val_mlm_loss"], rel=1e-5)
 
 
 def exported_bert(run_dir):

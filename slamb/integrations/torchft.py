@@ -439,8 +439,9 @@ class FaultTolerant:
         state = {i: {name: local(t).detach() for name, t in self.optimizer.state.get(p, {}).items()
                      if torch.is_tensor(t)} for i, p in enumerate(params)}
         weights = dict(self.model.named_parameters())
-        # a sharded model's: this rank's shards, which the joining group's rank of the same shard receives
-        model = {k: local(v) if k in weights else v.clone() for k, v in self.model.state_dict().items()}
+        # a sharded model's: this rank's shards, which the joining group's rank of the same shard receives (a tied
+        # weight's second name, which named_parameters() leaves out, copied with the buffers)
+        model = {k: local(v) if k in weights else local(v).clone() for k, v in self.model.state_dict().items()}
         return {"model": model, "state": state, "steps": getattr(self.optimizer, "steps", None)}
 
     @torch.no_grad()
