@@ -117,9 +117,7 @@ def device_mesh(trainer, env):
     replicas, shards = shard_groups(trainer.parallelism, trainer.shard_size, env.world_size)
     if trainer.parallelism == "ddp":
         return None
-    if current_replica() is not None:
-        return init_device_mesh(env.device.type, (shards,), mesh_dim_names=MESH_DIMS[1:])
-    if trainer.parallelism == "fsdp":
+    if trainer.parallelism == "fsdp" or current_replica() is not None:
         return init_device_mesh(env.device.type, (shards,), mesh_dim_names=MESH_DIMS[1:])
     return init_device_mesh(env.device.type, (replicas, shards), mesh_dim_names=MESH_DIMS)
 
