@@ -117,19 +117,24 @@ class EveryRank(comm.Collectives):
 
     def all_reduce(self, tensor, op, async_op=False):
         if op != dist.ReduceOp.MAX or async_op:
-            raise NotImplementedError("EveryRank takes the maximum only, at once (slamb.comm.agree_max)")
+            self._refuse()
         dist.all_reduce(tensor, op=op, group=self.shard)
         self.replicas.all_reduce(tensor, op)
         dist.all_reduce(tensor, op=op, group=self.shard)
 
+    # the shards' collectives run over the replicas alone (MeshTopology.replicate), never over every rank
     def all_gather_into_tensor(self, output, input):
-        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
+        self._refuse()
 
     def all_to_all_single(self, output, input, async_op=False):
-        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
+        self._refuse()
 
     def broadcast(self, tensor, src):
-        raise NotImplementedError("EveryRank takes the maximum only (slamb.comm.agree_max)")
+        self._refuse()
+
+    @staticmethod
+    def _refuse():
+        raise TypeError("EveryRank agrees a maximum at once (slamb.comm.agree_max), and runs no other collective")
 
 
 def chunk_rows(rows: int, shards: int, index: int) -> tuple[int, int]:
