@@ -154,16 +154,9 @@ def make_optimizer(job: Job, params, group):
 
 # -- a replica's process ------------------------------------------------------------------------------------
 
-def _full(model) -> dict:
-    """The model's state with whole tensors (a sharded one's gathered inside its group: collective there)."""
-    from slamb.sharding import is_sharded
-
-    return {k: v.full_tensor() if is_sharded(v) else v for k, v in model.state_dict().items()}
-
-
 def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: Path) -> None:
     import slamb
-    from slamb.ddp import reshard
+    from slamb.ddp import full_state_dict, reshard
     from slamb.integrations.torchft import FaultTolerant, ManagedGroup, connect
     from slamb.sharding import local
 
@@ -246,7 +239,7 @@ def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: P
                       "bytes": {k: v["payload"] for k, v in opt.ledger.summary()["last_step"].items()}}
             log.write(json.dumps(record) + "\n")
             log.flush()
-    end = {"model": _full(model), "ledger": opt.ledger.summary(), "heals": ft.heals,
+    end = {"model": full_state_dict(model), "ledger": opt.ledger.summary(), "heals": ft.heals,
            "steps": getattr(opt, "steps", None), "committed": ft.committed_steps, **evaluate(), "attempt": attempt}
     if rank == 0:
         torch.save(end, out / f"replica{index}.pt")
