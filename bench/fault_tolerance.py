@@ -370,8 +370,7 @@ def run_job(job: Job, out: Path, limit: float = 120.0) -> dict:
                 p.join(timeout=max(1.0, deadline - time.time()))
     finally:
         for p in started:
-            if p.is_alive():
-                os.kill(p.pid, signal.SIGKILL)
+            p.kill()  # SIGKILL where it still runs (a process the fork server reaped meanwhile is left)
             p.join()
     results = {}
     for r in range(job.replicas):

@@ -74,7 +74,8 @@ def check(cfg: dict, supported: bool) -> None:
         from slamb.integrations.torchft import HEAL_POLICIES
     except ImportError:
         raise ValueError(f"invalid {mode}: torchft is not installed; pip install 'slamb[ft]'") from None
-    check_count("trainer.replica_groups", t["replica_groups"], " (the job's replica groups, of trainer.nproc_per_node workers each)")
+    check_count("trainer.replica_groups", t["replica_groups"],
+                " (the job's replica groups, of trainer.nproc_per_node workers each)")
     check_count("trainer.min_replicas", t["min_replicas"], " (groups a step needs to commit)")
     if t["min_replicas"] > t["replica_groups"]:
         raise ValueError(f"invalid trainer.min_replicas={t['min_replicas']}: more than the job's "
@@ -195,8 +196,7 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
                     start(index, attempts[index])
         finally:
             for p in (p for procs in running.values() for p in procs):
-                if p.is_alive():
-                    os.kill(p.pid, signal.SIGKILL)
+                p.kill()  # SIGKILL where it still runs (a process the fork server reaped meanwhile is left)
                 p.join()
             server.shutdown()
     return json.loads((Path(run_dir) / "metrics.json").read_text())
