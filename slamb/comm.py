@@ -42,6 +42,7 @@ belongs to the run it pads (:func:`_over_nodes`, :func:`all_reduce_mean_`).
 from __future__ import annotations
 
 import abc
+import collections
 import dataclasses
 import math
 from collections import defaultdict
@@ -136,10 +137,30 @@ class Collectives(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
 
+# The handles of the last collectives issued over torch.distributed. A gloo worker thread that drops the last
+# reference to a finished collective frees its tensors there, and freeing a tensor Python has seen takes the GIL:
+# once the interpreter has begun to finalize, that aborts the process ("terminate called without an active
+# exception"). A rank whose last act is a collective (the ranks' average saved or scored before exit) would exit
+# into that race with the worker thread; held here, the last collectives are freed by the main thread.
+_LAST_WORKS: collections.deque = collections.deque(maxlen=4)
+
+
+def _issued(work, async_op: bool):
+    """``work``, the handle of a collective just issued with ``async_op=True``, kept; waited on unless
+    ``async_op`` (then returned for the caller to wait on)."""
+    if work is None:  # this rank is not in the group
+        return None
+    _LAST_WORKS.append(work)
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
 def _all_reduce(tensor, op, group, async_op=False):
     if isinstance(group, Collectives):
         return group.all_reduce(tensor, op, async_op)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issued(dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op)
 
 
 def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | Collectives | None = None) -> int:
@@ -558,7 +579,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: K
     if isinstance(group, Collectives):
         group.all_gather_into_tensor(output, input)
     else:
-        _all_gather_single(output, input, group=group)
+        _issued(_all_gather_single(output, input, group=group, async_op=True), False)
     return output
 
 
@@ -577,7 +598,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, 
     if isinstance(group, Collectives):
         work = group.all_to_all_single(output, input, async_op)
     else:
-        work = dist.all_to_all_single(output, input, group=group, async_op=async_op)
+        work = _issued(dist.all_to_all_single(output, input, group=group, async_op=True), async_op)
     return work if async_op else output
 
 
@@ -592,7 +613,7 @@ def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: Kind, ledger, group=
     if isinstance(group, Collectives):
         group.broadcast(tensor, src)
     else:
-        dist.broadcast(tensor, src=src, group=group)
+        _issued(dist.broadcast(tensor, src=src, group=group, async_op=True), False)
     return tensor
 
 
