@@ -137,20 +137,23 @@ class Collectives(abc.ABC):
     def broadcast(self, tensor: torch.Tensor, src: int) -> None: ...
 
 
-# The handles of the last collectives issued over torch.distributed. A gloo worker thread that drops the last
-# reference to a finished collective frees its tensors there, and freeing a tensor Python has seen takes the GIL:
-# once the interpreter has begun to finalize, that aborts the process ("terminate called without an active
-# exception"). A rank whose last act is a collective (the ranks' average saved or scored before exit) would exit
-# into that race with the worker thread; held here, the last collectives are freed by the main thread.
-_LAST_WORKS: collections.deque = collections.deque(maxlen=4)
+# The handles of the last collectives over CPU tensors (gloo). A gloo worker thread that drops the last reference
+# to a finished collective frees its tensors there, and freeing a tensor Python has seen takes the GIL: once the
+# interpreter has begun to finalize, that aborts the process ("terminate called without an active exception"). A
+# rank whose last act is a collective (the ranks' average saved or scored before exit) would exit into that race
+# with the worker thread; held here, the last collectives are freed by the main thread. Two: gloo's worker threads
+# by default. What they hold (at most two of the averaging's buckets) stays allocated until later collectives
+# replace them; device tensors are not held, so no accelerator memory is.
+_LAST_WORKS: collections.deque = collections.deque(maxlen=2)
 
 
-def _issued(work, async_op: bool):
-    """``work``, the handle of a collective just issued with ``async_op=True``, kept; waited on unless
-    ``async_op`` (then returned for the caller to wait on)."""
+def _issued(work, tensor: torch.Tensor, async_op: bool):
+    """``work``, the handle of a collective over ``tensor`` just issued with ``async_op=True``, kept; waited on
+    unless ``async_op`` (then returned for the caller to wait on)."""
     if work is None:  # this rank is not in the group
         return None
-    _LAST_WORKS.append(work)
+    if tensor.device.type == "cpu":
+        _LAST_WORKS.append(work)
     if async_op:
         return work
     work.wait()
@@ -160,7 +163,7 @@ def _issued(work, async_op: bool):
 def _all_reduce(tensor, op, group, async_op=False):
     if isinstance(group, Collectives):
         return group.all_reduce(tensor, op, async_op)
-    return _issued(dist.all_reduce(tensor, op=op, group=group, async_op=True), async_op)
+    return _issued(dist.all_reduce(tensor, op=op, group=group, async_op=True), tensor, async_op)
 
 
 def world_size(group: dist.ProcessGroup | NodeTopology | MeshTopology | Collectives | None = None) -> int:
@@ -579,7 +582,7 @@ def all_gather_into_tensor(output: torch.Tensor, input: torch.Tensor, *, kind: K
     if isinstance(group, Collectives):
         group.all_gather_into_tensor(output, input)
     else:
-        _issued(_all_gather_single(output, input, group=group, async_op=True), False)
+        _issued(_all_gather_single(output, input, group=group, async_op=True), output, False)
     return output
 
 
@@ -598,7 +601,7 @@ def all_to_all_single(output: torch.Tensor, input: torch.Tensor, *, kind: Kind, 
     if isinstance(group, Collectives):
         work = group.all_to_all_single(output, input, async_op)
     else:
-        work = _issued(dist.all_to_all_single(output, input, group=group, async_op=True), async_op)
+        work = _issued(dist.all_to_all_single(output, input, group=group, async_op=True), output, async_op)
     return work if async_op else output
 
 
@@ -613,7 +616,7 @@ def broadcast_(tensor: torch.Tensor, src: int = 0, *, kind: Kind, ledger, group=
     if isinstance(group, Collectives):
         group.broadcast(tensor, src)
     else:
-        _issued(dist.broadcast(tensor, src=src, group=group, async_op=True), False)
+        _issued(dist.broadcast(tensor, src=src, group=group, async_op=True), tensor, False)
     return tensor
 
 
