@@ -42,10 +42,9 @@ belongs to the run it pads (:func:`_over_nodes`, :func:`all_reduce_mean_`).
 from __future__ import annotations
 
 import abc
-import collections
 import dataclasses
 import math
-from collections import defaultdict
+from collections import defaultdict, deque
 
 import torch
 import torch.distributed as dist
@@ -144,7 +143,7 @@ class Collectives(abc.ABC):
 # with the worker thread; held here, the last collectives are freed by the main thread. Two: gloo's worker threads
 # by default. What they hold (at most two of the averaging's buckets) stays allocated until later collectives
 # replace them; device tensors are not held, so no accelerator memory is.
-_LAST_WORKS: collections.deque = collections.deque(maxlen=2)
+_LAST_WORKS: deque = deque(maxlen=2)
 
 
 def _issued(work, tensor: torch.Tensor, async_op: bool):
