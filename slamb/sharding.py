@@ -118,9 +118,9 @@ class EveryRank(comm.Collectives):
     def all_reduce(self, tensor, op, async_op=False):
         if op != dist.ReduceOp.MAX or async_op:
             self._refuse()
-        dist.all_reduce(tensor, op=op, group=self.shard)
+        comm._all_reduce(tensor, op, self.shard)
         self.replicas.all_reduce(tensor, op)
-        dist.all_reduce(tensor, op=op, group=self.shard)
+        comm._all_reduce(tensor, op, self.shard)
 
     # the shards' collectives run over the replicas alone (MeshTopology.replicate), never over every rank
     def all_gather_into_tensor(self, output, input):
