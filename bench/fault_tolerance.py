@@ -10,7 +10,8 @@ this module: no interpreter start per replica), each training the same model und
 :class:`Fault` kills a replica's process with SIGKILL at a chosen point (in a step's collective, in a
 parameter sync, as it sends its state to a joining replica), and the runner relaunches it, as a job
 scheduler would. Each replica writes a line per step it tried (``replica<i>.jsonl``: the step, the loss,
-whether it committed, the quorum's size, the ledger's bytes of the step by kind) and, at the end, its
+whether it committed, the quorum's size, the committed steps it held before the quorum, the states it received
+so far, the ledger's bytes of the step by kind) and, at the end, its
 parameters and ledger (``replica<i>.pt``).
 
 Tasks: ``tiny`` (a 2-layer MLP on a synthetic teacher's labels, the tests') and ``digits`` (a 2-layer MLP
@@ -195,7 +196,7 @@ def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: P
     store = group_store(index, attempt, rank, job.group_size, out, job.timeout)
     g = connect(address, replica_id=str(index), rank=rank, world_size=job.group_size, store=store,
                 timeout=job.timeout, host="127.0.0.1", init_sync=False)
-    group = Dying(g.manager, g.pg, g.transport, g.store)
+    group = Dying(g.manager, g.pg, g.transport, g.store, process=g.process, processes=g.processes)
     first = [r for r in range(job.replicas) if r not in dict(job.late)]
     if attempt == 0 and index in first and rank == 0:  # the first quorum holds every replica that starts with the job
         (out / f"up{index}").touch()
@@ -225,7 +226,7 @@ def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: P
             # a replica the runner starts once the others committed this many steps joins at the next one
             while any(after <= ft.committed_steps for after in _joining(out)):
                 time.sleep(0.01)
-            began = time.time()
+            began, held = time.time(), ft.committed_steps
             ft.start_step()
             t = ft.committed_steps + 1
             x, y = (part.chunk(job.group_size)[rank] for part in task.batch(t, index))  # this rank's share
@@ -235,7 +236,8 @@ def _replica(index: int, attempt: int, rank: int, address: str, job: Job, out: P
             opt.zero_grad()
             record = {"attempt": attempt, "step": t, "loss": float(loss.detach()), "committed": committed,
                       **(evaluate() if committed else {}),
-                      "replicas": group.size(), "began": began, "ended": time.time(), "heals": ft.heals,
+                      "replicas": group.size(), "held": held, "began": began, "ended": time.time(),
+                      "heals": ft.heals,
                       "bytes": {k: v["payload"] for k, v in opt.ledger.summary()["last_step"].items()}}
             log.write(json.dumps(record) + "\n")
             log.flush()

@@ -72,13 +72,34 @@ def survivor(res, r, steps) -> list[dict]:
     return log
 
 
-def heal_bytes(res) -> tuple[int, int]:
-    """(bytes the senders recorded as kind "heal", successful heals), over every process of every group: each
-    process of a group of two sends and receives its own shards."""
-    logs = [log for v in res.values() for log in v["ranks"]]
-    sent = sum(e["bytes"].get("heal", 0) for log in logs for e in log)
-    heals = sum(max(e["heals"] for e in log if e["attempt"] == a) for log in logs for a in {e["attempt"] for e in log})
-    return sent, heals
+def heals(res, state_bytes: int, group_size: int = 1) -> int:
+    """The states received over every process of every group (each process of a group of two receives its own
+    shards), checked against what torchft heals for: each heal took a process that lagged the step's quorum (it
+    held fewer committed steps than the quorum's), which a loaded machine may cause beyond the faults (a replica
+    late to a quorum heals at the next), and the senders recorded ``state_bytes`` per heal as kind "heal". A
+    replica of one process never gives up a step it held: a step it healed at and that did not commit leaves it
+    healed, not to be sent the same state again."""
+    count = 0
+    for log in (log for v in res.values() for log in v["ranks"]):
+        for attempt in sorted({e["attempt"] for e in log}):
+            tries = [e for e in log if e["attempt"] == attempt]
+            received = 0
+            for e in tries:
+                if e["heals"] > received:
+                    assert e["heals"] == received + 1 and e["held"] < e["step"] - 1, ("a heal without a lag", e)
+                    received = e["heals"]
+            if group_size == 1:
+                held = [e["held"] for e in tries]
+                assert held == sorted(held), ("a step given up, to be healed again", tries)
+            count += received
+    sent = sum(e["bytes"].get("heal", 0) for v in res.values() for log in v["ranks"] for e in log)
+    assert sent == count * state_bytes
+    return count
+
+
+def first_heal(res, r, attempt) -> int:
+    """The states replica group ``r``'s ``attempt``-th start received by its first committed step."""
+    return next(e["heals"] for e in res[r]["log"] if e["attempt"] == attempt and e["committed"])
 
 
 def group_bytes(res, r) -> dict[int, dict]:
@@ -117,10 +138,9 @@ def test_slamb_survives_a_kill_in_the_exchange_and_in_a_sync_with_a_late_joiner(
         b = e["bytes"]
         assert (b["control"], b["momentum_dense"], b["momentum"]) == (4, 4 * DENSE, sampled[e["step"]])
         assert b.get("params", 0) == (4 * PARAMS if (e["step"] - 1) % job.sync_interval == 0 else 0)
-    sent, heals = heal_bytes(res)
-    assert heals == 3  # the late replica, and each relaunched one
-    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2)  # parameters, m, v (fp32) and the ages (int16)
-    assert [e["heals"] for e in res[2]["log"] if e["committed"]][0] == 1
+    # parameters, m, v (fp32) and the ages (int16); the late replica, and each relaunched one, took a state
+    assert heals(res, 4 * (PARAMS * 3 + PARAMS // 2)) >= 3
+    assert first_heal(res, 2, 0) == first_heal(res, 2, 1) == first_heal(res, 1, 1) == 1
 
 
 @pytest.mark.multiprocess
@@ -135,8 +155,7 @@ def test_slamb_survives_two_kills_at_once_and_a_kill_while_healing(tmp_path):
     # the heal that failed: replica 2's third process got no state at its first try, and took it at the next
     third = [e for e in res[2]["log"] if e["attempt"] == 2]
     assert third[0]["heals"] == 0 and not third[0]["committed"] and third[1]["heals"] == 1
-    sent, heals = heal_bytes(res)
-    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2)
+    heals(res, 4 * (PARAMS * 3 + PARAMS // 2))
 
 
 @pytest.mark.multiprocess
@@ -146,9 +165,9 @@ def test_data_parallel_optimizers_survive_a_kill_in_the_gradient_all_reduce(tmp_
     res = run(job, tmp_path)
     for e in survivor(res, 0, job.steps):
         assert e["bytes"]["grads"] == 4 * PARAMS and set(e["bytes"]) <= {"grads", "heal", "all"}
-    sent, heals = heal_bytes(res)
-    assert heals == 2  # the parameters, m and v, and a 4-byte step count per tensor
-    assert sent == heals * (3 * 4 * PARAMS + 4 * 4)
+    # the parameters, m and v, and a 4-byte step count per tensor; the late replica and the relaunched one
+    assert heals(res, 3 * 4 * PARAMS + 4 * 4) >= 2
+    assert first_heal(res, 2, 0) == first_heal(res, 1, 1) == 1
 
 
 @pytest.mark.multiprocess
@@ -175,9 +194,9 @@ def test_groups_of_two_survive_a_kill_of_either_process_in_the_exchange_and_in_a
         assert (b["momentum_dense"], b["momentum"]) == (4 * DENSE, sampled[step]), step
         assert b.get("params", 0) == (4 * PARAMS if (step - 1) % job.sync_interval == 0 else 0)
         assert b["control"] == 2 * 4  # each process's vote on the step, agreed over every process of the job
-    sent, heals = heal_bytes(res)
-    assert heals == 3 * 2  # the late group, and each relaunched one: each of its two processes
-    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2) // 2  # a shard of the parameters, m, v and the ages
+    # a shard of the parameters, m, v and the ages, to each process of the late group and of each relaunched one
+    assert heals(res, 4 * (PARAMS * 3 + PARAMS // 2) // 2, group_size=2) >= 3 * 2
+    assert first_heal(res, 2, 0) == first_heal(res, 2, 1) == first_heal(res, 1, 1) == 1
 
 
 @pytest.mark.multiprocess
@@ -194,8 +213,7 @@ def test_groups_of_two_survive_two_kills_at_once_and_a_kill_while_healing(tmp_pa
     third = [[e for e in log if e["attempt"] == 2] for log in res[2]["ranks"]]
     assert third[1][0]["heals"] == 0 and not third[0][0]["committed"] and not third[1][0]["committed"]
     assert third[1][1]["heals"] == 1 and third[1][1]["committed"] and third[0][1]["committed"]
-    sent, heals = heal_bytes(res)
-    assert sent == heals * 4 * (PARAMS * 3 + PARAMS // 2) // 2
+    heals(res, 4 * (PARAMS * 3 + PARAMS // 2) // 2, group_size=2)
 
 
 @pytest.mark.multiprocess
@@ -206,9 +224,9 @@ def test_lamb_in_groups_of_two_survives_a_kill_in_the_gradient_all_reduce(tmp_pa
     survivor(res, 0, job.steps)
     for step, b in group_bytes(res, 0).items():
         assert b["grads"] == 4 * PARAMS, step  # each process averages its shard of the gradients across the groups
-    sent, heals = heal_bytes(res)
-    assert heals == 2 * 2
-    assert sent == heals * (3 * 4 * PARAMS // 2 + 4 * 4)  # a shard of the parameters, m and v; 4 step counts
+    # a shard of the parameters, m and v; 4 step counts
+    assert heals(res, 3 * 4 * PARAMS // 2 + 4 * 4, group_size=2) >= 2 * 2
+    assert first_heal(res, 2, 0) == first_heal(res, 1, 1) == 1
 
 
 # -- in one process ---------------------------------------------------------------------------------------
@@ -304,7 +322,8 @@ def test_the_page_states_what_its_runs_logged(tmp_path):
     assert row["uncommitted"] == sum(not e["committed"] for e in log) >= 1
     assert len(row["lost_s"]) >= 1 and all(x < job.timeout for x in row["lost_s"])
     numel = 64 * 128 + 128 + 128 * 10 + 10
-    assert row["heals"] == 1 and row["heal_bytes"] == 4 * (3 * numel + numel // 2)  # params, m, v; int16 ages
+    state = 4 * (3 * numel + numel // 2)  # params, m, v; int16 ages
+    assert row["heals"] == heals(res, state) >= 1 and row["heal_bytes"] == row["heals"] * state
     assert len(row["relaunch_s"]) == 1
     record = {"command": "c", "started": "s", "wall_s": 60.0, "load_avg": [1.0, 1.0], "hardware": "CPU",
               "revision": {"commit": "0" * 40, "dirty": False}, "torch": torch.__version__, "seeds": [0],
@@ -316,4 +335,4 @@ def test_the_page_states_what_its_runs_logged(tmp_path):
     assert reached == next(t for _, t, a in row["synced"] if 100 * a >= record["target"])
     assert f"| SLAMB under torchft | {100 * row['final_accuracy']:.2f} ± 0.00 | {reached:.1f} ± 0.0 |" in page
     assert f"| 1 | 2.5 ± 0.0 | {statistics.median(row['lost_s']):.2f} |" in page
-    assert f"| 1.0 per run | {row['heal_bytes']:,} |" in page
+    assert f"| {row['heals']:.1f} per run | {state:,} |" in page

@@ -117,9 +117,12 @@ class ManagedGroup(comm.Collectives):
     step's values are discarded then, and no decision taken on them waits for a peer (:meth:`failed`).
     """
 
-    def __init__(self, manager, pg, transport: "HealTransport | None" = None, store=None):
+    def __init__(self, manager, pg, transport: "HealTransport | None" = None, store=None, *, process: int = 0,
+                 processes: int = 1):
         self.manager, self.pg, self.transport = manager, pg, transport
         self.store = store  # the replica group's store: the manager and the quorum's process group use it
+        # this process's rank among its replica group's processes, and their number (connect's rank, world_size)
+        self.process, self.processes = process, processes
         self._closed_for = None  # the failure this replica closed its connections for
 
     def size(self) -> int:
@@ -254,7 +257,7 @@ def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int 
                       connect_timeout=limit, replica_id=replica_id, store_addr=store.host, store_port=store.port,
                       rank=rank, world_size=world_size, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       init_sync=init_sync)
-    return ManagedGroup(manager, pg, transport, store)
+    return ManagedGroup(manager, pg, transport, store, process=rank, processes=world_size)
 
 
 class Undo:
@@ -351,6 +354,7 @@ class FaultTolerant:
                              "state is the same on every replica, a joining one takes the peer's (heal='peer')")
         self.heal = heal
         self._before = None  # the manager's state before this step's quorum
+        self._uncommitted = 0  # steps that did not commit: their number names their keys in the group's store
         self.joined = False  # healed with heal="mean", the mean over the others still to take
         self.heals = 0  # states this replica received
         if group.transport is not None:
@@ -367,13 +371,30 @@ class FaultTolerant:
         self.manager.start_quorum()
 
     def _not_committed(self) -> bool:
-        """After a step that did not commit: a replica that healed at its quorum goes back to the step it was at
-        before, and heals again at the next one. Another process of its group may have failed to take its
-        state, and the group's step, which torchft takes from whichever of its processes asks for a quorum
-        last, must be every process's: or a process left behind would train on with another step's state."""
-        if self._before is not None and self.manager.current_step() != self._before["step"]:
+        """After a step that did not commit: a replica whose state a heal at this quorum brought to the others'
+        step keeps it, since an undone step leaves the state as it was healed and a second heal would send the
+        same state again. Only where another process of its group failed to take its state does it go back to
+        the step it was at before, so that the whole group heals again at the next quorum: torchft takes the
+        group's step from whichever of its processes asks for a quorum last, and a process left behind would
+        otherwise train on with another step's state."""
+        healed = self._before is not None and self.manager.current_step() != self._before["step"]
+        if self.group.processes > 1 and not self._group_at(self.manager.current_step()) and healed:
             self.manager.load_state_dict(self._before)
         return False
+
+    def _group_at(self, step: int) -> bool:
+        """Whether every process of this replica group holds ``step`` after this quorum, told through the group's
+        store by each process after the same step that did not commit (every process gets there: the commit's
+        vote is the group's). A process that does not answer within the store's timeout counts as behind."""
+        self._uncommitted += 1
+        store, key = self.group.store, f"slamb/uncommitted/{self._uncommitted}/"
+        others = [key + str(p) for p in range(self.group.processes) if p != self.group.process]
+        try:
+            store.set(key + str(self.group.process), str(step))
+            store.wait(others)
+            return all(int(store.get(k)) == step for k in others)
+        except (RuntimeError, ValueError):  # the store's timeout, or its host gone (torch's Dist*Error)
+            return False
 
     def step(self, before_commit=None, clip_grad: float | None = None) -> bool:
         """The optimizer's step under the manager; whether it committed (if not, nothing changed).
