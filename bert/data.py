@@ -18,11 +18,16 @@ resume) from the shards' lengths alone, without reading skipped data.
 :class:`Prefetcher` reads the stream ahead in a background thread (shard
 reads, batch assembly, and on an accelerator the copy into pinned memory), so
 that the training loop only starts an asynchronous copy to the device.
+
+A run records what its shard folders hold (:func:`fingerprint`): the shards, their sequences and a digest of each
+shard's length and ends. No digest of the paper's pre-training data is published, so a page names shards by
+their size only.
 """
 from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import queue
 import threading
 from pathlib import Path
@@ -30,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness import identity
 from harness.data import step_share
 
 from .prepare_data import FIELDS
@@ -54,6 +60,26 @@ def find_shards(data_dir: str | Path, pattern: str = SHARD_PATTERN, setting: str
             "NVIDIA's hdf5 directory)"
         )
     return files
+
+
+def fingerprint(data_dir, pattern: str = SHARD_PATTERN, setting: str = "data") -> dict:
+    """What the shards ``pattern`` of ``data_dir`` hold (:mod:`harness.identity`): their number, sequences and
+    length, and a digest of each shard's length and ends (a shard is hashed at its ends, never read whole)."""
+    files = find_shards(data_dir, pattern, setting)
+
+    def make() -> dict:
+        sequences, lengths = 0, set()
+        for path in files:
+            with open_shard(path) as f:
+                sequences += len(f["input_ids"])
+                lengths.add(int(f["input_ids"].shape[1]))
+        seq = "/".join(map(str, sorted(lengths)))
+        digest = identity.digest_of({p.name: identity.ends_digest(p) for p in files})
+        name = f"BERT pre-training shards ({identity.count(len(files), 'shard')}, {sequences:,} sequences of {seq})"
+        return {"layout": "bert-hdf5", "dataset": None, "name": name, "digest": digest,
+                "counts": {"shards": len(files), "sequences": sequences}}
+
+    return identity.kept(Path(data_dir), "bert-" + hashlib.sha256(pattern.encode()).hexdigest()[:8], files, make)
 
 
 @contextlib.contextmanager

@@ -49,8 +49,8 @@ from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
 from harness.settings import check_count
 
-from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, load_shard,
-                   to_batch)
+from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, fingerprint,
+                   load_shard, to_batch)
 from .model import build_model, check_model, load_pretrained, shard_blocks
 
 # per-period sums, kept on the device (no host sync per step)
@@ -159,6 +159,13 @@ def check(cfg: dict) -> None:
         check_shards(find_shards(v["dir"], v["pattern"], "validation"), d["seq_len"], m["vocab_size"])
 
 
+def inputs(cfg: dict) -> dict:
+    """What the run reads, by content (:mod:`harness.identity`): its shards and its held-out ones."""
+    d, v = cfg["data"], cfg.get("validation") or {}
+    return {"data.dir": fingerprint(d["dir"], d["pattern"]),
+            **({"validation.dir": fingerprint(v["dir"], v["pattern"], "validation")} if v.get("dir") else {})}
+
+
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
@@ -240,7 +247,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
     return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL,
-                                  fault_tolerant=True)
+                                  fault_tolerant=True, inputs=inputs)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ extracted from https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz:
 ``b"data"``: uint8 N x 3072, channel-major R, G, B planes of 32 x 32, and
 ``b"labels"``) and ``batches.meta`` (``b"label_names"``). Nothing is
 downloaded at run time. For smoke runs and tests, ``python -m cifar10.data --write-digits DIR``
-writes scikit-learn's 8x8 digits (shipped with the package) in this layout.
+writes scikit-learn's 8x8 digits (shipped with the package) in this layout, marked as digits in its
+``batches.meta`` (``b"source"``). A run records what its folder holds (:func:`fingerprint`): CIFAR-10 only
+where every file has the MD5 that torchvision publishes for it.
 
 The whole split is held as one uint8 tensor on the training device;
 augmentation (random 32 x 32 crop of the 4-pixel zero-padded image, random
@@ -25,6 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness import identity
+
 TRAIN_FILES = tuple(f"data_batch_{i}" for i in range(1, 6))
 TEST_FILE = "test_batch"
 META_FILE = "batches.meta"
@@ -35,6 +39,12 @@ MEAN = (0.4914, 0.4822, 0.4465)
 STD = (0.2470, 0.2435, 0.2616)
 PAD = 4
 DIGITS_TEST = 297  # the digits' test split; the other 1500 images are the training split
+# CIFAR-10's python version as torchvision verifies it (torchvision.datasets.CIFAR10's train_list, test_list, meta)
+PUBLISHED_MD5 = {"data_batch_1": "c99cafc152244af753f735de768cd75f", "data_batch_2": "d4bba439e000b95fd0a9bffe97cbabec",
+                 "data_batch_3": "54ebc095f3ab1f0389bbae665268c751", "data_batch_4": "634d18415352ddfa80567beed471001a",
+                 "data_batch_5": "482c414d41f54cd18b22e5b47cb7c3cb", "test_batch": "40351d587109b95175f43aff81a1287e",
+                 "batches.meta": "5ff9c542aee3614f3951f8cda6e48888"}
+DIGITS_SOURCE = "scikit-learn's 8x8 digits"  # the mark write_digits leaves in batches.meta
 
 WHERE = (f"Get CIFAR-10 (python version) from {URL}, extract it (tar xzf) and set data.dir to the "
          f"'{FOLDER}' folder it creates; it must hold {', '.join(FILES)}.")
@@ -90,11 +100,12 @@ def load_cifar10(path) -> dict:
     return {"train": load_batches(path, TRAIN_FILES), "test": load_batches(path, (TEST_FILE,)), "classes": classes}
 
 
-def write_cifar10(path, train: tuple, test: tuple, classes) -> Path:
+def write_cifar10(path, train: tuple, test: tuple, classes, source: str | None = None) -> Path:
     """Write images (uint8 N x 3 x 32 x 32) and labels in the exact CIFAR-10 pickle layout.
 
     The training split is cut into the five ``data_batch_*`` files. Used to
-    put other image sets (the demo's digits, test fixtures) through the same pipeline.
+    put other image sets (the demo's digits, test fixtures) through the same pipeline; ``source`` names such a
+    set in ``batches.meta``, where a run's :func:`fingerprint` reads it.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -111,9 +122,36 @@ def write_cifar10(path, train: tuple, test: tuple, classes) -> Path:
         dump(TRAIN_FILES[i], x, y, f"training batch {i + 1} of 5")
     dump(TEST_FILE, test[0], test[1], "testing batch 1 of 1")
     with open(path / META_FILE, "wb") as f:
-        pickle.dump({b"label_names": [c.encode() for c in classes], b"num_cases_per_batch": len(xs[0]),
-                     b"num_vis": 3072}, f, protocol=2)
+        meta = {b"label_names": [c.encode() for c in classes], b"num_cases_per_batch": len(xs[0]), b"num_vis": 3072}
+        pickle.dump({**meta, **({b"source": source.encode()} if source else {})}, f, protocol=2)
     return path
+
+
+def fingerprint(path) -> dict:
+    """What the CIFAR-10-layout folder at ``path`` holds (:mod:`harness.identity`): the MD5 of each file, the
+    images per split and the classes; CIFAR-10 where every MD5 is the published one, else the folder named by
+    its layout, its size and the mark of the writer that made it."""
+    path = resolve_dir(path)
+
+    def make() -> dict:
+        md5 = {name: identity.md5_file(path / name) for name in FILES}
+        meta = _unpickle(path / META_FILE)
+        images = {split: sum(len(_unpickle(path / f).get(b"labels", ())) for f in files)
+                  for split, files in (("train", TRAIN_FILES), ("test", (TEST_FILE,)))}
+        classes = len(meta.get(b"label_names", ()))
+        source = meta.get(b"source", b"").decode() or None
+        dataset = "CIFAR-10" if md5 == PUBLISHED_MD5 else None
+        size = f"{images['train']:,} training / {images['test']:,} test images, {identity.count(classes, 'class')}"
+        if dataset:
+            name = f"CIFAR-10 ({size}; every file's MD5 is the published one)"
+        elif source:
+            name = f"{source} in the CIFAR-10 layout ({size}), not CIFAR-10"
+        else:
+            name = f"a CIFAR-10-layout folder ({size}), not CIFAR-10 (its files' MD5s are not the published ones)"
+        return {"layout": "cifar10-python", "dataset": dataset, "name": name, "digest": identity.digest_of(md5),
+                "counts": {**images, "classes": classes}, "files": md5}
+
+    return identity.kept(path, "cifar10", [path / f for f in FILES], make)
 
 
 def write_digits(path, n_train: int | None = None, n_test: int = DIGITS_TEST, seed: int = 0) -> Path:
@@ -132,7 +170,7 @@ def write_digits(path, n_train: int | None = None, n_test: int = DIGITS_TEST, se
     test, train = order[:n_test], order[n_test:][:n_train]
     labels = digits.target.astype(np.int64)
     return write_cifar10(path, (images[train], labels[train]), (images[test], labels[test]),
-                         [str(c) for c in digits.target_names])
+                         [str(c) for c in digits.target_names], source=DIGITS_SOURCE)
 
 
 def channel_stats(device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,7 @@ import harness
 from harness.amp import MixedPrecision, accumulation_context
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 
-from .data import augment, augment_draws, augment_generator, channel_stats, load_cifar10, normalize
+from .data import augment, augment_draws, augment_generator, channel_stats, fingerprint, load_cifar10, normalize
 from .model import build_model
 
 
@@ -55,6 +55,11 @@ def check(cfg: dict) -> None:
     with torch.device("meta"):
         build_model(cfg["model"])
     check_lr_schedule(cfg["schedule"], cfg["epochs"])
+
+
+def inputs(cfg: dict) -> dict:
+    """What the run reads, by content (:mod:`harness.identity`)."""
+    return {"data.dir": fingerprint(cfg["data"]["dir"])}
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -131,7 +136,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, fault_tolerant=True)
+    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, fault_tolerant=True, inputs=inputs)
 
 
 if __name__ == "__main__":

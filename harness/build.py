@@ -18,6 +18,7 @@ from .accumulate import accumulation_steps, split_batch
 from .amp import PRECISIONS
 from .checkpoint import Checkpointer, fixed_world, lookup, run_inputs
 from . import fault_tolerance as fault_tolerance_module
+from . import identity
 from .distributed import (WorkerError, check_device, cpu_fallback_notice, launch, local_workers,
                           planned_world_size)
 from .parallel import PARALLELISMS, check_parallelism
@@ -268,7 +269,8 @@ def planned_world(t: dict) -> int:
     return planned_world_size(t["nproc_per_node"])
 
 
-def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), fault_tolerant: bool = False):
+def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), fault_tolerant: bool = False,
+                   inputs=None):
     """The body of every pipeline's ``@hydra.main``: check, resolve, start the workers, return rank 0's result.
 
     ``worker``: the pipeline's ``train`` by name (``"cifar10.train:train"``), so that workers started by
@@ -298,7 +300,8 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     from .checkpoint import prepare_run
     from .distributed import prestart, started_externally
     from .loop import summary_line
-    from .run import ConsoleLog, RunLock, RunLocked
+    from .recipe import against_recipe
+    from .run import ConsoleLog, RunLock, RunLocked, process_seconds
 
     from omegaconf.errors import MissingMandatoryValue
 
@@ -334,23 +337,34 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
             with RunLock(run_dir, hold=writer):
                 console.attach(Path(run_dir) / "train.log")
                 try:
+                    # what the run reads, by content, and how it departs from its recipe: the run directory's once
+                    # it is this job's (a second writer is refused for the lock, not for its data)
+                    ran_on = identity.run_identity(inputs(container) if inputs else {},
+                                                   against_recipe(container)) if writer else None
                     fault_tolerance_module.check_run_dir(container, run_dir)
                     why_fixed = fixed_world(build_optimizer(torch.nn.Linear(2, 2), container["optimizer"]), None)
                     finished = prepare_run(container, run_dir, clear=local, why_fixed=why_fixed,
-                                           world_size=planned_world(container["trainer"]))
-                except ValueError as e:  # the schedule; the checkpoint's inputs, settings, world size, directory
+                                           world_size=planned_world(container["trainer"]), identity=ran_on)
+                # the data; the schedule; the checkpoint's inputs, settings, world size, directory
+                except (ValueError, OSError) as e:
                     refuse(e)
                 if finished is not None:
-                    print(summary_line(finished), flush=True)
+                    print(summary_line(finished, process_seconds()), flush=True)
                     return finished
+                if ran_on is not None:
+                    identity.save(run_dir, ran_on)
                 try:
                     if container["trainer"]["fault_tolerance"] == "torchft":
-                        return fault_tolerance_module.launch(worker, container, run_dir)
-                    return launch(worker, container, run_dir, nproc_per_node=nproc,
-                                  max_restarts=container["trainer"]["max_restarts"])
+                        summary = fault_tolerance_module.launch(worker, container, run_dir)
+                    else:
+                        summary = launch(worker, container, run_dir, nproc_per_node=nproc,
+                                         max_restarts=container["trainer"]["max_restarts"])
                 except WorkerError as e:  # its one line; elastic's report of the failure would add a hundred
                     print(e, file=sys.stderr, flush=True)
                     sys.exit(e.status)
+                if writer and isinstance(summary, dict) and "run_dir" in summary:
+                    print(summary_line(summary, process_seconds()), flush=True)
+                return summary
     except RunLocked as e:  # before Hydra or this command wrote anything into the run directory
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -86,6 +86,7 @@ from slamb.checkpoint import mean_state_dict, replica_mean
 from .atomic import (FULL, DiskFull, atomic_torch_save, atomic_write_bytes, atomic_write_json, file_sha256, verify,
                      verified_torch_load, write_digest)
 from .distributed import DistEnv, barrier
+from .identity import check_same_data, load as load_identity
 from .parallel import is_fsdp
 from .run import RunLogger
 from .seeding import reseed, rng_state, set_rng_state
@@ -571,16 +572,21 @@ def open_run(run_dir, env, cfg, plain: dict, *, model, optimizer, scheduler=None
 
 
 def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | None = None,
-                why_fixed: str | None = FIXED_DATA) -> dict | None:
+                why_fixed: str | None = FIXED_DATA, identity: dict | None = None) -> dict | None:
     """What :func:`harness.build.run_from_hydra` checks before any worker starts.
 
     Refuses an empty schedule, a checkpoint directory that cannot take a checkpoint (unwritable, a full
     disk), and a resume with other inputs, other settings or a number of workers (``world_size``, where
     known) that cannot continue it (``why_fixed``, :func:`check_world_size`); with ``trainer.resume=never``
     removes the old checkpoints, and otherwise the folders of saves that did not finish (``clear``: not under
-    torchrun, where every worker runs this). Returns the summary of a run that already finished with this
-    configuration (nothing to train), else None.
+    torchrun, where every worker runs this). ``identity``: the run's inputs by content (:mod:`harness.identity`),
+    refused where the run's record holds others. Returns the summary of a run that already finished with this
+    configuration on the same data (nothing to train), else None.
     """
+    def same_data():
+        if identity is not None:
+            check_same_data(load_identity(run_dir), identity, run_dir)
+
     check_schedule(cfg)
     run_dir = Path(run_dir)
     ckpt = run_dir / "ckpt"
@@ -593,6 +599,7 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | Non
             shutil.rmtree(partial)
         for entry in Checkpointer(run_dir, None).complete()[:1]:
             check_inputs(entry.get("inputs"), run_inputs(cfg), ckpt)
+            same_data()
             check_settings(entry.get("settings"), run_settings(cfg), ckpt)
             if world_size is not None:
                 check_world_size(entry, world_size, ckpt, why_fixed)
@@ -606,6 +613,7 @@ def prepare_run(cfg: dict, run_dir, *, clear: bool = True, world_size: int | Non
 
         saved = yaml.safe_load(config.read_text())
         check_inputs(run_inputs(saved), run_inputs(cfg), run_dir)
+        same_data()
         if same_configuration(saved, cfg):
             print(f"{run_dir} is finished (metrics.json): nothing to train. Its summary stands; "
                   "trainer.resume=never trains it again from scratch", flush=True)

@@ -39,7 +39,7 @@ from .distributed import DistEnv, barrier, evaluation_env, maybe_inject_fault
 from .fault_tolerance import ManagedSteps
 from .replica import current as current_replica
 from .run import comm_metrics, comm_totals
-from .tables import compressed_share, fmt_bytes
+from .records import compressed_share, fmt_bytes
 
 # Optimizer settings that the contract's begin_epoch moves (DGC's density warm-up, SLAMB's compression
 # warm-up): logged each period to show the schedule the run followed. Reporting only; nothing branches on them.
@@ -71,13 +71,15 @@ def save_state_dict(model_cfg: dict) -> Callable:
     return save
 
 
-def summary_line(summary: dict) -> str:
+def summary_line(summary: dict, command_s: float | None = None) -> str:
     """The line a run ends with: its directory, the final metrics of its model (the summary's ``headline``
-    fields), the bytes each worker sent and the wall time of its logged periods."""
+    fields), the bytes each worker sent, its training time (its logged periods: steps and evaluations, not the
+    start of its processes) and, given ``command_s``, the wall time of the command so far."""
     metrics = " ".join(f"{k}={summary[k]:.4g}" if isinstance(summary[k], float) else f"{k}={summary[k]}"
                        for k in summary.get("headline", ()))
     return (f"run {summary['run_dir']}: {metrics or 'finished'}; {fmt_bytes(summary['bytes_total'].get('all', 0))} "
-            f"sent per worker; {summary['wall_time_s']:.1f} s")
+            f"sent per worker; training {summary['wall_time_s']:.1f} s"
+            + (f" of a {command_s:.1f} s command" if command_s is not None else ""))
 
 
 def rank_sums(values: torch.Tensor) -> list[float]:
@@ -294,8 +296,9 @@ class Loop:
         return max((h[key] for h in self.history()), default=math.nan)
 
     def finish(self, headline: tuple[str, ...] = (), **fields) -> dict:
-        """Write and return the run summary: the common fields, then the pipeline's ``fields``; rank 0 prints
-        its :func:`summary_line`, which shows the ``headline`` fields (the final metrics of the run's model)."""
+        """Write and return the run summary: the common fields, then the pipeline's ``fields``; its
+        :func:`summary_line` (the launcher prints it) shows the ``headline`` fields, the final metrics of the run's
+        model."""
         history = self.history()
         seconds = sum(h["period_steps"] * h["step_time_s"] for h in history)
         steps = sum(h["period_steps"] for h in history)
@@ -320,6 +323,4 @@ class Loop:
             "headline": list(headline),
         }
         self.log.finish(summary)
-        if self.log.writer:
-            print(summary_line(summary), flush=True)
         return summary

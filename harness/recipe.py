@@ -5,8 +5,8 @@
 ``ROOT`` is the pipeline's config (``cifar10``, ``swin``, ``bert``, ``squad``). Prints nothing when, with the
 overrides, every experiment computes what its recipe computes: the run's settings less the operational ones,
 the labels, the inputs (:data:`harness.settings.NOT_COMPUTED`: ``data.dir``, ``model.dir``,
-``trainer.resume``, ...) and the run's ``name`` are the experiment's own. Otherwise the run is at another size (a smoke run: a smaller
-model, fewer epochs or steps, other workers, less data, ...): it prints ``smoke-<digest>``, the digest of the
+``trainer.resume``, ...), the seed and the run's ``name`` are the experiment's own. Otherwise the run is at
+another size (a smoke run: a smaller model, fewer epochs or steps, other workers, less data, ...): it prints ``smoke-<digest>``, the digest of the
 settings that differ, and lists them on stderr in one line. The scripts put such a run's directories under
 that name and its tables outside ``results/`` (scripts/cifar10_resnet110.sh and the others), so that it never
 takes a recipe run's directory or page, and two sizes never share one.
@@ -22,19 +22,65 @@ from .settings import INPUT_KEYS, effective_config
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
-def departures(root: str, experiment: str, overrides) -> dict[str, tuple]:
-    """``{setting: (recipe's value, this run's)}`` for every computed setting the overrides change (the ``name``
-    derived from them names the run, it computes nothing)."""
+def computed(cfg: dict) -> dict:
+    """The settings of a resolved config that say what its run computes at what size: all but the operational
+    ones, the labels, the inputs (judged by content: :mod:`harness.identity`), the ``name`` derived from the
+    rest, and the seed (a recipe is run at several)."""
+    return effective_config(cfg, drop=(*INPUT_KEYS, "name", "seed"))
+
+
+def _compose(root: str, overrides) -> dict:
     from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
+
+    if GlobalHydra.instance().is_initialized():  # inside a pipeline's @hydra.main, on its configs
+        return OmegaConf.to_container(compose(root, list(overrides)), resolve=True)
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return OmegaConf.to_container(compose(root, list(overrides)), resolve=True)
+
+
+def differences(recipe: dict, run: dict) -> dict[str, tuple]:
+    """``{setting: (recipe's value, the run's)}`` where two :func:`computed` settings differ."""
+    return {k: (recipe.get(k), run.get(k)) for k in sorted(recipe.keys() | run.keys()) if recipe.get(k) != run.get(k)}
+
+
+def departures(root: str, experiment: str, overrides) -> dict[str, tuple]:
+    """``{setting: (recipe's value, this run's)}`` for every computed setting the overrides change; an override that
+    sweeps (``optimizer.beta3=0.9,0.99``, a ``--multirun``'s) sizes each of its runs alike, and each run records its
+    own departures when it starts (:func:`against_recipe`)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     # Hydra's own settings (the run directory, the launcher) change where and how a run goes, not what it computes
     overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
-    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        recipe, run = (effective_config(OmegaConf.to_container(compose(root, [f"experiment={experiment}", *extra]),
-                                                               resolve=True), drop=(*INPUT_KEYS, "name"))
-                       for extra in ([], overrides))
-    return {k: (recipe.get(k), run.get(k)) for k in sorted(recipe.keys() | run.keys()) if recipe.get(k) != run.get(k)}
+    parsed = OverridesParser.create().parse_overrides(overrides)
+    overrides = [o for o, parsed_o in zip(overrides, parsed) if not parsed_o.is_sweep_override()]
+    return differences(*(computed(_compose(root, [f"experiment={experiment}", *extra])) for extra in ([], overrides)))
+
+
+def against_recipe(cfg: dict) -> dict:
+    """Where a run composed by a pipeline's ``@hydra.main`` (``cfg``, resolved) stands against its experiment's
+    recipe: ``{"experiment", "departures": {setting: [recipe's, the run's]}}``; without an experiment, against
+    the pipeline's own defaults. Recorded in the run's ``identity.json`` (:mod:`harness.identity`)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    runtime = HydraConfig.get()
+    experiment = runtime.runtime.choices.get("experiment")
+    recipe = computed(_compose(runtime.job.config_name, [f"experiment={experiment}"] if experiment else []))
+    return {"experiment": experiment,
+            "departures": {k: list(v) for k, v in differences(recipe, computed(cfg)).items()}}
+
+
+def swept(study: str | None) -> tuple[str, ...]:
+    """The settings the sweep ``study`` (``configs/sweep/<study>.yaml``: its ``study`` label) varies: the departures
+    from its recipe that its runs are made of."""
+    import yaml
+
+    for path in sorted((CONFIGS / "sweep").glob("*.yaml")):
+        sweep = yaml.safe_load(path.read_text()) or {}
+        if study is not None and sweep.get("study") == study:
+            return tuple(sweep["hydra"]["sweeper"]["params"])
+    return ()
 
 
 def size_name(root: str, experiments, overrides) -> tuple[str, dict]:

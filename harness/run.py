@@ -45,6 +45,17 @@ def process_start(pid: int) -> str | None:
     return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name's closing parenthesis
 
 
+def process_seconds() -> float | None:
+    """How long this process has run (Linux's /proc), None where unknown: a command's wall time, its interpreter's
+    start and imports included."""
+    try:
+        started = int(process_start(os.getpid()))
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except (OSError, TypeError, ValueError):
+        return None
+    return uptime - started / os.sysconf("SC_CLK_TCK")
+
+
 class RunLocked(RuntimeError):
     """The run directory is another job's (its lock is held): one line naming the holder and the fix."""
 
@@ -262,6 +273,13 @@ def git_revision(repo: Path | None = None) -> dict:
         return {"commit": "unknown", "dirty": None}
 
 
+def command() -> list[str]:
+    """This process's command line, the repository's own paths in it relative to the repository (the record of a
+    run kept with a page names no folder of the machine that ran it)."""
+    root = str(Path(__file__).resolve().parents[1]) + os.sep
+    return [arg.replace(root, "") for arg in sys.argv]
+
+
 def hardware(device: torch.device) -> str:
     """What a worker on this host computes on: the accelerator's name, else the CPU's model and its core count
     (the tables name it beside each run, since a number moves with the machine that produced it)."""
@@ -337,7 +355,7 @@ class RunLogger:
         (self.dir / "metrics.json").unlink(missing_ok=True)  # this run has not finished (yet)
         (self.dir / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(cfg)))
         atomic_write_json({
-            "git": git_revision(), "command": sys.argv, "world_size": env.world_size, "device": str(env.device),
+            "git": git_revision(), "command": command(), "world_size": env.world_size, "device": str(env.device),
             "hardware": hardware(env.device),
             "torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
         }, self.dir / "meta.json")

@@ -9,6 +9,9 @@ it the most context on both sides (only such tokens may start a predicted
 span, so an answer near a window's edge is read from the window centred on it).
 Offsets come from the fast tokenizer, so answers are cut from the original
 context text, not re-assembled from WordPieces.
+
+A run records what its two files hold (:func:`fingerprint`): SQuAD v1.1 only where a file's MD5 is the one
+published with it.
 """
 from __future__ import annotations
 
@@ -20,8 +23,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from harness import identity
+
 SPECIAL_TOKENS = ("[CLS]", "[SEP]", "[PAD]", "[UNK]")
 MAX_MISPLACED = 0.01  # share of answers whose answer_start may not point at their text
+# SQuAD v1.1's files as published (rajpurkar.github.io/SQuAD-explorer), by the MD5s that torchtext and NVIDIA's
+# BERT scripts check: 87,599 training and 10,570 dev questions
+PUBLISHED_MD5 = {"981b29407e0affa3b1b156f72073b945": "SQuAD v1.1 training set",
+                 "3e85deb501d4e538b6bc56f786231552": "SQuAD v1.1 dev set"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +73,30 @@ def load_squad(path) -> list[Example]:
         warnings.warn(f"{path}: {len(misplaced)} answer(s) not at their answer_start (no span label for those), e.g. "
                       f"{misplaced[0]}", stacklevel=2)
     return examples
+
+
+def fingerprint(path) -> dict:
+    """What the SQuAD-format file at ``path`` holds (:mod:`harness.identity`): its questions and articles and its
+    MD5; one of SQuAD v1.1's files where that MD5 is the published one."""
+    path = Path(path)
+
+    def make() -> dict:
+        raw = read_squad_json(path, fix="set data.train_file / data.dev_file to SQuAD v1.1's JSON files")
+        articles = raw["data"]
+        questions = sum(len(p.get("qas", ())) for a in articles if isinstance(a, dict)
+                        for p in a.get("paragraphs", ()) if isinstance(p, dict))
+        md5 = identity.md5_file(path)
+        dataset, source = PUBLISHED_MD5.get(md5), raw.get("source")
+        size = f"{questions:,} questions in {identity.count(len(articles), 'article')}"
+        name = (f"{dataset} ({size}; its MD5 is the published one)" if dataset else
+                f"{source} in the SQuAD format ({size}), not SQuAD v1.1's" if source else
+                f"a SQuAD-format file ({size}), not SQuAD v1.1's (its MD5 is not a published one)")
+        return {"layout": "squad-json", "dataset": dataset, "name": name, "digest": md5,
+                "counts": {"questions": questions, "articles": len(articles)}}
+
+    if not path.is_file():
+        read_squad_json(path, fix="set data.train_file / data.dev_file to SQuAD v1.1's JSON files")
+    return identity.kept(path.parent, "squad-" + path.stem, [path], make)
 
 
 def read_squad_json(path: Path, fix: str) -> dict:

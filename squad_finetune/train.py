@@ -36,7 +36,7 @@ from harness.atomic import atomic_write_json
 from slamb.optim.checks import check_choice
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 
-from .data import Features, check_windows, load_squad, load_tokenizer, make_features
+from .data import Features, check_windows, fingerprint, load_squad, load_tokenizer, make_features
 from .evaluate import evaluate_examples
 from .postprocess import check_answers, postprocess
 
@@ -108,6 +108,12 @@ def check(cfg: dict) -> None:
     check_windows(d["max_length"], d["doc_stride"], d["max_query_length"])
     check_answers(cfg["eval"]["n_best"], cfg["eval"]["max_answer_length"])
     check_lr_schedule(cfg["schedule"], cfg["epochs"])
+
+
+def inputs(cfg: dict) -> dict:
+    """What the run reads, by content (:mod:`harness.identity`): its training and dev files (the model it
+    fine-tunes is named by the run that saved it)."""
+    return {key: fingerprint(cfg["data"][key.split(".")[1]]) for key in ("data.train_file", "data.dev_file")}
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -183,7 +189,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check, fault_tolerant=True)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check, fault_tolerant=True, inputs=inputs)
 
 
 if __name__ == "__main__":

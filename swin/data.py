@@ -17,9 +17,15 @@ epoch, image) (:class:`KeyedAugmentation`), not from the worker that loads it,
 so a run resumes on any divisor of its micro-batches. Validation: resize to
 1/0.875 and centre crop, each rank scoring a strided shard (no padding, exact
 counts).
+
+A run records what ``data.dir`` holds (:func:`fingerprint`): its classes, its images per split and a digest of
+their names and sizes, listed, never read. ImageNet publishes no digest of this layout, so ImageNet-1k is named
+by its counts: 1,000 classes, 1,281,167 training and 50,000 validation images.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 from pathlib import Path
 
@@ -35,11 +41,12 @@ from timm.data import (
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch.utils.data import DataLoader, Dataset, Subset
 
-from harness import DistEnv, ShardedBatches, eval_shard
+from harness import DistEnv, ShardedBatches, eval_shard, identity
 from harness.seeding import reseed
 
 IMAGE_SUFFIXES = (".jpeg", ".jpg", ".png")
 SPLITS = ("train", "val")
+IMAGENET_1K = {"classes": 1000, "train": 1_281_167, "val": 50_000}  # ILSVRC2012's train and val sets
 
 
 def check_layout(root) -> list[str]:
@@ -66,6 +73,34 @@ def check_layout(root) -> list[str]:
         raise FileNotFoundError(f"train/ and val/ under {root} hold different class folders "
                                 f"({', '.join(only[:5])}{' ...' if len(only) > 5 else ''}): {how}")
     return classes["train"]
+
+
+def fingerprint(root) -> dict:
+    """What the ImageFolder tree at ``root`` holds (:mod:`harness.identity`): classes, images per split, a
+    digest of every image's path and size; ImageNet-1k where its counts are ILSVRC2012's."""
+    root = Path(root)
+    check_layout(root)
+    folders = [root / split / c for split in SPLITS for c in sorted(os.listdir(root / split))
+               if (root / split / c).is_dir()]
+
+    def make() -> dict:
+        h, counts = hashlib.sha256(), {"classes": len(os.listdir(root / "train"))}
+        for folder in folders:
+            split = folder.parent.name
+            with os.scandir(folder) as entries:
+                images = sorted((e.name, e.stat().st_size) for e in entries
+                                if e.is_file() and Path(e.name).suffix.lower() in IMAGE_SUFFIXES)
+            counts[split] = counts.get(split, 0) + len(images)
+            for name, size in images:
+                h.update(f"{split}/{folder.name}/{name}\0{size}\n".encode())
+        dataset = "ImageNet-1k" if counts == IMAGENET_1K else None
+        size = (f"{identity.count(counts['classes'], 'class')}; {counts['train']:,} training / {counts['val']:,} "
+                "validation images")
+        name = (f"ImageNet-1k ({size}: ILSVRC2012's counts)" if dataset else
+                f"an ImageFolder tree ({size}), not ImageNet-1k")
+        return {"layout": "image-folder", "dataset": dataset, "name": name, "digest": h.hexdigest(), "counts": counts}
+
+    return identity.kept(root, "imagefolder", [root / split for split in SPLITS] + folders, make)
 
 
 def transforms(dcfg, img_size: int):

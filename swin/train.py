@@ -114,6 +114,13 @@ def check(cfg: dict) -> None:
     check_classes(cfg["data"]["dir"], cfg["model"]["num_classes"])
 
 
+def inputs(cfg: dict) -> dict:
+    """What the run reads, by content (:mod:`harness.identity`)."""
+    from .data import fingerprint
+
+    return {"data.dir": fingerprint(cfg["data"]["dir"])}
+
+
 def train(cfg: dict, run_dir: str) -> dict:
     # timm (and the wandb it imports) here, in the workers: 1-3 s that a command refused by its settings
     # check, before any worker starts, would otherwise spend
@@ -190,7 +197,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, fault_tolerant=True)
+    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, fault_tolerant=True, inputs=inputs)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from cifar10 import data as cdata
 from cifar10.model import ResNetCifar
 from cifar10.train import train
 from harness.loop import summary_line
-from harness.tables import build_tables, load_runs
+from harness.records import load_runs
+from harness.tables import build_tables
 from tests import distributed
 from tests.test_configs import compose_cfg
 
@@ -249,11 +250,14 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     common = [*TINY, *TWO_EPOCHS, *SLAMB_TINY, f"data.dir={tiny_dir}"]
     plain = cli([*common, f"hydra.run.dir={tmp_path / 'plain'}"])
     assert plain.returncode == 0, plain.stderr[-3000:]
-    # the console ends with the run's summary line, and train.log holds the console (the workers' lines too)
-    line = summary_line(json.loads((tmp_path / "plain" / "metrics.json").read_text()))
-    assert plain.stdout.splitlines()[-1] == line
-    assert re.fullmatch(rf"run {tmp_path / 'plain'}: final_test_top1=\S+ final_test_loss=\S+; \S+ [KM]B sent per "
-                        r"worker; \d+\.\d s", line)
+    # the console ends with the run's summary line, and train.log holds the console (the workers' lines too): its
+    # training time, and the command's wall time, which its start (interpreter, imports, workers) makes longer
+    line = plain.stdout.splitlines()[-1]
+    assert re.fullmatch(re.escape(summary_line(json.loads((tmp_path / "plain" / "metrics.json").read_text())))
+                        + r" of a \d+\.\d s command", line)
+    found = re.fullmatch(rf"run {tmp_path / 'plain'}: final_test_top1=\S+ final_test_loss=\S+; \S+ [KM]B sent per "
+                         r"worker; training (\d+\.\d) s of a (\d+\.\d) s command", line)
+    assert found and float(found[1]) < float(found[2])
     log = (tmp_path / "plain" / "train.log").read_text().splitlines()
     epochs = [text for text in log if text.startswith("epoch=")]
     assert len(epochs) == 2 and epochs == [text for text in plain.stdout.splitlines() if text.startswith("epoch=")]
@@ -269,7 +273,8 @@ def test_killed_worker_restarts_under_torchrun_and_matches_the_uninterrupted_run
     assert summary["resumed_from"] == [1] and summary["steps"] == 10
     assert_same_run(history(tmp_path / "restarted"), history(tmp_path / "plain"))
     # under torchrun, rank 0 keeps the console of each of its attempts
-    assert (tmp_path / "restarted" / "train.log").read_text().splitlines()[-1] == summary_line(summary)
+    last = (tmp_path / "restarted" / "train.log").read_text().splitlines()[-1]
+    assert last.startswith(summary_line(summary) + " of a ")
 
 
 @pytest.mark.multiprocess
@@ -297,13 +302,15 @@ def test_two_point_sweep_gives_two_run_directories_and_a_table(tiny_dir, tmp_pat
 @pytest.mark.multiprocess
 def test_sweep_script_runs_the_sweep_and_writes_its_page(tiny_dir, tmp_path):
     """scripts/sweep_sync_interval.sh as a user runs it (two of its H values, named on the command line, which
-    wins over the sweep file's list): one run per value, and make_tables' line of top-1 and bytes by H."""
+    wins over the sweep file's list): one run per value, and make_tables' line of top-1 and bytes by H. At this
+    size (a smaller model, one epoch) it is a smoke sweep: its runs go under RUNS/smoke-<digest>/."""
     runs, tables = tmp_path / "runs", tmp_path / "tables"
     done = subprocess.run(["scripts/sweep_sync_interval.sh", *TINY, "epochs=1", f"data.dir={tiny_dir}",
-                           "optimizer.min_compress_numel=500", "optimizer.sync_interval=2,5",
-                           f"hydra.sweep.dir={runs}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                           "optimizer.min_compress_numel=500", "optimizer.sync_interval=2,5"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600,
                           env=env(PY=sys.executable, RUNS=str(runs), TABLES=str(tables), EXPERIMENT="cifar10/slamb"))
     assert done.returncode == 0, done.stderr[-3000:]
+    assert [p.name[:6] for p in runs.iterdir()] == ["smoke-"]
     found = {r["config"]["optimizer"]["sync_interval"]: r["summary"] for r in load_runs(runs)}
     assert sorted(found) == [2, 5]
     page = (tables / "cifar10_resnet110_sync_interval.md").read_text()
@@ -320,15 +327,36 @@ def test_missing_data_is_a_clear_error_from_the_command_line(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_data_missing_from_its_directory_ends_the_first_attempt_in_one_line_whatever_max_restarts(tmp_path):
-    # the directory exists (the check before the workers passes), its files do not: every attempt would fail
-    # on them. Before: 3 attempts of 2 workers, 146 lines of elastic's reports, exit status 1
+def test_data_missing_from_its_directory_is_refused_before_any_worker_in_one_line(tmp_path):
+    # the directory exists, its files do not: the launcher reads them (to record what the run reads) before any
+    # worker starts. Before: 3 attempts of 2 workers, 146 lines of elastic's reports, exit status 1; then each
+    # worker's one line, exit status 65
     done = cli([*TINY, "trainer.max_restarts=2", f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"])
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith(f"error: CIFAR-10 not found in {tmp_path}: missing data_batch_1"), done.stderr
+    assert not (tmp_path / "run" / "meta.json").exists()  # no worker started
+
+
+def labels_out_of_range(folder: Path) -> Path:
+    """The digits in the CIFAR-10 layout with a test label of 12: files the launcher reads whole, which only a
+    worker's loading of them refuses."""
+    data = cdata.load_cifar10(cdata.write_digits(folder, 64, 32))
+    x, y = data["test"]
+    y = y.clone()
+    y[0] = 12
+    return cdata.write_cifar10(folder, data["train"], (x, y), data["classes"])
+
+
+@pytest.mark.multiprocess
+def test_an_error_every_attempt_would_meet_ends_the_first_attempt_in_one_line_whatever_max_restarts(tmp_path):
+    data = labels_out_of_range(tmp_path / "data")
+    done = cli([*TINY, "trainer.max_restarts=2", f"data.dir={data}", f"hydra.run.dir={tmp_path / 'run'}"])
     assert done.returncode == 65, done.stderr[-3000:]
     assert done.stderr.count("\n") == 1, done.stderr[-3000:]
     # the first rank to fail names it; the launcher stops the other
-    assert re.match(rf"error: FileNotFoundError on rank [01]: CIFAR-10 not found in {re.escape(str(tmp_path))}: "
-                    "missing data_batch_1", done.stderr), done.stderr
+    assert re.match(rf"error: ValueError on rank [01]: {re.escape(str(data / 'test_batch'))}: labels must be in "
+                    "0..9, found 0..12", done.stderr), done.stderr
     assert re.search(r"\(not restarted: a restart from the last checkpoint would fail the same way; its traceback: "
                      rf"{re.escape(str(tmp_path / 'run'))}/error\.rank[01]\.txt\)\n$", done.stderr), done.stderr
 
@@ -336,11 +364,11 @@ def test_data_missing_from_its_directory_ends_the_first_attempt_in_one_line_what
 @pytest.mark.multiprocess
 def test_under_torchrun_such_a_worker_says_it_in_one_line_and_exits_65(tmp_path):
     # torchrun restarts every failure: the status is what a scheduler's retry policy can treat as final
-    done = cli([*TINY, f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"],
+    done = cli([*TINY, f"data.dir={labels_out_of_range(tmp_path / 'data')}", f"hydra.run.dir={tmp_path / 'run'}"],
                torchrun=["--standalone", "--nproc-per-node", "2", "--max-restarts", "0"])
     assert done.returncode != 0
-    lines = [line for line in done.stderr.splitlines() if line.startswith("error: FileNotFoundError on rank")]
-    assert len(lines) in (1, 2) and all("CIFAR-10 not found" in line for line in lines), done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ValueError on rank")]
+    assert len(lines) in (1, 2) and all("labels must be in 0..9" in line for line in lines), done.stderr[-3000:]
     assert "exitcode  : 65" in done.stderr, done.stderr[-3000:]  # torchrun's report of the failed worker
     assert "cifar10/data.py" not in done.stderr  # the worker's traceback went to its run directory
 

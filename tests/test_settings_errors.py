@@ -17,6 +17,7 @@ import torch
 import harness
 from bert.model import build_model
 from bert.tiny import write_tiny
+from cifar10.data import write_digits
 from harness.build import check_data, check_trainer
 from harness.checkpoint import Checkpointer
 from swin.tiny import write_tiny_imagenet
@@ -81,22 +82,21 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path)
     run = tmp_path / "run"
     run.mkdir()
     (run / "ckpt").write_text("a file where the checkpoints go")  # unwritable, even for root
-    (tmp_path / "empty").mkdir()
-    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'empty'}"], run)
+    data = write_digits(tmp_path / "digits", 64, 32)
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={data}"], run)
     assert stderr.startswith(f"error: checkpoint directory {run / 'ckpt'} is not writable ({run / 'ckpt'}: Not a "
                              "directory): make it writable, choose another run directory"), stderr
-    # a run without checkpoints has nothing to write there: it gets past this check (to the data it lacks)
-    done = subprocess.run([sys.executable, "-m", "cifar10.train", *CIFAR, "trainer.nproc_per_node=1", "trainer.device=cpu",
-                           f"data.dir={tmp_path / 'empty'}", "trainer.checkpoint.enabled=false",
-                           f"hydra.run.dir={run}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          check=False, env={**os.environ, "WANDB_MODE": "offline"})
-    assert done.returncode == 65 and done.stderr.startswith("error: FileNotFoundError on rank 0: CIFAR-10 not found")
+    # a run without checkpoints has nothing to write there: it gets past this check (to the data it lacks, which
+    # the launcher reads before any worker starts, as it records what the run reads)
+    (tmp_path / "empty").mkdir()
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'empty'}", "trainer.checkpoint.enabled=false"],
+                     run)
+    assert stderr.startswith(f"error: CIFAR-10 not found in {tmp_path / 'empty'}: missing data_batch_1"), stderr
 
 
 def test_resuming_with_other_inputs_or_another_world_size_is_refused_before_any_worker(tmp_path):
-    run, data = tmp_path / "run", tmp_path / "data"
-    data.mkdir()
-    (tmp_path / "other").mkdir()
+    run = tmp_path / "run"
+    data, other = write_digits(tmp_path / "data", 64, 32), write_digits(tmp_path / "other", 64, 32)
     # the checkpoint of a run of two workers on data/
     two = harness.DistEnv(0, 2, 0, 2, torch.device("cpu"))
     Checkpointer(run, two, inputs={"data.dir": str(data)}).save({"epoch": 1, "step": 4}, {}, {})
