@@ -195,7 +195,7 @@ def time_to(run: dict, target: float, higher_is_better: bool) -> float | None:
 
 def pm(values: list[float], digits: int = 1) -> str:
     """``mean ± sd`` of the runs' values (the mean alone for one run)."""
-    from harness.tables import pm as mean_sd, stat
+    from harness.records import pm as mean_sd, stat
 
     return mean_sd(stat(values), digits)
 

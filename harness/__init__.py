@@ -32,7 +32,7 @@ from .distributed import (DistEnv, barrier, evaluation_env, init_distributed, la
                           under_torchrun)
 from .run import RunLogger, comm_metrics, comm_totals, git_revision
 from .seeding import seed_everything
-from .tables import compressed_share
+from .records import compressed_share
 
 __all__ = [
     "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",

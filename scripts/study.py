@@ -54,8 +54,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repository's packages are importable
     sys.path.insert(0, str(ROOT))
 
-from harness.tables import (RERUN_DRIFT, build_tables, comparison_rows, fmt_bytes, load_runs, pm,  # noqa: E402
-                            pretrain_rows, save_figure, stat)
+from harness.figures import save_figure  # noqa: E402
+from harness.records import fmt_bytes, load_runs, pm, stat  # noqa: E402
+from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, pretrain_rows  # noqa: E402
 
 ROWS_DIR = ROOT / "configs" / "experiment" / "study"
 TABLES = {"digits": "study_digits_resnet8", "bert": "study_bert"}
@@ -262,7 +263,7 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
     return time.perf_counter() - tic
 
 
-RECORD = ("config.yaml", "meta.json", "metrics.json", "metrics.jsonl")
+RECORD = ("config.yaml", "meta.json", "identity.json", "metrics.json", "metrics.jsonl")
 
 
 def keep_records(sweep: Path, records: Path) -> None:

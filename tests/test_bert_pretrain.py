@@ -399,7 +399,8 @@ def test_auto_resume_from_a_mid_run_checkpoint_repeats_the_run(runs):
 
 @pytest.mark.multiprocess
 def test_tables_render_the_pretraining_rows_per_phase(runs, tmp_path):
-    from harness.tables import build_tables, load_runs
+    from harness.records import load_runs
+    from harness.tables import build_tables
 
     written = build_tables(load_runs(runs["dirs"]["lamb"].parent), tmp_path)
     assert {"bert_pretrain_phase1", "bert_pretrain_phase2"} <= set(written)

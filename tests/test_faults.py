@@ -24,7 +24,7 @@ import slamb
 from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
 from harness.run import RunLock, RunLogger, process_start, read_jsonl
-from harness.tables import load_runs
+from harness.records import load_runs
 from slamb.checkpoint import _dcp_writer
 from tests import distributed
 from tests.disk import as_the_other_ranks_learn_it, disk_with_room

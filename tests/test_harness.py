@@ -21,7 +21,8 @@ import slamb
 import harness
 from harness.checkpoint import Checkpointer
 from harness.run import ConsoleLog, RunLock, RunLogger
-from harness.tables import RERUN_DRIFT, build_tables, load_runs
+from harness.records import load_runs
+from harness.tables import RERUN_DRIFT, build_tables
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
 from tests import distributed
@@ -488,7 +489,7 @@ def test_make_tables_groups_by_configuration_with_seeds(tmp_path):
     md = (tmp_path / "results" / f"{t}.md").read_text()
     lines = [line for line in md.splitlines() if line.startswith("| ")]
     assert lines[0] == ("| Optimizer | configuration | top-1 | top-1 local | best top-1 | bytes sent / worker | "
-                        "vs LAMB | wall time | n |")
+                        "vs LAMB | training time | n |")
     assert "Every row: workers 4, 1,727,962 parameters." in md
     # rows in the paper's order; each names its configuration (non-default optimizer settings, the differing rest)
     assert lines[1] == "| SGD-M | epochs=2 | 91.00 | - | 91.00 | 8 MB | 1.000x | 12 s | 1 |"

@@ -14,7 +14,8 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from harness.tables import build_tables, load_runs
+from harness.records import load_runs
+from harness.tables import build_tables
 from squad_finetune import data as sdata
 from squad_finetune.evaluate import evaluate, exact_match_score, f1_score, normalize_answer
 from squad_finetune.postprocess import postprocess

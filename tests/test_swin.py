@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 
 from harness import DistEnv, build_optimizer, check_trainer, seed_everything
 from harness.amp import MixedPrecision
-from harness.tables import build_tables, load_runs
+from harness.records import load_runs
+from harness.tables import build_tables
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import WarmupCosine
 from swin import data as sdata
