@@ -81,8 +81,12 @@ bench: $(STAMP)
 comm-volume: $(STAMP)
 	$(PY) -m bench.comm_volume
 
-tables: $(STAMP)
-	$(PY) scripts/make_tables.py --runs runs --out results
+# the tables of the runs under RUNS into TABLES; results/ takes only runs at their recipe's size. `make tables
+# PY=python3` renders them with an interpreter that already has the packages (no venv made)
+RUNS   ?= runs
+TABLES ?= results
+tables: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	$(PY) scripts/make_tables.py --runs $(RUNS) --out $(TABLES)
 
 clean:
 	rm -rf $(VENV) $(COMPAT) .pytest_cache

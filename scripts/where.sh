@@ -1,5 +1,6 @@
-# Sourced by the per-paper scripts: `where ROOT EXPERIMENT... -- OVERRIDES...` sets `runs`, the folder of this
-# command's run directories, and `tables`, where make_tables.py writes, from RUNS and TABLES.
+# Sourced by the per-paper and sweep scripts: `where ROOT EXPERIMENT... -- OVERRIDES...` sets `runs`, the folder of
+# this command's run directories, `tables`, where make_tables.py writes, from RUNS and TABLES, and `smoke`, the
+# smoke run's name (empty at the recipes' size).
 # At the recipes' size: RUNS (default runs) and TABLES (default results). Overrides that change what the
 # experiments compute (python -m harness.recipe: a smaller model, fewer epochs or steps, other workers, ...)
 # make a smoke run: RUNS (default smoke)/smoke-<digest of those settings>, and TABLES (default that folder's
@@ -7,6 +8,7 @@
 where() {
     local size
     size=$("$PY" -m harness.recipe "$@")
+    smoke=$size
     if [[ -z $size ]]; then
         runs=${RUNS:-runs}
         tables=${TABLES:-results}
