@@ -6,9 +6,10 @@ three demo rows (``configs/experiment/cifar10/demo_*.yaml``: SGD-M, LAMB,
 SLAMB on ResNet-8, 4 gloo workers, global batch 256) run, each for three seeds,
 through the same entry point as the paper rows, as one Hydra ``--multirun``.
 
-Written to ``results/demo/``: the comparison table (mean ± standard deviation
-over the seeds, n), the training curves, ``demo.md`` with the bytes each
-worker sent split by kind and one sentence computed from the numbers.
+Written to ``runs/demo/page/`` (ignored by git; ``--out results/demo`` regenerates the committed page): the
+comparison table (mean ± standard deviation over the seeds, n), the training curves, ``demo.md`` with the bytes
+each worker sent split by kind and one sentence computed from the numbers, which the command prints beside the
+committed page's (``results/demo/demo.md``): a run elsewhere moves the numbers by a few tenths of a point.
 """
 from __future__ import annotations
 
@@ -19,12 +20,14 @@ import sys
 import time
 from pathlib import Path
 
-from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, fmt_bytes, load_runs
+from harness.records import fmt_bytes, load_runs
+from harness.tables import RERUN_DRIFT, build_tables, comparison_rows
 from slamb.comm import CONTROL, GRADS, MOMENTUM, MOMENTUM_DENSE, PARAMS
 
 from .data import write_digits
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMITTED = ROOT / "results" / "demo" / "demo.md"
 ROWS = ("cifar10/demo_sgd", "cifar10/demo_lamb", "cifar10/demo_slamb")
 TABLE = "demo_digits_resnet8"  # the rows' paper.table
 SEEDS = (0, 1, 2)
@@ -97,6 +100,22 @@ def verdict(rows: list[dict]) -> str:
             f"({1 / ratio:.1f}x fewer).")
 
 
+def headline(page: str) -> str | None:
+    """The verdict sentence of a demo page (:func:`verdict`), None where it has none."""
+    return next((line for line in page.splitlines() if line.startswith(("SLAMB's ", "No SLAMB"))), None)
+
+
+def committed_headline() -> str:
+    """The committed page's verdict, with the commit that last wrote it."""
+    import subprocess
+
+    if not COMMITTED.exists():
+        return "(no committed page)"
+    commit = subprocess.run(["git", "log", "-1", "--format=%h", "--", str(COMMITTED)], cwd=ROOT, capture_output=True,
+                            text=True, check=False).stdout.strip() or "not in git"
+    return f"{headline(COMMITTED.read_text())} (results/demo/demo.md, commit {commit})"
+
+
 def select(root, seeds) -> list[dict]:
     """The demo's finished runs of these seeds under ``root``."""
     return [r for r in load_runs(root)
@@ -117,7 +136,8 @@ def report(runs: list[dict], out: Path) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", default=str(ROOT / "runs" / "demo"), help="where the run directories go")
-    parser.add_argument("--out", default=str(ROOT / "results" / "demo"), help="where the tables and plot go")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "demo" / "page"),
+                        help="where the tables and plot go (results/demo: the committed page)")
     parser.add_argument("--data", default=str(ROOT / "data" / "digits-cifar10-layout"))
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS), help="seeds of every row")
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the runs under --runs")
@@ -137,9 +157,10 @@ def main(argv=None) -> int:
     total = time.perf_counter() - tic
 
     text = report(select(args.runs, args.seeds), Path(args.out))
-    print(f"\nDemo finished in {total:.0f} s ({len(ROWS)} rows x {len(args.seeds)} seeds x 4 workers). "
-          f"Tables and plots in {args.out}.\n")
     print(text)
+    print(f"Demo finished in {total:.0f} s ({len(ROWS)} rows x {len(args.seeds)} seeds x 4 workers). "
+          f"Tables and plots in {args.out}.\n\nThis run:          {headline(text)}\n"
+          f"The committed page: {committed_headline()}")
     return 0
 
 
