@@ -23,7 +23,9 @@ study: $(STAMP)
 	$(PY) scripts/study.py
 
 # SLAMB's beta3 x k grid and its H line on the study's digits recipe, 2 seeds each, beside LAMB's runs of the
-# same recipe, through the user's own sweep scripts; pages into results/sweeps/ (about 45 minutes on 2 cores)
+# same recipe, through the user's own sweep scripts; pages into results/sweeps/ (about 45 minutes on 2 cores), the
+# runs' records kept in results/sweeps/runs/ (the pages again: scripts/make_tables.py --runs results/sweeps/runs
+# --out results/sweeps)
 SWEEPS := RUNS=runs/sweeps TABLES=results/sweeps EXPERIMENT=study/digits_slamb_v1
 SWEEP_DATA := data.dir=runs/sweeps/data/digits-cifar10-layout
 sweeps: $(STAMP)
@@ -31,6 +33,7 @@ sweeps: $(STAMP)
 	$(PY) -m cifar10.train --multirun experiment=study/digits_lamb seed=0,1 $(SWEEP_DATA)
 	$(SWEEPS) GRID=1 scripts/sweep_compress_ratio.sh seed=0,1 $(SWEEP_DATA)
 	$(SWEEPS) scripts/sweep_sync_interval.sh seed=0,1 $(SWEEP_DATA)
+	$(PY) scripts/make_tables.py --runs runs/sweeps --keep results/sweeps/runs --out results/sweeps
 
 # the speed claim: LAMB, SLAMB and 1-bit LAMB to accuracy on 2 emulated hosts behind a 5 Mbit/s link, 3 seeds
 # (needs root for the network namespaces); results/time_to_accuracy.md and .json (about 30 minutes)

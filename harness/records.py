@@ -23,6 +23,7 @@ import csv
 import inspect
 import json
 import math
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -79,6 +80,22 @@ def load_runs(root, log=None) -> list[dict]:
         runs.append({"dir": folder, "summary": summary, "config": config, "meta": meta, "history": history,
                      "identity": identity.load(folder)})
     return runs
+
+
+# what a page needs of a run, kept beside the page so that it is rebuilt from a fresh clone (no checkpoints)
+RECORD = ("config.yaml", "meta.json", "identity.json", "metrics.json", "metrics.jsonl")
+
+
+def keep_records(runs_root: Path, records: Path) -> None:
+    """Copy each finished run's record (:data:`RECORD`) under ``runs_root`` into ``records``, at the same path."""
+    if not Path(runs_root).exists():
+        return
+    for r in load_runs(runs_root, log=lambda _: None):
+        into = Path(records) / Path(r["dir"]).relative_to(runs_root)
+        into.mkdir(parents=True, exist_ok=True)
+        for name in RECORD:
+            if (r["dir"] / name).exists():
+                shutil.copyfile(r["dir"] / name, into / name)
 
 
 def configuration(run: dict) -> dict:

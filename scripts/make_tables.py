@@ -1,7 +1,8 @@
 """Regenerate every results table (markdown + CSV) and plot from the run directories.
 
-    python scripts/make_tables.py [--runs runs] [--out results] [--allow-smoke]
+    python scripts/make_tables.py [--runs runs] [--out results] [--allow-smoke] [--keep DIR]
     make tables [RUNS=runs] [TABLES=results]
+    python scripts/make_tables.py --runs results/sweeps/runs --out results/sweeps   # the sweep pages, rebuilt
 
 Every page first says what ran, from the runs' own records (config, summary, meta.json, identity.json): model,
 data by content (CIFAR-10, SQuAD v1.1 or ImageNet-1k only where the files are the published ones), workers,
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as `python scripts/make_tables.py`: the repository's packages are importable
     sys.path.insert(0, str(ROOT))
 
-from harness.records import load_runs, size_departures  # noqa: E402
+from harness.records import keep_records, load_runs, size_departures  # noqa: E402
 from harness.tables import build_tables  # noqa: E402
 
 RESULTS = ROOT / "results"
@@ -52,7 +53,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="results", help="where the tables and plots go")
     parser.add_argument("--allow-smoke", action="store_true",
                         help="write the tables of runs at another size than their recipe's into results/ too")
+    parser.add_argument("--keep", metavar="DIR", help="first copy each run's record (config, metadata, identity, "
+                        "metrics; no checkpoints) into DIR, and render from there: the pages' runs, kept beside them")
     args = parser.parse_args(argv)
+    if args.keep:
+        keep_records(Path(args.runs), Path(args.keep))
+        args.runs = args.keep
     runs = load_runs(args.runs)
     if not runs:
         print(f"no finished run (metrics.json) under {args.runs}: run scripts/cifar10_resnet110.sh first",

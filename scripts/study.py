@@ -41,7 +41,6 @@ import hashlib
 import json
 import math
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -55,7 +54,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repositor
     sys.path.insert(0, str(ROOT))
 
 from harness.figures import save_figure  # noqa: E402
-from harness.records import fmt_bytes, load_runs, pm, stat  # noqa: E402
+from harness.records import fmt_bytes, keep_records, load_runs, pm, stat  # noqa: E402
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, pretrain_rows  # noqa: E402
 
 ROWS_DIR = ROOT / "configs" / "experiment" / "study"
@@ -261,21 +260,6 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
         print(f"study: a run of {', '.join(experiments)} failed (exit {done.returncode}); the page leaves it out and "
               "the next `make study` runs it again", flush=True)
     return time.perf_counter() - tic
-
-
-RECORD = ("config.yaml", "meta.json", "identity.json", "metrics.json", "metrics.jsonl")
-
-
-def keep_records(sweep: Path, records: Path) -> None:
-    """Copy each finished run's record (:data:`RECORD`) under ``sweep`` into ``records/<run folder>``."""
-    if not sweep.exists():
-        return
-    for r in load_runs(sweep, log=lambda _: None):
-        into = records / r["dir"].name
-        into.mkdir(parents=True, exist_ok=True)
-        for name in RECORD:
-            if (r["dir"] / name).exists():
-                shutil.copyfile(r["dir"] / name, into / name)
 
 
 def run_missing(module: str, experiments: list[str], seeds: list[int], sweep: Path, records: Path,

@@ -492,6 +492,15 @@ def test_tables_go_where_the_user_says_and_results_take_no_smoke_run(tmp_path, f
                            f"TABLES={tmp_path / 'mine'}"], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert (tmp_path / "mine" / "cifar10_resnet110.md").exists()
+    # --keep: the runs' records (no checkpoints) kept beside the pages, which are rebuilt from them alone
+    (runs / "lamb" / "ckpt").mkdir()
+    kept = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs), "--keep", str(tmp_path / "kept"),
+                           "--out", str(tmp_path / "again")], cwd=ROOT, capture_output=True, text=True)
+    assert kept.returncode == 0, kept.stderr
+    assert sorted(p.name for p in (tmp_path / "kept" / "lamb").iterdir()) == sorted(
+        ["config.yaml", "meta.json", "identity.json", "metrics.json", "metrics.jsonl"])
+    assert (tmp_path / "again" / "cifar10_resnet110.md").read_text() == \
+        (tmp_path / "mine" / "cifar10_resnet110.md").read_text()
     refused = subprocess.run([sys.executable, "scripts/make_tables.py", "--runs", str(runs), "--out", "results"],
                              cwd=ROOT, capture_output=True, text=True)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1
