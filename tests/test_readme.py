@@ -128,3 +128,59 @@ def test_the_license_file_and_the_citation_match_the_package():
     assert [a["family-names"] for a in paper["authors"]] == ["Xu", "Zhang", "Fei", "Wu", "Xie", "Huang", "Xie",
                                                               "Elhoseiny", "Kalnis"]
     assert paper["year"] == 2023 and paper["repository-code"] == "https://github.com/hangxu0304/SLAMB"
+
+
+# the pages a newcomer reads first, and the study's
+FIRST_PAGES = ["README.md", "docs/reproduce.md", "docs/recipes.md", "docs/configs.md", "docs/study.md"]
+
+
+def test_no_paragraph_of_the_first_pages_starts_mid_sentence():
+    for page in FIRST_PAGES:
+        text = re.sub(r"```.*?```", "", (ROOT / page).read_text(), flags=re.S)
+        for block in re.split(r"\n\s*\n", text):
+            block = block.strip()
+            assert not block or not block[0].islower(), f"{page}: {block[:80]}"
+
+
+def test_the_docs_cite_files_that_exist():
+    """docs/recipes.md named config files and a specification that the repository does not hold (its ``.py``
+    names outside this repository's folders, ``main.py``, ``Cifar10/main.py``, are the reference code's)."""
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    for name in re.findall(r"`([\w./*{},-]+\.(?:yaml|md|py))`", text):
+        if name.endswith(".py") and not (ROOT / name.split("/")[0]).is_dir():
+            continue
+        names = [name.replace(m[0], part) for m in re.findall(r"(\{([^}]*)\})", name)[:1]
+                 for part in m[1].split(",")] or [name]
+        for one in names:
+            assert any(list(base.glob(one)) for base in (ROOT, ROOT / "docs", ROOT / "configs")), one
+
+
+def test_the_configs_page_shows_no_made_up_run():
+    text = (ROOT / "docs" / "configs.md").read_text()
+    assert not re.search(r"final_test_top1=\d", text) and "Renamed in this layout" not in text
+
+
+def test_the_study_docs_give_the_steps_the_page_ran():
+    page = (ROOT / "results" / "study" / "README.md").read_text()
+    steps = re.search(r"length: 40 epochs \((\d+) steps\)", page)[1]
+    assert f"of 40 epochs ({steps} steps)" in (ROOT / "docs" / "study.md").read_text()
+    assert f"the run's {steps} steps" in (ROOT / "configs" / "experiment" / "study" / "digits_onebit_lamb.yaml").read_text()
+
+
+# pages whose commands recorded a machine's directories, their generators since fixed (bench.shown_command)
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt|scratch)/")
+
+
+def test_results_pages_record_no_machine_paths():
+    from bench import shown_command
+
+    for name in ("time_to_accuracy.md", "time_to_accuracy.json", "fault_tolerance_pipelines_bert.json",
+                 "fault_tolerance_pipelines_digits.json"):
+        assert not MACHINE_PATH.search((ROOT / "results" / name).read_text()), name
+    assert shown_command(["--workdir", str(ROOT / "runs" / "tta"), f"data.dir={ROOT / 'runs' / 'd'}",
+                          "hydra.run.dir=/scratch/u/x", "seed=0"]) == \
+        "--workdir runs/tta data.dir=runs/d hydra.run.dir=.../x seed=0"
+
+
+def test_contributing_names_no_tool_the_repository_does_not_ship():
+    assert "duplicates --change" not in (ROOT / "CONTRIBUTING.md").read_text()
