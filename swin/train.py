@@ -3,7 +3,7 @@
     python -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet trainer.nproc_per_node=8
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
         -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet        # multi-node
-    scripts/swin_b_imagenet.sh slamb 8 1                                     # the paper's rows
+    scripts/swin_b_imagenet.sh 8 -- data.dir=/data/imagenet                  # the paper's rows
 
 The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
 (global batch = workers x data.micro_batch x accumulation_steps at the run's first start; the paper's

@@ -128,6 +128,30 @@ def test_a_pipeline_refusing_a_setting_removes_the_folder_hydra_made(data, tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("node_rank, renders", [("0", True), ("1", False)])
+def test_bert_on_several_nodes_renders_the_tables_on_node_0_only(data, tmp_path, node_rank, renders):
+    """NNODES=2: every node runs the script, torchrun starting its workers. A stand-in interpreter answers for
+    torchrun and make_tables.py (what the script starts on this node is the point) and runs the rest: the
+    checks of every run, for a world of 2 x 1 workers. Before, every node wrote the tables."""
+    py = tmp_path / "python"
+    py.write_text(f"""#!/usr/bin/env bash
+case "$*" in
+    "-m torch.distributed.run "*) echo "torchrun $*"; exit 0 ;;
+    "scripts/make_tables.py "*) echo "make_tables $*"; exit 0 ;;
+esac
+exec {sys.executable} "$@"
+""")
+    py.chmod(0o755)
+    done = script("bert_pretrain", *BERT_TINY, "trainer.nproc_per_node=1", PY=str(py), NNODES="2",
+                  NODE_RANK=node_rank, NPROC_PER_NODE="1", MASTER_ADDR="localhost",
+                  **bert_env(data, tmp_path, ROWS="onebit_lamb"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    started = [line.split()[0] for line in done.stdout.splitlines() if line.startswith(("torchrun", "make_tables"))]
+    assert started == ["torchrun", "torchrun", *(["make_tables"] if renders else [])], done.stdout
+    phase2 = [line for line in done.stdout.splitlines() if "experiment=bert/phase2_onebit_lamb" in line][0]
+    assert f"init_from={tmp_path / 'runs'}/" in phase2  # this command's phase 1, under RUNS
+
+
 # ------------------------------------------------------------------------------------- paths, a run from elsewhere
 
 def test_relative_paths_are_the_callers(data, tmp_path):
