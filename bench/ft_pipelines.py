@@ -37,7 +37,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench import ROOT, shown_command
+
 TORCHFT = ["+mixin=torchft", "trainer.replica_groups=4"]
 
 
@@ -173,7 +174,7 @@ def one_run(task: str, row: str, seed: int, overrides: list[str], runs: Path, fa
                          f"{run_dir.parent / (run_dir.name + '.log')}\n{done.stdout[-2000:]}")
     summary = json.loads((run_dir / "metrics.json").read_text())
     meta = json.loads((run_dir / "meta.json").read_text()) if (run_dir / "meta.json").exists() else {}
-    return {"row": row, "seed": seed, "command": " ".join(cmd[1:]), "commit": meta.get("git", {}).get("commit"),
+    return {"row": row, "seed": seed, "command": shown_command(cmd[1:]), "commit": meta.get("git", {}).get("commit"),
             "dirty": meta.get("git", {}).get("dirty"), **{k: summary[k] for k in t.finals},
             "steps": summary["steps"], "wall_s": round(wall, 2), "lines": lines,
             "failures": done.stdout.count("[fault injection]"),

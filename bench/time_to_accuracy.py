@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from bench import shown_command
 from bench.netbench import ROOT, UNLIMITED, analyse_run, launch_run, prepare_data, run_overrides, time_to
 
 OUT = ROOT / "results" / "time_to_accuracy.md"
@@ -254,7 +255,7 @@ def main(argv=None) -> int:
         return 0
 
     before = extended(json_path, a) if a.extend else None
-    record = {"command": "python -m bench.time_to_accuracy " + " ".join(argv), "started": time.strftime("%Y-%m-%d %H:%M"),
+    record = {"command": "python -m bench.time_to_accuracy " + shown_command(argv), "started": time.strftime("%Y-%m-%d %H:%M"),
               "cpus": os.cpu_count(), "hosts": a.hosts, "rate_mbit": a.rate, "epochs": a.epochs, "seeds": a.seeds,
               "runs": [], "compute_reference": None}
     if before:

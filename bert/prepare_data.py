@@ -23,6 +23,13 @@ tokens (at most ``P``: 20 at L=128, 80 at L=512) are predicted, of which 80%
 become [MASK], 10% a random token and 10% stay; ``dupe_factor`` passes over the
 data with different masks. A shard's examples depend only on its file, the seed
 and its index, so preparation is reproducible with any number of workers.
+
+Held-out split (``--heldout-fraction``, default 0.01 on the command line): that
+share of each input file's documents (at least one, never all) is left out of
+its training shard and written to ``heldout/<stem>_heldout.hdf5`` with one fixed
+masking; ``validation.dir=<output>/heldout`` scores it (``val_mlm_loss``, the
+paper's metric). The documents are drawn from the seed and the file's name
+alone, so the seq-128 and seq-512 folders of one corpus hold out the same text.
 """
 from __future__ import annotations
 
@@ -185,6 +192,22 @@ def instances_from_document(docs, index: int, vocab: Vocab, s: Settings, rng: ra
     return out
 
 
+# the command line's share of each file's documents held out; the folder of their shards, inside the output
+HELDOUT_FRACTION = 0.01
+HELDOUT = "heldout"
+
+
+def split_documents(docs: list, fraction: float, seed: int, name: str) -> tuple[list, list]:
+    """(training, held-out) documents of the input file ``name``: ``round(fraction x n)`` of its ``n`` documents,
+    at least one where ``fraction > 0``, never all. The draw depends on the seed and the name only: every
+    sequence length of a corpus holds out the same documents, so phase 2 validates on text phase 1 never saw."""
+    if fraction <= 0 or len(docs) < 2:
+        return docs, []
+    held = set(random.Random(f"{seed}:heldout:{name}").sample(range(len(docs)),
+                                                                 min(len(docs) - 1, max(1, round(fraction * len(docs))))))
+    return [d for i, d in enumerate(docs) if i not in held], [d for i, d in enumerate(docs) if i in held]
+
+
 def create_instances(docs, vocab: Vocab, s: Settings, rng: random.Random) -> list[dict]:
     docs = list(docs)
     rng.shuffle(docs)
@@ -235,22 +258,36 @@ def shard_name(path) -> str:
 
 
 def prepare_file(task) -> dict:
-    """One input file -> one shard; returns its statistics."""
-    index, path, out_dir, s = task
-    rng = random.Random(f"{s.seed}:{index}")
-    instances = create_instances(read_documents(Path(path), _VOCAB), _VOCAB, s, rng)
+    """One input file -> one shard, and its held-out documents' shard where some are held out; returns their
+    statistics."""
+    index, path, out_dir, s, heldout = task
+    docs, held = split_documents(read_documents(Path(path), _VOCAB), heldout, s.seed, Path(path).stem)
+    stats = {"input": str(path), **write_instances(docs, Path(out_dir) / shard_name(path), s,
+                                                   random.Random(f"{s.seed}:{index}"))}
+    if held:  # one fixed masking, drawn apart from the training shard's
+        stats["heldout"] = write_instances(held, Path(out_dir) / HELDOUT / f"{Path(path).stem}_heldout.hdf5",
+                                           dataclasses.replace(s, dupe_factor=1),
+                                           random.Random(f"{s.seed}:heldout:{index}"))
+    return stats
+
+
+def write_instances(docs, out: Path, s: Settings, rng: random.Random) -> dict:
+    """The examples of ``docs`` written to the shard ``out``; its statistics."""
+    instances = create_instances(docs, _VOCAB, s, rng)
     features = to_arrays(instances, s)
-    out = Path(out_dir) / shard_name(path)
     write_shard(out, features)
-    tokens = int(features["input_mask"].sum())
-    return {"input": str(path), "shard": str(out), "examples": len(instances), "tokens": tokens,
+    return {"shard": str(out), "examples": len(instances), "tokens": int(features["input_mask"].sum()),
             "masked": int((features["masked_lm_positions"] > 0).sum()),
             "random_next": int(features["next_sentence_labels"].sum())}
 
 
 def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, *, workers: int = 1,
-            lowercase: bool = True, progress: bool = True) -> list[dict]:
-    """Prepare every input file (in ``workers`` processes); writes ``stats.json`` beside the shards."""
+            lowercase: bool = True, progress: bool = True, heldout: float = 0.0) -> list[dict]:
+    """Prepare every input file (in ``workers`` processes); writes ``stats.json`` beside the shards.
+    ``heldout``: the share of each file's documents held out (:func:`split_documents`) into ``<out_dir>/heldout/``."""
+    if not 0.0 <= heldout < 1.0:
+        raise ValueError(f"invalid --heldout-fraction {heldout}: must be in [0, 1) (the share of each file's documents "
+                         "held out for validation)")
     inputs = [Path(p) for p in inputs]
     missing = [str(p) for p in inputs if not p.is_file()]
     if not inputs or missing:
@@ -260,8 +297,8 @@ def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, 
         raise ValueError("input files must have distinct names: each becomes the shard <name>_training.hdf5")
     load_tokenizer(vocab, lowercase)  # a missing or empty vocabulary fails here, before any worker starts
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tasks = [(i, str(p), str(out), settings) for i, p in enumerate(inputs)]
+    (out / HELDOUT if heldout > 0 else out).mkdir(parents=True, exist_ok=True)
+    tasks = [(i, str(p), str(out), settings, heldout) for i, p in enumerate(inputs)]
     # forked from a fresh server, not from this process: a fork inherits its threads' locks (the tokenizer's
     # pool, torch's) and its signal handlers, and a pool worker forked from a busy process hung at its exit
     pool = multiprocessing.get_context("forkserver").Pool(max(1, min(workers, len(tasks))), initializer=_init_worker,
@@ -275,6 +312,9 @@ def prepare(inputs, vocab: str | Path, out_dir: str | Path, settings: Settings, 
         stats = sorted(results, key=lambda r: r["shard"])
     summary = {"settings": dataclasses.asdict(settings), "vocab": str(vocab), "lowercase": lowercase,
                "examples": sum(r["examples"] for r in stats), "shards": stats}
+    if heldout > 0:
+        summary.update(heldout_fraction=heldout, heldout_examples=sum(r.get("heldout", {}).get("examples", 0)
+                                                                      for r in stats))
     (out / "stats.json").write_text(json.dumps(summary, indent=1))
     return stats
 
@@ -295,13 +335,21 @@ def main(argv=None) -> None:
     p.add_argument("--dupe-factor", type=int, default=5)
     p.add_argument("--whole-word-mask", action="store_true")
     p.add_argument("--seed", type=int, default=12345)
+    p.add_argument("--heldout-fraction", type=float, default=HELDOUT_FRACTION,
+                   help=f"share of each file's documents held out into OUTPUT/{HELDOUT}/ for validation.dir (default "
+                        f"{HELDOUT_FRACTION}; 0: none)")
     p.add_argument("--workers", type=int, default=1, help="parallel processes (one input file each at a time)")
     a = p.parse_args(argv)
+    if not 0.0 <= a.heldout_fraction < 1.0:
+        p.error(f"--heldout-fraction {a.heldout_fraction}: must be in [0, 1) (0: no held-out split)")
     settings = Settings(a.max_seq_length, a.max_predictions or default_max_predictions(a.max_seq_length),
                         a.masked_lm_prob, a.short_seq_prob, a.dupe_factor, a.whole_word_mask, a.seed)
     vocab_path = a.vocab or train_vocab(a.input, a.output, a.train_vocab, lowercase=not a.cased)
-    stats = prepare(a.input, vocab_path, a.output, settings, workers=a.workers, lowercase=not a.cased)
-    print(f"{sum(r['examples'] for r in stats)} examples in {len(stats)} shards under {a.output}")
+    stats = prepare(a.input, vocab_path, a.output, settings, workers=a.workers, lowercase=not a.cased,
+                    heldout=a.heldout_fraction)
+    held = [r["heldout"] for r in stats if "heldout" in r]
+    print(f"{sum(r['examples'] for r in stats)} examples in {len(stats)} shards under {a.output}"
+          + (f"; {sum(r['examples'] for r in held)} held-out examples in {Path(a.output) / HELDOUT}" if held else ""))
 
 
 if __name__ == "__main__":

@@ -45,9 +45,10 @@ from omegaconf import OmegaConf
 import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad, check_loss_scale
+from harness.build import optimizer_source, planned_world
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
-from harness.settings import check_count
+from harness.settings import check_count, flatten
 
 from .data import (IGNORE_INDEX, Prefetcher, PretrainingStream, StepStream, check_shards, find_shards, fingerprint,
                    load_shard, to_batch)
@@ -157,6 +158,34 @@ def check(cfg: dict) -> None:
     v = cfg.get("validation") or {}
     if v.get("dir"):
         check_shards(find_shards(v["dir"], v["pattern"], "validation"), d["seq_len"], m["vocab_size"])
+    if cfg.get("init_optimizer_from"):
+        check_optimizer_source(cfg, cfg["init_optimizer_from"])
+
+
+def check_optimizer_source(cfg: dict, source: str) -> None:
+    """The run whose optimizer this phase continues (``init_optimizer_from``) is the earlier phase of this run:
+    finished, of the same optimizer and model, the run whose model ``init_from`` names, its last checkpoint
+    written by as many workers. Another run's state (an older run's, another row's) would be continued
+    without a word, as the optimizer loads any state of its shape."""
+    import yaml
+
+    run = Path(source)
+    if not (run / "config.yaml").is_file() or not (run / "metrics.json").is_file():
+        raise ValueError(f"invalid init_optimizer_from={source!r}: no finished run there (config.yaml and "
+                         "metrics.json); run the earlier phase into it first")
+    init_from = cfg.get("init_from")
+    if init_from and Path(init_from).resolve() != (run / "model").resolve():
+        raise ValueError(f"invalid init_optimizer_from={source!r}: init_from={init_from!r} is another run's model; "
+                         "continue the optimizer of the run whose model starts this phase "
+                         "(init_optimizer_from=${parent:${init_from}})")
+    earlier = flatten({k: v for k, v in yaml.safe_load((run / "config.yaml").read_text()).items()
+                       if k in ("optimizer", "model")})
+    for key, value in flatten({"optimizer": {"name": cfg["optimizer"]["name"]}, "model": cfg["model"]}).items():
+        if earlier.get(key) != value:
+            raise ValueError(f"invalid init_optimizer_from={source!r}: that run has {key}={earlier.get(key)!r} and "
+                             f"this one {key}={value!r}, so its optimizer state is another run's; point it at the "
+                             "earlier phase of this run, or init_optimizer_from=null (a fresh optimizer)")
+    optimizer_source(run, planned_world(cfg["trainer"]))
 
 
 def inputs(cfg: dict) -> dict:
@@ -244,10 +273,14 @@ def train(cfg: dict, run_dir: str) -> dict:
                       model_dir=model_dir)
 
 
+# how this pipeline is checked and launched: its main, and a script's checks of every run before the first
+# (harness.preflight)
+LAUNCH = {"shards": True, "check": check, "optional": OPTIONAL, "fault_tolerant": True}
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="bert")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("bert.train:train", cfg, shards=True, check=check, optional=OPTIONAL,
-                                  fault_tolerant=True, inputs=inputs)
+    return harness.run_from_hydra("bert.train:train", cfg, inputs=inputs, **LAUNCH)
 
 
 if __name__ == "__main__":

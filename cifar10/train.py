@@ -134,9 +134,14 @@ def train(cfg: dict, run_dir: str) -> dict:
                       model_dir=model_dir)
 
 
+# how this pipeline is checked and launched: its main, and a script's checks of every run before the first
+# (harness.preflight)
+LAUNCH = {"check": check, "fault_tolerant": True}
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="cifar10")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("cifar10.train:train", cfg, check=check, fault_tolerant=True, inputs=inputs)
+    return harness.run_from_hydra("cifar10.train:train", cfg, inputs=inputs, **LAUNCH)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from slamb import registry
+from slamb.contract import GRADIENT_ALLREDUCE
 from slamb.optim.slamb import SLAMB
 from slamb.optim.checks import check_choice, check_count
 from .accumulate import accumulation_steps, split_batch
@@ -107,15 +108,18 @@ def check_trainer(t) -> None:
 
 
 def check_data(d: dict, world_size: int) -> None:
-    """Clear errors for the batch settings a pipeline's data config has, for ``world_size`` workers."""
+    """Clear errors for the batch settings a pipeline's data config has, for ``world_size`` workers (Swin's
+    ``global_batch`` may be null: workers x micro-batch x ``accumulation_steps``)."""
     for key in ("micro_batch", "eval_batch", "global_batch"):
-        if key in d:
+        if d.get(key) is not None:
             check_count(f"data.{key}", d[key])
     if "augment" in d:
         check_choice("data.augment", d["augment"], (False, True))
-    if "global_batch" in d and "micro_batch" in d:  # BERT: accumulation fills the global batch
+    if d.get("global_batch") is None:
+        return
+    if "micro_batch" in d:  # BERT, Swin: accumulation fills the global batch
         accumulation_steps(d["global_batch"], d["micro_batch"], world_size)
-    elif "global_batch" in d:  # SQuAD: one micro-batch per worker and step
+    else:  # SQuAD: one micro-batch per worker and step
         split_batch(d["global_batch"], world_size)
 
 
@@ -164,20 +168,30 @@ def build_optimizer(model: torch.nn.Module, ocfg):
 REDERIVED_ON_CONTINUE = {"onebit": ("lamb_coeff_freeze", "last_factor", "scaling_coeff")}
 
 
-def continue_optimizer(optimizer, run_dir, env) -> int:
-    """Continue the optimizer of another run (phase 1's, for phase 2) from its last checkpoint, as DeepSpeed's
-    ``--load_training_checkpoint``: moments and step counter carry on; this run's settings stay (each group's
-    hyperparameters, optimizer-level ones such as ``freeze_step``) and so does its ledger, which counts this
-    run's bytes only. Returns the step the optimizer continues from."""
+def optimizer_source(run_dir, world_size: int, env=None) -> Checkpointer:
+    """The checkpoints of the run whose optimizer another continues (``init_optimizer_from``), refused where its
+    last one cannot be continued: there is none, or ``world_size`` workers did not write it (the state is per
+    rank)."""
     ckpt = Checkpointer(run_dir, env)
     latest = ckpt.latest()
     if latest is None:
         raise FileNotFoundError(f"init_optimizer_from={run_dir}: no checkpoint in {ckpt.dir}; point it at the run "
                                 "directory of the earlier phase, or set init_optimizer_from=null (a fresh optimizer)")
-    if latest["world_size"] != env.world_size:
-        raise ValueError(f"init_optimizer_from={run_dir}: its checkpoint was written by {latest['world_size']} "
-                         f"workers and this run has {env.world_size}; per-rank optimizer state cannot be "
-                         f"redistributed: run with {latest['world_size']} workers, or init_optimizer_from=null")
+    if latest["world_size"] != world_size:
+        raise ValueError(f"invalid init_optimizer_from={str(run_dir)!r}: its checkpoint was written by "
+                         f"{latest['world_size']} workers and this run has {world_size}; per-rank optimizer state "
+                         f"cannot be redistributed: run with {latest['world_size']} workers, or "
+                         "init_optimizer_from=null")
+    return ckpt
+
+
+def continue_optimizer(optimizer, run_dir, env) -> int:
+    """Continue the optimizer of another run (phase 1's, for phase 2) from its last checkpoint, as DeepSpeed's
+    ``--load_training_checkpoint``: moments and step counter carry on; this run's settings stay (each group's
+    hyperparameters, optimizer-level ones such as ``freeze_step``) and so does its ledger, which counts this
+    run's bytes only. Returns the step the optimizer continues from."""
+    ckpt = optimizer_source(run_dir, env.world_size, env)
+    latest = ckpt.latest()
     state = ckpt.load()[2][0]["optimizer"]
     fresh = optimizer.state_dict()
     for group, ours in zip(state["param_groups"], fresh["param_groups"]):
@@ -195,14 +209,25 @@ def continue_optimizer(optimizer, run_dir, env) -> int:
     return int(state[key]["step"]) if key else int(latest["step"])
 
 
-def check_optimizer(ocfg, fault_tolerance: str = "none") -> None:
+def check_optimizer(ocfg, fault_tolerance: str = "none"):
     """Every setting of an optimizer config, checked by building the optimizer on a CPU stand-in (a
-    matrix and a bias: both weight-decay groups). Construction needs no process group, so this runs in
-    the launching process, before any worker starts. ``fault_tolerance``: ``trainer.fault_tolerance``, which
-    takes some optimizers only."""
+    matrix and a bias: both weight-decay groups), which it returns. Construction needs no process group, so
+    this runs in the launching process, before any worker starts. ``fault_tolerance``:
+    ``trainer.fault_tolerance``, which takes some optimizers only."""
     optimizer = build_optimizer(torch.nn.Linear(2, 2), ocfg)
     if fault_tolerance == "torchft":
         fault_tolerance_module.check_optimizer(optimizer, ocfg["name"])
+    return optimizer
+
+
+def alone_notice(optimizer, name: str, world_size: int) -> str | None:
+    """The one-line notice of an optimizer that communicates by its own scheme (SLAMB's sampled momentum, 1-bit
+    LAMB's, DGC's, ...) run by one worker: it sends nothing, so a smoke run or a sweep at that size measures
+    none of its compression; None where that is not so."""
+    if world_size > 1 or optimizer.communication == GRADIENT_ALLREDUCE:
+        return None
+    return (f"notice: optimizer={name} on one worker sends nothing: its compression is not exercised (a sweep of "
+            "its settings measures nothing); trainer.nproc_per_node=2 or more runs it")
 
 
 def user_error(error: ValueError, ocfg: dict) -> str:
@@ -238,8 +263,9 @@ def user_error(error: ValueError, ocfg: dict) -> str:
 def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), optional=(),
                    fault_tolerant: bool = False) -> None:
     """Every check made before any worker starts (``ValueError``, or ``OSError`` for an input that cannot be
-    read: one line naming the setting), then the one-line notice on stderr of a ``trainer.device=auto`` that
-    falls back to the CPU (rank 0 only, where torchrun or SLURM run this in every worker). ``shards``: the
+    read: one line naming the setting), then the one-line notices on stderr of a ``trainer.device=auto`` that
+    falls back to the CPU and of a compressing optimizer on one worker (:func:`alone_notice`; rank 0 only,
+    where torchrun or SLURM run this in every worker). ``shards``: the
     pipeline takes ``trainer.parallelism=fsdp|hsdp``; ``check(cfg)``: the pipeline's own checks (its model,
     schedule, data), last; ``added``, ``optional``: :func:`check_added`; ``fault_tolerant``: the pipeline takes
     ``trainer.fault_tolerance=torchft`` (:mod:`harness.fault_tolerance`)."""
@@ -247,19 +273,22 @@ def check_settings(cfg: dict, *, shards: bool = False, check=None, added=(), opt
     check_trainer(t)
     check_added(cfg, added, optional)
     fault_tolerance_module.check(cfg, fault_tolerant)
-    check_optimizer(cfg["optimizer"], t["fault_tolerance"])
+    optimizer = check_optimizer(cfg["optimizer"], t["fault_tolerance"])
     if "seed" in cfg:
         check_count("seed", cfg["seed"], " (the initial weights, the data order)", minimum=0)
     on_cpu = check_device(t["device"], local_workers(t["nproc_per_node"]))
     world_size = planned_world(t)
+    alone = alone_notice(optimizer, cfg["optimizer"]["name"], world_size)
     check_data(cfg.get("data") or {}, world_size)
     check_parallelism(cfg, world_size, shards, build_optimizer)
     check_inputs_exist(cfg)
     check_schedule(cfg)  # the run's length before its schedule
     if check is not None:
         check(cfg)
-    if on_cpu and os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
-        print(cpu_fallback_notice(), file=sys.stderr, flush=True)
+    if os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")) == "0":
+        for notice in (cpu_fallback_notice() if on_cpu else None, alone):
+            if notice:
+                print(notice, file=sys.stderr, flush=True)
 
 
 def planned_world(t: dict) -> int:
@@ -267,6 +296,20 @@ def planned_world(t: dict) -> int:
     if t["fault_tolerance"] == "torchft":
         return t["replica_groups"] * t["nproc_per_node"]
     return planned_world_size(t["nproc_per_node"])
+
+
+def remove_empty(run_dir) -> None:
+    """Remove the run directory Hydra made for a command refused before it wrote anything there, and the empty
+    folders above it inside the working directory: a refused command leaves no empty folders."""
+    here, folder = Path.cwd().resolve(), Path(run_dir).resolve()
+    while folder != here:
+        try:
+            folder.rmdir()  # only an empty folder: another job's files, or a lock, keep it
+        except OSError:
+            return
+        folder = folder.parent
+        if here not in folder.parents:
+            return
 
 
 def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=(), fault_tolerant: bool = False,
@@ -305,19 +348,21 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
 
     from omegaconf.errors import MissingMandatoryValue
 
+    run_dir = HydraConfig.get().runtime.output_dir
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:  # a required setting (``???`` in the config) left unset
         print(f"error: {e.full_key} is required and not set; fix: set {e.full_key}=... on the command line (or pick "
               "an experiment that sets it)", file=sys.stderr, flush=True)
+        remove_empty(run_dir)
         sys.exit(2)
 
     def refuse(error: ValueError):
         print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
+        remove_empty(run_dir)
         sys.exit(2)
 
     try:
-        run_dir = HydraConfig.get().runtime.output_dir
         local = not started_externally()
         writer = local or os.environ.get("RANK") == "0"
         nproc = container["trainer"]["nproc_per_node"]

@@ -9,11 +9,13 @@ the labels, the inputs (:data:`harness.settings.NOT_COMPUTED`: ``data.dir``, ``m
 another size (a smoke run: a smaller model, fewer epochs or steps, other workers, less data, ...): it prints ``smoke-<digest>``, the digest of the
 settings that differ, and lists them on stderr in one line. The scripts put such a run's directories under
 that name and its tables outside ``results/`` (scripts/cifar10_resnet110.sh and the others), so that it never
-takes a recipe run's directory or page, and two sizes never share one.
+takes a recipe run's directory or page, and two sizes never share one. Overrides Hydra cannot compose (a
+misspelt setting, an unknown option) are refused in one line naming the setting and its choices, exit status 2.
 """
 from __future__ import annotations
 
 import hashlib
+import re
 import sys
 from pathlib import Path
 
@@ -29,15 +31,21 @@ def computed(cfg: dict) -> dict:
     return effective_config(cfg, drop=(*INPUT_KEYS, "name", "seed"))
 
 
-def _compose(root: str, overrides) -> dict:
+def _compose(root: str, overrides, throw_on_missing: bool = False) -> dict:
+    """``root``'s config composed with ``overrides`` and resolved: inside a pipeline's ``@hydra.main`` on the
+    Hydra it runs, elsewhere on the repository's configs."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    if GlobalHydra.instance().is_initialized():  # inside a pipeline's @hydra.main, on its configs
-        return OmegaConf.to_container(compose(root, list(overrides)), resolve=True)
+    def resolved():
+        return OmegaConf.to_container(compose(root, list(overrides)), resolve=True,
+                                      throw_on_missing=throw_on_missing)
+
+    if GlobalHydra.instance().is_initialized():
+        return resolved()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        return OmegaConf.to_container(compose(root, list(overrides)), resolve=True)
+        return resolved()
 
 
 def differences(recipe: dict, run: dict) -> dict[str, tuple]:
@@ -55,7 +63,7 @@ def departures(root: str, experiment: str, overrides) -> dict[str, tuple]:
     overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
     parsed = OverridesParser.create().parse_overrides(overrides)
     overrides = [o for o, parsed_o in zip(overrides, parsed) if not parsed_o.is_sweep_override()]
-    return differences(*(computed(_compose(root, [f"experiment={experiment}", *extra])) for extra in ([], overrides)))
+    return differences(*(computed(composed(root, experiment, extra)) for extra in ([], overrides)))
 
 
 def against_recipe(cfg: dict) -> dict:
@@ -95,11 +103,55 @@ def size_name(root: str, experiments, overrides) -> tuple[str, dict]:
     return f"smoke-{hashlib.sha256(text.encode()).hexdigest()[:8]}", changed
 
 
+def composition_error(root: str, experiment: str, overrides, error: Exception) -> str:
+    """One line for overrides Hydra cannot compose (a misspelt setting, a config group's unknown option, an
+    override it cannot parse), naming the setting and the valid choices, in place of Hydra's traceback."""
+    from .build import unknown_setting, user_error
+
+    text = str(error)
+    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
+    if missing:
+        group, option = missing[1], missing[2]
+        key, _, prefix = group.partition("/")
+        choices = sorted(f"{prefix + '/' if prefix else ''}{p.stem}" for p in (CONFIGS / group).glob("*.yaml"))
+        return (f"error: {key}={prefix + '/' if prefix else ''}{option}: no such config in configs/{group}/; "
+                f"choose from: {', '.join(choices)}")
+    override = re.match(r"Could not override '([^']+)'", text)
+    if override:
+        key = override[1]
+        others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
+        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), None)
+        parent = key.rpartition(".")[0]
+        try:
+            node = composed(root, experiment, others)
+            for name in parent.split(".") if parent else ():
+                node = node[name]
+            return user_error(unknown_setting(key, value, list(node)), {})
+        except Exception:  # noqa: BLE001 - another override is wrong too: Hydra's own words, on one line
+            pass
+    lines = [line for line in text.split("\nConfig search path", 1)[0].split("\nSee https", 1)[0].splitlines()
+             if line.strip()]
+    return f"error: {' '.join(' '.join(lines).split())}; fix: correct the override (configs/{root}.yaml and its groups)"
+
+
+def composed(root: str, experiment: str, overrides, throw_on_missing: bool = False) -> dict:
+    """The resolved config of ``experiment`` with ``overrides`` (Hydra's own settings left out)."""
+    overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
+    return _compose(root, [f"experiment={experiment}", *overrides], throw_on_missing)
+
+
 def main(argv=None) -> int:
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     (root, *experiments), overrides = argv[:cut], argv[cut + 1:]
-    name, changed = size_name(root, experiments, overrides)
+    try:
+        name, changed = size_name(root, experiments, overrides)
+    except (HydraException, OmegaConfBaseException) as e:  # before any run starts: one line, a usage error
+        print(composition_error(root, experiments[0], overrides, e), file=sys.stderr)
+        return 2
     if name:
         print(f"{name}: not the recipe's size (" + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new)
                                                               in changed.items()) + ")", file=sys.stderr)

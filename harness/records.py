@@ -32,21 +32,14 @@ import yaml
 
 from slamb.comm import MOMENTUM, MOMENTUM_DENSE
 from . import identity
-from .recipe import swept
 from .run import read_jsonl
 from .settings import INPUT_KEYS, covers, effective_config, flatten, lookup
 
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
-
-
 # where a run's data lives (its content is its identity: identity.json), not the model it starts from
 DATA_PATH_KEYS = (*(k for k in INPUT_KEYS if k.startswith("data.")), "validation.dir")
-
-
 # settings that a row's configuration label leaves out: they name the row already, or vary with it
 LABEL_SKIP = ("name", "optimizer.name")
-
-
 # the metric that says whether a run produced anything, by kind of summary
 HEADLINE = ("final_test_top1", "f1", "final_loss")
 
@@ -334,6 +327,8 @@ def departure(key: str, recipe_value, run_value) -> str:
 def size_departures(run: dict) -> list[str] | None:
     """How ``run`` departs from its experiment's recipe (beside the settings its study sweeps), as a page names
     it: ``[]`` for a run at the recipe's size; None for a run recorded before runs recorded their recipe."""
+    from .recipe import swept  # not at import: `python -m harness.recipe` runs it as a script of this package
+
     record = (run.get("identity") or {}).get("recipe")
     if record is None:
         return None

@@ -9,9 +9,9 @@ kind:
 * ``label``: what names the run or files it (the ``experiment`` and ``sweep`` config groups,
   which set ``name`` and the settings themselves; the tables' ``paper`` and ``study`` entries),
   also left out of what a run computes;
-* ``input``: what the run reads (data, the model it starts from). They change what is computed,
-  but a dataset can move and the experiment that picks a model names the run: they stay out of the
-  run directory's name and are checked on resume instead (:data:`INPUT_KEYS`,
+* ``input``: what the run reads (data, held-out data, the model and optimizer state it starts from).
+  They change what is computed, but a dataset can move and the experiment that picks a model names the
+  run: they stay out of the run directory's name and are checked on resume instead (:data:`INPUT_KEYS`,
   :func:`harness.checkpoint.run_inputs`).
 
 A key covers its subtree (``logger`` covers ``logger.wandb``). From this list come: the settings
@@ -21,6 +21,8 @@ leaves out of the run directory's name (the ``run_dir_excluded`` resolver, named
 ``configs/hydra/default.yaml``).
 """
 from __future__ import annotations
+
+from pathlib import PurePath
 
 from omegaconf import OmegaConf
 
@@ -37,6 +39,7 @@ NOT_COMPUTED = {
     "time_breakdown": OPERATIONAL,
     "experiment": LABEL, "sweep": LABEL, "paper": LABEL, "study": LABEL,
     "data.dir": INPUT, "data.train_file": INPUT, "data.dev_file": INPUT, "model.dir": INPUT, "init_from": INPUT,
+    "init_optimizer_from": INPUT, "validation.dir": INPUT,
 }
 # what two runs may differ in and still be one configuration
 OPERATIONAL_KEYS = tuple(k for k, kind in NOT_COMPUTED.items() if kind in (OPERATIONAL, LABEL))
@@ -136,8 +139,12 @@ def run_dir_excluded(overrides) -> list[str]:
     return [k for k in keys if covers(NOT_COMPUTED, k)]
 
 
-# the pipelines import the harness before Hydra composes their config, which names this resolver
+# the pipelines import the harness before Hydra composes their config, which names these resolvers
 OmegaConf.register_new_resolver(
     "run_dir_excluded", lambda overrides: run_dir_excluded(
         OmegaConf.to_container(overrides, resolve=False) if OmegaConf.is_config(overrides) else overrides),
     replace=True)
+# `${parent:${init_from}}`: the run directory whose exported model a phase starts from (BERT's 1-bit LAMB phase 2
+# continues that run's optimizer), so that one setting names both and they cannot come from two runs
+OmegaConf.register_new_resolver("parent", lambda path: None if path is None else str(PurePath(path).parent),
+                                replace=True)

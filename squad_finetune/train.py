@@ -187,9 +187,14 @@ def train(cfg: dict, run_dir: str) -> dict:
                       dev_questions=len(dev_examples), exact_match=run.last("exact_match"), f1=run.last("f1"))
 
 
+# how this pipeline is checked and launched: its main, and a script's checks of every run before the first
+# (harness.preflight)
+LAUNCH = {"check": check, "fault_tolerant": True}
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check, fault_tolerant=True, inputs=inputs)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg, inputs=inputs, **LAUNCH)
 
 
 if __name__ == "__main__":

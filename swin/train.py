@@ -3,10 +3,11 @@
     python -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet trainer.nproc_per_node=8
     torchrun --nnodes 16 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \
         -m swin.train experiment=swin_b/slamb data.dir=/data/imagenet        # multi-node
-    scripts/swin_b_imagenet.sh slamb 8 1                                     # the paper's rows
+    scripts/swin_b_imagenet.sh 8 -- data.dir=/data/imagenet                  # the paper's rows
 
 The peak LR is ``optimizer.lr x global batch / lr_scaling.reference_batch``
-(global batch = workers x data.micro_batch x accumulation_steps at the run's first start; a
+(global batch = workers x data.micro_batch x accumulation_steps at the run's first start; the paper's
+rows fix ``data.global_batch``, 16,384, and the accumulation follows from the workers; a
 run resumed on fewer workers accumulates more micro-batches each, :mod:`swin.data`),
 reached after ``schedule.warmup_epochs`` and decayed per step by a cosine.
 Mixed precision: ``trainer.precision`` fp32 | bf16 | fp16 (loss scaling with
@@ -36,7 +37,9 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 import harness
+from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad
+from harness.build import planned_world
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
 from harness.settings import check_count
@@ -96,6 +99,23 @@ class PhaseTimer:
         self.last = now
 
 
+def accumulation(cfg: dict, world_size: int) -> int:
+    """Micro-batches per worker and optimizer step: ``data.global_batch / (workers x data.micro_batch)`` where
+    the run fixes its global batch (the paper's rows: on any number of GPUs), else ``accumulation_steps``
+    (null: 1). Both set must agree."""
+    steps, d = cfg["accumulation_steps"], cfg["data"]
+    if steps is not None:
+        check_count("accumulation_steps", steps, " (micro-batches per optimizer step)")
+    if d.get("global_batch") is None:
+        return 1 if steps is None else steps
+    derived = accumulation_steps(d["global_batch"], d["micro_batch"], world_size)
+    if steps not in (None, derived):
+        raise ValueError(f"invalid accumulation_steps={steps}: data.global_batch={d['global_batch']} takes {derived} "
+                         f"micro-batches of data.micro_batch={d['micro_batch']} on {world_size} workers; leave "
+                         "accumulation_steps=null, or set data.global_batch=null to fix the accumulation instead")
+    return derived
+
+
 def check(cfg: dict) -> None:
     """This pipeline's settings and data, before any worker starts (:func:`harness.build.check_settings`): the
     accumulation, the LR's reference batch, clipping, the schedule, the model (timm's, built on the meta device),
@@ -103,7 +123,7 @@ def check(cfg: dict) -> None:
     from .data import check_classes, mixup_and_loss
     from .model import build_model
 
-    check_count("accumulation_steps", cfg["accumulation_steps"], " (micro-batches per optimizer step)")
+    accumulation(cfg, planned_world(cfg["trainer"]))
     check_count("lr_scaling.reference_batch", cfg["lr_scaling"]["reference_batch"], " (the global batch of "
                 "optimizer.lr)")
     check_clip_grad(cfg["clip_grad"])
@@ -129,9 +149,9 @@ def train(cfg: dict, run_dir: str) -> dict:
 
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
-    harness.check_counts(cfg, "epochs", "accumulation_steps")
-    accum = cfg.accumulation_steps
+    harness.check_counts(cfg, "epochs")
     env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
+    accum = accumulation(plain, env.world_size)
 
     torch.manual_seed(cfg.seed)  # the same initial weights on every rank (DDP also broadcasts rank 0's)
     model = build_model(plain["model"]).to(env.device)
@@ -195,9 +215,14 @@ def train(cfg: dict, run_dir: str) -> dict:
                       best_test_top1=run.best("test_top1"))
 
 
+# how this pipeline is checked and launched: its main, and a script's checks of every run before the first
+# (harness.preflight)
+LAUNCH = {"shards": True, "check": check, "fault_tolerant": True}
+
+
 @hydra.main(version_base="1.3", config_path="../configs", config_name="swin")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("swin.train:train", cfg, shards=True, check=check, fault_tolerant=True, inputs=inputs)
+    return harness.run_from_hydra("swin.train:train", cfg, inputs=inputs, **LAUNCH)
 
 
 if __name__ == "__main__":

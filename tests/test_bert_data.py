@@ -393,3 +393,54 @@ def test_prefetcher_raises_the_readers_error_at_the_batch_it_failed_on():
         next(ahead)
     with pytest.raises(ValueError, match=r"data.prefetch=-1: must be an integer >= 0"):
         Prefetcher(batches(), "cpu", -1)
+
+
+def segments_a(shard: Path) -> list[str]:
+    """The first segment of every example of a shard, its tokens as before the masking, as text of ids."""
+    ids = read(shard)
+    out = []
+    for row, mask, seg, pos, mlm in zip(ids["input_ids"], ids["input_mask"], ids["segment_ids"],
+                                        ids["masked_lm_positions"], ids["masked_lm_ids"]):
+        original = row.copy()
+        original[pos[pos > 0]] = mlm[pos > 0]
+        end = int((seg[:int(mask.sum())] == 0).sum()) - 1
+        out.append(" ".join(map(str, original[1:end])))
+    return out
+
+
+@pytest.mark.multiprocess  # bert.prepare_data's pool of workers
+def test_the_command_holds_out_whole_documents_for_validation(corpus, tmp_path):
+    """python -m bert.prepare_data writes held-out shards (a share of each file's documents, the same documents at
+    every sequence length) into heldout/, which validation.dir reads and training's pattern never picks."""
+    root, files, vocab = corpus
+    for seq in (32, 64):
+        prep.main(["--input", *map(str, files), "--vocab", str(vocab), "--output", str(tmp_path / f"seq{seq}"),
+                   "--max-seq-length", str(seq), "--heldout-fraction", "0.1"])
+    tok = prep.Vocab(load_tokenizer(vocab))
+    docs = prep.read_documents(files[0], tok)
+    train, held = prep.split_documents(docs, 0.1, 12345, files[0].stem)
+    assert len(held) == round(0.1 * len(docs)) and len(train) + len(held) == len(docs)
+    stream = {name: " ".join(str(t) for d in part for s in d for t in s) for name, part in (("train", train),
+                                                                                            ("held", held))}
+    for seq in (32, 64):
+        out = tmp_path / f"seq{seq}"
+        assert [p.name for p in find_shards(out)] == ["part0_training.hdf5", "part1_training.hdf5"]
+        assert [p.name for p in find_shards(out / "heldout", "*.hdf5", "validation")] == [
+            "part0_heldout.hdf5", "part1_heldout.hdf5"]
+        stats = yaml.safe_load((out / "stats.json").read_text())
+        assert stats["heldout_fraction"] == 0.1 and stats["heldout_examples"] > 0
+        for name, shard in (("held", out / "heldout" / "part0_heldout.hdf5"), ("train", out / "part0_training.hdf5")):
+            other = stream["train" if name == "held" else "held"]
+            long = [a for a in segments_a(shard) if len(a.split()) >= 8]
+            assert long and all(a not in other for a in long), name  # whole documents, on one side only
+    held_a = [a for a in segments_a(tmp_path / "seq32" / "heldout" / "part0_heldout.hdf5") if len(a.split()) >= 8]
+    assert all(a in stream["held"] for a in held_a)  # the documents the draw of the seed and the name gives
+
+
+def test_a_held_out_share_outside_0_1_is_refused(corpus, tmp_path, capsys):
+    root, files, vocab = corpus
+    with pytest.raises(SystemExit) as exit_:
+        prep.main(["--input", str(files[0]), "--vocab", str(vocab), "--output", str(tmp_path / "out"),
+                   "--heldout-fraction", "1"])
+    assert exit_.value.code == 2 and "--heldout-fraction 1.0: must be in [0, 1)" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import h5py
@@ -464,3 +465,34 @@ def test_batch_metrics_need_no_host_synchronisation():
     hits = (out.prediction_logits[masked].argmax(-1) == labels[masked]).sum()
     nsp_hits = (out.seq_relationship_logits.argmax(-1) == batch["next_sentence_label"]).sum()
     assert sums.tolist() == [2.5, float(hits), float(masked.sum()), float(nsp_hits), 4.0, 1.0]
+
+
+@pytest.mark.multiprocess
+def test_phase2_continues_only_the_optimizer_of_its_own_phase1(runs, tiny_data, tmp_path):
+    """bert.train's checks before any worker starts: 1-bit LAMB's phase 2 continues the optimizer of the finished
+    run whose model it starts from (init_optimizer_from follows init_from), of its optimizer and model, written by
+    as many workers. Before, any run's state of the right shapes was continued, an older run's included."""
+    from bert.train import check
+
+    dirs = runs["dirs"]
+
+    def phase2(init_from, *overrides):
+        check(tiny_cfg(tiny_data, tmp_path / "p2", "experiment=bert/phase2_onebit_lamb", f"data.dir={tiny_data[SEQ2]}",
+                       f"data.seq_len={SEQ2}", "optimizer.lr=0.05", "schedule.warmup_steps=1",
+                       f"init_from={init_from}", *overrides))
+
+    phase2(dirs["onebit_lamb"] / "model")  # its own phase 1: continued
+    assert tiny_cfg(tiny_data, tmp_path, "experiment=bert/phase2_onebit_lamb", "init_from=/r/x/model")[
+        "init_optimizer_from"] == "/r/x"
+    with pytest.raises(ValueError, match=r"that run has optimizer.name='slamb' and this one "
+                                         r"optimizer.name='onebit_lamb'"):
+        phase2(dirs["slamb"] / "model")
+    with pytest.raises(ValueError, match=r"is another run's model"):
+        phase2(dirs["lamb"] / "model", f"init_optimizer_from={dirs['onebit_lamb']}")
+    with pytest.raises(ValueError, match=r"written by 2 workers and this run has 1"):
+        phase2(dirs["onebit_lamb"] / "model", "trainer.nproc_per_node=1")
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(dirs["onebit_lamb"], unfinished)
+    (unfinished / "metrics.json").unlink()
+    with pytest.raises(ValueError, match=r"no finished run there"):
+        phase2(unfinished / "model")

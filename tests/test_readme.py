@@ -63,3 +63,124 @@ def test_every_link_of_the_readme_resolves():
     for _, target in LINK.findall((ROOT / "README.md").read_text()):
         if not target.startswith(("http://", "https://", "#")):
             assert (ROOT / target.split("#")[0]).exists(), target
+
+
+def table_cell(page: str, heading: str, row: str, column: str) -> str:
+    """The cell of a markdown table: the first table after ``heading`` on ``page``, its ``row``'s ``column``."""
+    text = (ROOT / page).read_text().split(heading, 1)[1]
+    lines = [line for line in text.splitlines() if line.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    for line in lines[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == row:
+            return cells[header.index(column)]
+    raise AssertionError(f"no row {row!r} under {heading!r} in {page}")
+
+
+def megabytes(cell: str) -> float:
+    value, unit = cell.split()
+    return float(value) * {"KB": 1e-3, "MB": 1.0, "GB": 1e3}[unit]
+
+
+def test_the_summary_states_what_goes_against_slamb():
+    """The headline gives the figures that go against SLAMB beside those for it, from their pages: 1-bit LAMB's
+    time to accuracy and its bytes in both in-kind studies, the paper's claim, and the ledger's whole-run ratio at
+    the paper's shapes. A regenerated page that turns a comparison around fails here, as a stale figure does."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    verdict = (ROOT / "results" / "time_to_accuracy.md").read_text()
+    slamb, onebit = (re.search(rf"{name} reaches the target in ([\d.]+)x LAMB's time", verdict)[1]
+                     for name in ("SLAMB", "1-bit LAMB"))
+    assert float(onebit) < float(slamb)  # what "1-bit LAMB reaches it sooner" says
+    assert f"SLAMB reaches LAMB's accuracy in {slamb}x LAMB's time" in readme
+    assert f"1-bit LAMB reaches it sooner, in {onebit}x LAMB's time" in readme
+    study = "results/study/README.md"
+    for heading, slamb_row, where in (("### study_digits_resnet8", "SLAMB v1", "On the digits it sent {} against "
+                                       "SLAMB's {}"), ("### study_bert\n", "SLAMB", "On the tiny BERT it sent {} "
+                                                       "against {}")):
+        theirs, ours = (table_cell(study, heading, row, "bytes sent / worker") for row in ("1-bit LAMB", slamb_row))
+        assert megabytes(theirs) < megabytes(ours)  # "1-bit LAMB sent fewer bytes per worker than SLAMB"
+        assert where.format(theirs, ours) in readme
+    assert "The paper claims that SLAMB sends half of 1-bit LAMB's data" in readme
+    whole_run = "## BERT-Large phase 1, whole run"
+    fp16, fp32 = (table_cell("results/comm_volume.md", whole_run, f"SLAMB {dtype} (k=0.1, H=100)", "vs 1-bit LAMB")
+                  for dtype in ("fp16", "fp32"))
+    assert f"SLAMB sends {fp16}x 1-bit LAMB's bytes with fp16 momentum, and {fp32}x with fp32" in readme
+
+
+def test_the_readme_links_the_paper_the_authors_code_and_the_citation():
+    readme = (ROOT / "README.md").read_text()
+    assert "(https://openreview.net/pdf?id=cMmjBH5LqW)" in readme
+    assert "(https://github.com/hangxu0304/SLAMB)" in readme
+    assert "[`CITATION.cff`](CITATION.cff)" in readme and "[`LICENSE`](LICENSE)" in readme
+
+
+def test_the_license_file_and_the_citation_match_the_package():
+    import tomllib
+
+    import yaml
+
+    license_ = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["license"]["text"]
+    assert (ROOT / "LICENSE").read_text().splitlines()[0] == f"{license_} License"
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    assert cff["cff-version"] == "1.2.0" and cff["license"] == license_ and cff["authors"]
+    paper = cff["preferred-citation"]
+    assert paper["title"] == "SLAMB: Accelerated Large Batch Training with Sparse Communication"
+    assert [a["family-names"] for a in paper["authors"]] == ["Xu", "Zhang", "Fei", "Wu", "Xie", "Huang", "Xie",
+                                                              "Elhoseiny", "Kalnis"]
+    assert paper["year"] == 2023 and paper["repository-code"] == "https://github.com/hangxu0304/SLAMB"
+
+
+# the pages a newcomer reads first, and the study's
+FIRST_PAGES = ["README.md", "docs/reproduce.md", "docs/recipes.md", "docs/configs.md", "docs/study.md"]
+
+
+def test_no_paragraph_of_the_first_pages_starts_mid_sentence():
+    for page in FIRST_PAGES:
+        text = re.sub(r"```.*?```", "", (ROOT / page).read_text(), flags=re.S)
+        for block in re.split(r"\n\s*\n", text):
+            block = block.strip()
+            assert not block or not block[0].islower(), f"{page}: {block[:80]}"
+
+
+def test_the_docs_cite_files_that_exist():
+    """docs/recipes.md named config files and a specification that the repository does not hold (its ``.py``
+    names outside this repository's folders, ``main.py``, ``Cifar10/main.py``, are the reference code's)."""
+    text = (ROOT / "docs" / "recipes.md").read_text()
+    for name in re.findall(r"`([\w./*{},-]+\.(?:yaml|md|py))`", text):
+        if name.endswith(".py") and not (ROOT / name.split("/")[0]).is_dir():
+            continue
+        names = [name.replace(m[0], part) for m in re.findall(r"(\{([^}]*)\})", name)[:1]
+                 for part in m[1].split(",")] or [name]
+        for one in names:
+            assert any(list(base.glob(one)) for base in (ROOT, ROOT / "docs", ROOT / "configs")), one
+
+
+def test_the_configs_page_shows_no_made_up_run():
+    text = (ROOT / "docs" / "configs.md").read_text()
+    assert not re.search(r"final_test_top1=\d", text) and "Renamed in this layout" not in text
+
+
+def test_the_study_docs_give_the_steps_the_page_ran():
+    page = (ROOT / "results" / "study" / "README.md").read_text()
+    steps = re.search(r"length: 40 epochs \((\d+) steps\)", page)[1]
+    assert f"of 40 epochs ({steps} steps)" in (ROOT / "docs" / "study.md").read_text()
+    assert f"the run's {steps} steps" in (ROOT / "configs" / "experiment" / "study" / "digits_onebit_lamb.yaml").read_text()
+
+
+# pages whose commands recorded a machine's directories, their generators since fixed (bench.shown_command)
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt|scratch)/")
+
+
+def test_results_pages_record_no_machine_paths():
+    from bench import shown_command
+
+    for name in ("time_to_accuracy.md", "time_to_accuracy.json", "fault_tolerance_pipelines_bert.json",
+                 "fault_tolerance_pipelines_digits.json"):
+        assert not MACHINE_PATH.search((ROOT / "results" / name).read_text()), name
+    assert shown_command(["--workdir", str(ROOT / "runs" / "tta"), f"data.dir={ROOT / 'runs' / 'd'}",
+                          "hydra.run.dir=/scratch/u/x", "seed=0"]) == \
+        "--workdir runs/tta data.dir=runs/d hydra.run.dir=.../x seed=0"
+
+
+def test_contributing_names_no_tool_the_repository_does_not_ship():
+    assert "duplicates --change" not in (ROOT / "CONTRIBUTING.md").read_text()

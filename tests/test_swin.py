@@ -32,7 +32,8 @@ from tests import distributed
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "configs"
 ROWS = ("adamw", "lamb", "slamb")
-TINY = ["model=swin_tiny_test", "data.micro_batch=4", "data.eval_batch=8", "data.workers=0",
+# data.global_batch=null: the paper's rows fix 16,384; a tiny run's batch is its workers' micro-batches
+TINY = ["model=swin_tiny_test", "data.global_batch=null", "data.micro_batch=4", "data.eval_batch=8", "data.workers=0",
         "epochs=2", "schedule.warmup_epochs=1", "trainer.nproc_per_node=2", "trainer.progress=false",
         "trainer.threads_per_worker=1", "trainer.device=cpu"]
 SLAMB_TINY = ["optimizer.min_compress_numel=500", "optimizer.sync_interval=3"]

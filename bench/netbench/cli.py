@@ -10,6 +10,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import shown_command
 from .analysis import reanalyse
 from .config import DEFAULT_ROWS, HIER, HSDP, MULTI_PROC_ROWS, PIPELINES, ROOT, ROWS, WORKER_FLAG, Settings, plan
 from .report import _rate, render
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
     finally:
         if tmp:
             shutil.rmtree(tmp, ignore_errors=True)
-    meta = {"command": "python -m bench.netbench " + " ".join(argv), "started": started,
+    meta = {"command": "python -m bench.netbench " + shown_command(argv), "started": started,
             "wall_s": time.perf_counter() - tic, "cpus": os.cpu_count(), "git": _git(), "delay_ms": delay,
             "netem": delay > 0, "note": a.note, "procs_per_host": a.procs_per_host,
             "load_avg": {"start": [round(x, 2) for x in load_start], "end": [round(x, 2) for x in os.getloadavg()]}, "plan": [{k: j[k] for k in ("pipeline", "hosts", "rate_mbit", "optimizer",
