@@ -301,18 +301,18 @@ CIFAR_LAMB = ["experiment=cifar10/lamb", "data.micro_batch=8"]
     (["trainer.nproc_per_node=2", "optimizer.lr=0.02"], "was trained with optimizer.lr=0.01 and this run has "
                                                          "optimizer.lr=0.02"),
 ])
-def test_a_resume_on_other_workers_that_would_change_what_is_computed_is_refused_in_one_line(tmp_path, args, line):
-    run, data = tmp_path / "run", tmp_path / "data"
-    data.mkdir()
+def test_a_resume_on_other_workers_that_would_change_what_is_computed_is_refused_in_one_line(tmp_path, digits, args,
+                                                                                            line):
+    # real data: the data's own checks come before the checkpoint's
+    run, data = tmp_path / "run", digits
     checkpoint_of_4_workers(run, data)
     stderr = refused("cifar10.train", [*CIFAR_LAMB, f"data.dir={data}", *args], run)
     assert line.format(ckpt=run / "ckpt") in stderr
 
 
 @pytest.mark.multiprocess
-def test_an_optimizer_whose_per_rank_state_has_no_mean_is_refused_another_number_of_workers(tmp_path):
-    run, data = tmp_path / "run", tmp_path / "data"
-    data.mkdir()
+def test_an_optimizer_whose_per_rank_state_has_no_mean_is_refused_another_number_of_workers(tmp_path, digits):
+    run, data = tmp_path / "run", digits
     checkpoint_of_4_workers(run, data, "optimizer=dgc")
     stderr = refused("cifar10.train", [*CIFAR_LAMB, "optimizer=dgc", f"data.dir={data}", "trainer.nproc_per_node=2"],
                      run)

@@ -14,6 +14,8 @@ import pytest
 import yaml
 from scipy import stats
 
+from harness.records import RECORD
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -231,7 +233,7 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     for task, found in (("digits", digits), ("bert", bert)):
         for run in found.values():
             kept = out / "runs" / task / run["dir"].name
-            assert sorted(p.name for p in kept.iterdir()) == sorted(load_study().RECORD)
+            assert sorted(p.name for p in kept.iterdir()) == sorted(RECORD)
             assert (kept / "metrics.jsonl").read_bytes() == (run["dir"] / "metrics.jsonl").read_bytes()
     shutil.rmtree(runs)
     subprocess.run([sys.executable, "scripts/study.py", "--quick", "--out", str(out), "--runs", str(runs),
