@@ -297,8 +297,9 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
 
     from .checkpoint import prepare_run
     from .distributed import prestart, started_externally
+    from .lock import RunLock, RunLocked
     from .loop import summary_line
-    from .run import ConsoleLog, RunLock, RunLocked
+    from .run import ConsoleLog
 
     from omegaconf.errors import MissingMandatoryValue
 

@@ -23,7 +23,8 @@ import harness
 import slamb
 from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
-from harness.run import RunLock, RunLogger, process_start, read_jsonl
+from harness.lock import RunLock, RunLocked, enlist, gone, process_start, read, this_process
+from harness.run import RunLogger, read_jsonl
 from harness.tables import load_runs
 from slamb.checkpoint import _dcp_writer
 from tests import distributed
@@ -685,6 +686,140 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
     with RunLock(tmp_path):
         assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
     assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_lock_is_stale_only_once_neither_its_launcher_nor_a_worker_it_records_lives(tmp_path, capsys, monkeypatch):
+    """Before: the lock named the launcher only, and a rerun took it the moment the launcher was gone, beside its
+    workers, which still wrote checkpoints there (a rerun resumed at step 23 while they wrote steps 24-26)."""
+    with RunLock(tmp_path) as lock:  # a worker enlists in its launcher's lock, and in no other job's
+        enlist(tmp_path, this_process())
+        assert read(lock.path)[1] == [{"pid": os.getpid(), "started": process_start(os.getpid())}]
+        other = {**this_process(), "pid": os.getppid(), "started": process_start(os.getppid())}
+        with pytest.raises(RunLocked, match=rf"^run directory {tmp_path} is no longer held by process "
+                                            rf"{os.getppid()}, which started this worker: the worker ends without "
+                                            "writing there$"):
+            enlist(tmp_path, other)
+    launcher, worker = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    try:
+        lines = [{"host": socket.gethostname(), "pid": launcher.pid, "started": process_start(launcher.pid),
+                  "since": "then"}, {"pid": worker.pid, "started": process_start(worker.pid)}]
+        (tmp_path / "run.lock").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        launcher.kill()
+        launcher.wait()
+        monkeypatch.setattr(RunLock, "WORKERS_GRACE_S", 0.5)  # the wait for workers that end with their launcher
+        with pytest.raises(RunLocked) as refused:
+            RunLock(tmp_path).acquire()
+        assert str(refused.value) == (
+            f"run directory {tmp_path} is being written by the workers of process {launcher.pid} (since then), which "
+            f"is gone: 1 of them still run (pids {worker.pid}); end them (kill {worker.pid}) or use another run "
+            "directory")
+    finally:
+        worker.kill()
+        worker.wait()
+    with RunLock(tmp_path):
+        assert capsys.readouterr().out == (f"removing the stale lock {tmp_path / 'run.lock'} (process {launcher.pid} "
+                                           "is gone)\n")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and those they started, ..."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
+def kill_the_launcher(module: str, args: list[str], run_dir: Path, step: int) -> tuple[float, float]:
+    """``python -m module args`` whose rank 0 hangs before ``step`` (as a worker that trains on, printing nothing,
+    would be there): SIGKILL its launcher then, and return the seconds until its workers have ended, and every
+    process it started (their fork server and resource tracker too); the test fails where one outlives 20 s."""
+    from tests.test_cifar10 import ROOT, env
+
+    launcher = subprocess.Popen([sys.executable, "-m", module, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                                env=env(**{harness.distributed.FAULT_ENV: str(step),
+                                           harness.distributed.FAULT_KIND_ENV: "hang"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = []
+    try:
+        said = []
+        while not said or "hangs before step" not in said[-1]:
+            said.append(launcher.stdout.readline())
+            assert said[-1] or launcher.poll() is None, "".join(said)[-3000:]
+        started = _descendants(launcher.pid)
+        workers = [w["pid"] for w in read(run_dir / "run.lock")[1]]  # they enlisted in its lock
+        assert len(workers) >= 2 and set(workers) <= set(started)
+        launcher.kill()
+        tic, ended = time.monotonic(), {}
+        while len(ended) < len(started) and time.monotonic() < tic + 20:
+            ended.update({p: time.monotonic() - tic for p in started if p not in ended and gone({"pid": p})})
+            time.sleep(0.05)
+        assert len(ended) == len(started), f"{set(started) - set(ended)} outlived their launcher by 20 s"
+        return max(ended[w] for w in workers), max(ended.values())
+    finally:
+        launcher.kill()
+        launcher.communicate()
+        for pid in started:  # what outlived the test's bound
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line and its workers
+@pytest.mark.parametrize("parallelism", ["ddp", "hsdp"])
+def test_a_killed_launcher_takes_its_workers_with_it_and_a_rerun_resumes_exactly(
+        tmp_path, tiny_data, parallelism):  # noqa: F811 (the imported fixture)
+    """Before: the workers of a launcher killed with SIGKILL trained on until they next printed (BERT HSDP: from
+    step 8 to 59, 35 s), and a rerun took the lock at once and resumed beside them. Now they end with it, the rerun
+    takes over the lock once they are gone and ends where the uninterrupted run ends. DDP: CIFAR-10 on 2 workers,
+    the launcher killed in epoch 2 of 3; HSDP: BERT on 2 x 2 workers, killed at step 3 of 4 (one line, at the end)."""
+    from tests.test_cifar10 import ROOT, TINY, assert_same_run, env, history
+
+    if parallelism == "ddp":
+        from cifar10.data import write_digits
+
+        data = write_digits(tmp_path / "cifar-10-batches-py", 64, 16)  # 2 steps an epoch
+        module, args, at = "cifar10.train", [*TINY, "experiment=cifar10/lamb", "epochs=3", f"data.dir={data}"], 5
+    else:
+        module, at = "bert.train", 3
+        args = ["experiment=bert/phase1_lamb", "optimizer.lr=0.02", "model=bert_tiny",
+                f"model.vocab_size={tiny_data['vocab_size']}", f"data.dir={tiny_data[32]}", "data.seq_len=32",
+                f"validation.dir={tiny_data[32]}", "data.global_batch=16", "data.micro_batch=4", "steps=4",
+                "log_every=4", "trainer.checkpoint.every=2", "schedule.warmup_steps=1", "schedule.power=0.0",
+                "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.device=cpu",
+                "trainer.precision=fp32", "trainer.nproc_per_node=4", "trainer.parallelism=hsdp",
+                "trainer.shard_size=2"]
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    # the uninterrupted run beside the killed one
+    uninterrupted = subprocess.Popen([sys.executable, "-m", module, *args, f"hydra.run.dir={plain}"], cwd=ROOT,
+                                     env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers, everything = kill_the_launcher(module, args, run, at)
+    print(f"the workers ended {workers:.2f} s after their launcher was killed, all it started {everything:.2f} s")
+    assert workers < 10
+    launcher = read(run / "run.lock")[0]["pid"]
+    rerun = subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={run}"], cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"removing the stale lock {run / 'run.lock'} (process {launcher} is gone)" in rerun.stdout
+    assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read()[-3000:]
+    uninterrupted.stderr.close()
+    summary, whole = (json.loads((d / "metrics.json").read_text()) for d in (run, plain))
+    if parallelism == "ddp":
+        assert summary["resumed_from"] == [2]
+        assert_same_run(history(run), history(plain))
+    else:
+        assert summary["resumed_from"] == [2]
+        assert summary["final_val_mlm_loss"] == pytest.approx(whole["final_val_mlm_loss"], rel=1e-6)
+        assert summary["final_val_mlm_acc"] == whole["final_val_mlm_acc"]
+        assert summary["bytes_total"] == whole["bytes_total"]
+    assert not list(run.glob("error.rank*.txt"))
 
 
 @pytest.mark.multiprocess  # runs the pipeline's command line

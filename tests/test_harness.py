@@ -20,7 +20,8 @@ import yaml
 import slamb
 import harness
 from harness.checkpoint import Checkpointer
-from harness.run import ConsoleLog, RunLock, RunLogger
+from harness.lock import RunLock
+from harness.run import ConsoleLog, RunLogger
 from harness.tables import RERUN_DRIFT, build_tables, load_runs
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio

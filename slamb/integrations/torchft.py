@@ -234,8 +234,10 @@ def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int 
     store of its own at ``host``.
 
     ``min_replicas``: a step commits only with at least this many replicas in it. ``timeout``: seconds a
-    collective, a commit or a heal may take before it fails (a dead peer is usually seen at once, as a
-    closed connection; a peer that hangs, after this). ``init_sync``: the replicas start from one replica's
+    collective, a commit, a heal or a connection to a peer or the lighthouse may take before it fails (a dead
+    peer is usually seen at once, as a closed connection; a peer that hangs, after this). ``quorum_timeout``:
+    seconds a quorum may wait (for ``min_replicas`` replicas, or for a lighthouse that is gone) before
+    ``start_step`` fails. ``init_sync``: the replicas start from one replica's
     state at step 0 (False: each from its own, e.g. all seeded alike). ``host``: the address other
     replicas reach this one's store at (default: this machine's name).
     """
