@@ -87,12 +87,48 @@ def test_a_missing_digest_falls_back_naming_it(tmp_path, capsys):
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     (ckpt.dir / "step000000002" / "rank0.pt.sha256").unlink()
     assert ckpt.load() == ({"step": 1}, {"a": 1}, [{"b": 1}])
-    assert json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"] == ["rank0.pt", "shared.pt"]
+    assert list(json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"]) == ["rank0.pt",
+                                                                                                    "shared.pt"]
     assert capsys.readouterr().out == (
         f"checkpoint file {ckpt.dir / 'step000000002' / 'rank0.pt'} is unreadable (FileNotFoundError: its digest "
         "rank0.pt.sha256 is missing, though the checkpoint records one: the file cannot be checked); delete that "
         "checkpoint folder to resume from an older one, or start over with trainer.resume=never: resuming from the "
         "previous checkpoint, step000000001\n")
+
+
+def test_a_file_of_another_step_copied_in_with_its_digest_is_fallen_back_from_naming_it(tmp_path, capsys):
+    """Before: the copy matched the .sha256 copied beside it, and the run resumed at step 12 with step 11's file (a
+    final loss of 4.98349 where the run ends at 4.98153)."""
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (11, 12):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.full((1000,), float(step))})
+    older, newest = ckpt.dir / "step000000011", ckpt.dir / "step000000012"
+    for name in ("rank0.pt", "rank0.pt.sha256"):
+        shutil.copy(older / name, newest / name)
+    recorded = json.loads((newest / "complete.json").read_text())
+    assert recorded["step"] == 12 and recorded["files"]["rank0.pt"] != (older / "rank0.pt.sha256").read_text()[:64]
+    progress, shared, (mine,) = ckpt.load()
+    assert progress == {"step": 11} and shared == {"a": 11} and torch.equal(mine["b"], torch.full((1000,), 11.0))
+    copied = (older / "rank0.pt.sha256").read_text()[:16]
+    assert capsys.readouterr().out == (
+        f"checkpoint file {newest / 'rank0.pt'} is unreadable (ValueError: its sha256 {copied}... differs from the "
+        f"{recorded['files']['rank0.pt'][:16]}... that complete.json records for it: it is not the file this "
+        "checkpoint wrote (another checkpoint's, copied in with its digest)); delete that checkpoint folder to "
+        "resume from an older one, or start over with trainer.resume=never: resuming from the previous checkpoint, "
+        "step000000011\n")
+
+
+def test_no_checkpoint_left_to_fall_back_to_says_so_and_names_the_file(tmp_path):
+    # before: "...delete that checkpoint folder to resume from an older one", of which there was none
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": torch.arange(10_000.0)})
+    flip_byte(ckpt.dir / "step000000001" / "rank0.pt")
+    with pytest.raises(harness.distributed.WILL_RECUR) as raised:
+        ckpt.load()
+    assert str(raised.value).startswith(f"checkpoint file {ckpt.dir / 'step000000001' / 'rank0.pt'} is unreadable "
+                                        "(ValueError: its sha256 ")
+    assert str(raised.value).endswith("the file changed on disk); no older checkpoint is left to resume from: restore "
+                                      "that file, or start over with trainer.resume=never")
 
 
 def damaged_rank_worker(rank, world, run_dir):

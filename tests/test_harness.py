@@ -169,7 +169,9 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")
     latest = json.loads((tmp_path / "ckpt/latest.json").read_text())
-    files = ["rank0.pt", "rank1.pt", "shared.pt"]  # each with its digest beside it
+    # each with its digest beside it, and in the marker too
+    files = {name: (tmp_path / "ckpt/step000000003" / f"{name}.sha256").read_text().split()[0]
+             for name in ("rank0.pt", "rank1.pt", "shared.pt")}
     assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3, "files": files}
     assert json.loads((tmp_path / "ckpt/step000000003/complete.json").read_text()) == \
         {"world_size": 2, "epoch": 1, "step": 3, "files": files}
