@@ -244,4 +244,4 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

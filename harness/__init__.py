@@ -22,7 +22,7 @@
   rejoin a running job (the launcher and the managed steps; a worker's replica group);
 * :mod:`.tables`: results tables and plots from run directories.
 """
-from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
+from .build import build_optimizer, check_trainer, command, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import (Checkpointer, data_streams, open_run, restore_training, save_training, step_micro_batches,
                          unwrap)
 from .data import ShardedBatches, StepReader, eval_shard
@@ -35,7 +35,7 @@ from .seeding import seed_everything
 from .tables import compressed_share
 
 __all__ = [
-    "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
+    "build_optimizer", "check_trainer", "command", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
     "continue_optimizer", "restore_training", "step_micro_batches", "data_streams",
     "save_training", "unwrap", "ShardedBatches", "StepReader", "eval_shard", "evaluation_env", "DistEnv", "barrier",
     "init_distributed", "launch",

@@ -110,6 +110,17 @@ def check(cfg: dict) -> None:
     check_lr_schedule(cfg["schedule"], cfg["epochs"])
 
 
+def check_inputs(cfg: dict) -> None:
+    """:func:`check`, and the SQuAD files read as the workers will read them, before any worker starts: a file that
+    is not SQuAD's JSON ends the command in one line naming its setting (the workers read them again)."""
+    check(cfg)
+    for key in ("train_file", "dev_file"):
+        try:
+            load_squad(cfg["data"][key])
+        except ValueError as e:
+            raise ValueError(f"invalid data.{key}={cfg['data'][key]!r}: {e}") from None
+
+
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
@@ -183,8 +194,8 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
 def main(cfg) -> dict:
-    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check, fault_tolerant=True)
+    return harness.run_from_hydra("squad_finetune.train:train", cfg, check=check_inputs, fault_tolerant=True)
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

@@ -87,7 +87,9 @@ def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     assert len(seen) == 90 and len(set(seen.tolist())) == 90  # disjoint across ranks
     assert not torch.equal(epoch0[0], torch.cat([b.flatten() for b in shards[0].epoch(1)]))  # set_epoch reshuffles
     assert torch.equal(torch.cat([b.flatten() for b in shards[1].epoch(0, start=2)]), epoch0[1][20:])
-    with pytest.raises(ValueError, match="lower data.micro_batch or the number of workers"):
+    with pytest.raises(ValueError, match=r"^invalid data.micro_batch=16: the 20 training samples give each of a step's "
+                                         r"2 micro-batches 10, not a full batch: no step would be taken; set "
+                                         r"data.micro_batch to at most 10, or run on fewer workers$"):
         harness.ShardedBatches(20, 16, solo(0, 2), seed=0)
     assert harness.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
 
