@@ -253,13 +253,22 @@ def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int 
     if store is None:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=limit) if device == "cpu" else ProcessGroupNCCL(timeout=limit)
-    transport = HealTransport(HTTPTransport(timeout=limit, num_chunks=0))
+    transport = HealTransport(_quiet(HTTPTransport(timeout=limit, num_chunks=0)))
     manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
                       use_async_quorum=False, timeout=limit, quorum_timeout=timedelta(seconds=quorum_timeout),
                       connect_timeout=limit, replica_id=replica_id, store_addr=store.host, store_port=store.port,
                       rank=rank, world_size=world_size, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       init_sync=init_sync)
     return ManagedGroup(manager, pg, transport, store, process=rank, processes=world_size)
+
+
+def _quiet(transport: HTTPTransport) -> HTTPTransport:
+    """``transport`` without the line its heal server writes on stderr for every request it serves (each chunk of
+    each heal: http.server's access log), which torchft has no setting for; its errors still go to its logger."""
+    server = getattr(transport, "_server", None)
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda handler, format, *args: None
+    return transport
 
 
 class Undo:
