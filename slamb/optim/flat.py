@@ -45,8 +45,9 @@ def bit_sum(tensors) -> torch.Tensor:
 SAME_GRADIENTS = ("every rank holds the same gradients at the first step: they were averaged across the ranks before "
                   "it (torch's DistributedDataParallel around the model, or a framework's trainer), an all-reduce of "
                   "every gradient beside the optimizer's own exchange; wrap the model with model = "
-                  "slamb.wrap_model(model, optimizer) instead, which keeps them local (or, where every rank computes "
-                  "the same gradients on purpose, set optimizer.allow_same_gradients = True)")
+                  "slamb.wrap_model(model, optimizer) instead, which keeps them local (a framework's trainer: "
+                  "slamb.integrations' SLAMBTrainer, prepare or SLAMBStrategy), or, where every rank computes the "
+                  "same gradients on purpose, set optimizer.allow_same_gradients = True")
 
 
 def check_layouts_agree(layouts, *, ledger, group, who: str, start=None, grads=None) -> None:
