@@ -7,8 +7,9 @@
   fallback to the previous checkpoint, the run's inputs checked on resume, the
   checks made before any worker starts (:func:`.checkpoint.prepare_run`);
 * :mod:`.run`: the run directory (config, git revision, metrics.jsonl /
-  metrics.json, wandb, progress bar, the lock of its writer), the ledger's
-  byte columns;
+  metrics.json, wandb, progress bar), the ledger's byte columns;
+* :mod:`.lock`: the run directory's lock, which records the job's processes, and
+  workers that end with their launcher;
 * :mod:`.settings`: what counts as a run's configuration (the settings that
   do not change what it computes, the inputs checked on resume, those left
   out of the run directory's name), the checks of counts and schedules;

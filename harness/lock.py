@@ -3,7 +3,9 @@
 ``<run_dir>/run.lock`` is held while a job writes its run directory (:class:`RunLock`). Its first line names the
 holder, the process that took it (the command's launcher; under torchrun or SLURM, rank 0); each worker the
 launcher starts adds a line of its own (:func:`enlist`). The lock is stale only once none of these processes
-lives: a rerun takes it over then, never while a worker of the earlier job could still write a checkpoint.
+lives: a rerun takes it over then, never while a worker of the earlier job could still write a checkpoint. The
+workers torchrun or SLURM start beside rank 0 are not recorded (they may run on other hosts): they end with
+their agent, as rank 0 does.
 
 A worker ends (SIGKILL) as soon as its launcher ends (:func:`end_with`): a launcher killed (SIGKILL, the OOM
 killer, a lost terminal) cannot end its workers itself, and they would otherwise train on unseen, writing
