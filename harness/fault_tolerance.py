@@ -286,6 +286,14 @@ class ManagedSteps:
         """(first, end): the steps of each logged period (``period`` steps, the run's last one shorter) this group
         takes part in, from where the job stands (a joining group skips the others')."""
         while (self.quorum or self.done < self.total) and self._quorum() < self.total:  # no quorum past the end
+            if self.replica.attempt and not self.done and self.replica.group.size() == 1:
+                # relaunched, and alone at step 0: the groups it was to rejoin have finished (a relaunch that came
+                # up after the run's last step) or are gone; trained alone from scratch, it would write a second
+                # run's lines and summary over theirs
+                if self.replica.rank == 0:
+                    print(f"notice: replica group {self.replica.index} was relaunched and found no group to rejoin "
+                          "(the others have finished): it ends without training", flush=True)
+                return
             first = self.done // self.period * self.period
             yield first, min(first + self.period, self.total)
 
