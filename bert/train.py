@@ -284,4 +284,4 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

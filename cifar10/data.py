@@ -90,6 +90,16 @@ def load_batches(path: Path, names) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.cat(xs), torch.cat(ys)
 
 
+def train_samples(path) -> int | None:
+    """The training images of the CIFAR-10 set at ``path`` (its batches' labels, counted before any worker starts);
+    None where it is missing or unreadable, which :func:`load_cifar10` says in the workers."""
+    try:
+        path = resolve_dir(path)
+        return sum(len(_unpickle(path / name).get(b"labels", ())) for name in TRAIN_FILES)
+    except (OSError, ValueError):
+        return None
+
+
 def load_cifar10(path) -> dict:
     """``{"train": (x, y), "test": (x, y), "classes": [...]}``; clear errors for a missing or malformed set."""
     path = resolve_dir(path)

@@ -28,9 +28,12 @@ from omegaconf import OmegaConf
 import slamb
 import harness
 from harness.amp import MixedPrecision, accumulation_context
+from harness.build import planned_world
+from harness.data import check_micro_batch
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 
-from .data import augment, augment_draws, augment_generator, channel_stats, fingerprint, load_cifar10, normalize
+from .data import (augment, augment_draws, augment_generator, channel_stats, fingerprint, load_cifar10, normalize,
+                   train_samples)
 from .model import build_model
 
 
@@ -51,10 +54,14 @@ def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
 
 def check(cfg: dict) -> None:
     """This pipeline's settings, before any worker starts (:func:`harness.build.check_settings`): the model
-    (built on the meta device: no memory, no time) and the schedule."""
+    (built on the meta device: no memory, no time), the schedule, and a micro-batch the training set fills for
+    every worker."""
     with torch.device("meta"):
         build_model(cfg["model"])
     check_lr_schedule(cfg["schedule"], cfg["epochs"])
+    samples = train_samples(cfg["data"]["dir"])
+    if samples is not None:  # else the workers' load names what is missing
+        check_micro_batch(samples, cfg["data"]["micro_batch"], planned_world(cfg["trainer"]))
 
 
 def inputs(cfg: dict) -> dict:
@@ -145,4 +152,4 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

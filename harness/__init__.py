@@ -7,8 +7,9 @@
   fallback to the previous checkpoint, the run's inputs checked on resume, the
   checks made before any worker starts (:func:`.checkpoint.prepare_run`);
 * :mod:`.run`: the run directory (config, git revision, metrics.jsonl /
-  metrics.json, wandb, progress bar, the lock of its writer), the ledger's
-  byte columns;
+  metrics.json, wandb, progress bar), the ledger's byte columns;
+* :mod:`.lock`: the run directory's lock, which records the job's processes, and
+  workers that end with their launcher;
 * :mod:`.settings`: what counts as a run's configuration (the settings that
   do not change what it computes, the inputs checked on resume, those left
   out of the run directory's name), the checks of counts and schedules;
@@ -22,7 +23,7 @@
   rejoin a running job (the launcher and the managed steps; a worker's replica group);
 * :mod:`.tables`: results tables and plots from run directories.
 """
-from .build import build_optimizer, check_trainer, continue_optimizer, optimizer_kwargs, run_from_hydra
+from .build import build_optimizer, check_trainer, command, continue_optimizer, optimizer_kwargs, run_from_hydra
 from .checkpoint import (Checkpointer, data_streams, open_run, restore_training, save_training, step_micro_batches,
                          unwrap)
 from .data import ShardedBatches, StepReader, eval_shard
@@ -35,7 +36,7 @@ from .seeding import seed_everything
 from .records import compressed_share
 
 __all__ = [
-    "build_optimizer", "check_trainer", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
+    "build_optimizer", "check_trainer", "command", "optimizer_kwargs", "run_from_hydra", "Checkpointer", "open_run",
     "continue_optimizer", "restore_training", "step_micro_batches", "data_streams",
     "save_training", "unwrap", "ShardedBatches", "StepReader", "eval_shard", "evaluation_env", "DistEnv", "barrier",
     "init_distributed", "launch",

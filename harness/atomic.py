@@ -81,11 +81,13 @@ def write_digest(path: Path, digest: str) -> None:
     atomic_write_bytes(digest_path(path), lambda f: f.write(f"{digest}  {path.name}\n".encode()))
 
 
-def atomic_torch_save(obj, path: Path) -> None:
+def atomic_torch_save(obj, path: Path) -> str:
     """``torch.save`` atomically, with ``<path>.sha256`` beside it: torch.load ignores the zip's CRCs, so that
-    a flipped bit would otherwise load as a changed value."""
+    a flipped bit would otherwise load as a changed value. Returns the digest."""
     path = Path(path)
-    write_digest(path, atomic_write_bytes(path, lambda f: torch.save(obj, f)))
+    digest = atomic_write_bytes(path, lambda f: torch.save(obj, f))
+    write_digest(path, digest)
+    return digest
 
 
 def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
@@ -96,9 +98,11 @@ def file_sha256(path: Path, chunk: int = 1 << 24) -> str:
     return sha.hexdigest()
 
 
-def verify(path: Path, required: bool = True) -> None:
+def verify(path: Path, required: bool = True, listed: str | None = None) -> None:
     """Check ``path`` against its ``.sha256``; a missing digest is an error where ``required`` (a checkpoint
-    that records its digests), else the file goes unchecked (one written before digests were)."""
+    that records its digests), else the file goes unchecked (one written before digests were). ``listed``: the
+    digest the checkpoint's marker (``complete.json``) records for it, which it must match too: a file of another
+    checkpoint, copied in with its own ``.sha256``, matches that one only."""
     path = Path(path)
     recorded = digest_path(path)
     if not recorded.exists():
@@ -111,11 +115,15 @@ def verify(path: Path, required: bool = True) -> None:
     if actual != expected:
         raise ValueError(f"its sha256 {actual[:16]}... differs from the {expected[:16] or 'empty'}... "
                          f"recorded in {recorded.name} when it was written: the file changed on disk")
+    if listed is not None and actual != listed:
+        raise ValueError(f"its sha256 {actual[:16]}... differs from the {listed[:16]}... that complete.json "
+                         "records for it: it is not the file this checkpoint wrote (another checkpoint's, copied in "
+                         "with its digest)")
 
 
-def verified_torch_load(path: Path, required: bool = True):
+def verified_torch_load(path: Path, required: bool = True, listed: str | None = None):
     """``torch.load`` to the CPU after :func:`verify`."""
-    verify(path, required)
+    verify(path, required, listed)
     return torch.load(path, map_location="cpu", weights_only=False)
 
 

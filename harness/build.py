@@ -237,11 +237,14 @@ def user_error(error: ValueError, ocfg: dict) -> str:
     key = re.match(r"invalid ([\w.]+?)(?:\[\d+\])?=", message)
     key = key[1].removeprefix("optimizer.") if key else None
     unknown = re.match(r"unknown setting ([\w.]+)=", message)
+    option = re.match(r"unknown option ([\w/]+)=", message)
     if message.startswith("unknown optimizer"):
         fix = "pick optimizer=<one of those> (configs/optimizer/)"
+    elif option:
+        fix = f"pick {option[1]}=<one of those> (configs/{option[1]}/)"
     elif unknown:
         where = "configs/trainer/default.yaml" if unknown[1].startswith("trainer.") else "the pipeline's configs/"
-        fix = f"drop {unknown[1]} or correct its name ({where})"
+        fix = f"drop {unknown[1]} or correct its name ({where}); +{unknown[1]}=... adds a setting the pipeline reads"
     elif message.startswith("unknown setting"):
         fix = f"drop the setting or use a valid one (configs/optimizer/{name}.yaml)"
     elif key == "trainer.parallelism" and "sharded" in message:
@@ -340,31 +343,37 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import OmegaConf
 
+    from omegaconf.errors import MissingMandatoryValue
+
     from .checkpoint import prepare_run
     from .distributed import prestart, started_externally
+    from .lock import RunLock, RunLocked
     from .loop import summary_line
     from .recipe import against_recipe
-    from .run import ConsoleLog, RunLock, RunLocked, process_seconds
+    from .run import ConsoleLog, process_seconds
 
-    from omegaconf.errors import MissingMandatoryValue
+    _hydra_reports()  # composed: what the job raises, Hydra reports as it would (see command)
+    # under torchrun or SLURM every worker runs the checks: the first says what they refuse, once
+    writer = not started_externally() or os.environ.get("RANK") == "0"
 
     run_dir = HydraConfig.get().runtime.output_dir
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
     except MissingMandatoryValue as e:  # a required setting (``???`` in the config) left unset
-        print(f"error: {e.full_key} is required and not set; fix: set {e.full_key}=... on the command line (or pick "
-              "an experiment that sets it)", file=sys.stderr, flush=True)
-        remove_empty(run_dir)
+        if writer:
+            print(f"error: {e.full_key} is required and not set; fix: set {e.full_key}=... on the command line (or "
+                  "pick an experiment that sets it)", file=sys.stderr, flush=True)
+            remove_empty(run_dir)
         sys.exit(2)
 
     def refuse(error: ValueError):
-        print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
-        remove_empty(run_dir)
+        if writer:
+            print(user_error(error, container["optimizer"]), file=sys.stderr, flush=True)
+            remove_empty(run_dir)
         sys.exit(2)
 
     try:
         local = not started_externally()
-        writer = local or os.environ.get("RANK") == "0"
         nproc = container["trainer"]["nproc_per_node"]
         # train.log is named once the checks pass and the run directory is this job's; the workers' fork server
         # starts at once, its imports beside the checks (the console's pipe first: the workers write to the server's)
@@ -413,3 +422,61 @@ def run_from_hydra(worker, cfg, *, shards: bool = False, check=None, optional=()
     except RunLocked as e:  # before Hydra or this command wrote anything into the run directory
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
+
+
+# the user's HYDRA_FULL_ERROR, while :func:`command` has Hydra raise the errors of its composition
+_hydra_full_error: str | None = None
+
+
+def command(main) -> None:
+    """Run a pipeline's ``@hydra.main`` function ``main`` as its command (its ``__main__``). A command line Hydra
+    cannot compose ends as a setting the checks refuse does (:func:`run_from_hydra`), in one line naming it and the
+    fix, exit status 2, before anything starts: a key the config lacks, set without ``+``, an option no config
+    group has (``experiment=``, ``optimizer=``, ...), an override that does not parse. Hydra's own report of them
+    takes 6 lines or more, exit status 1.
+
+    Hydra reports an error itself unless ``HYDRA_FULL_ERROR`` is set, then raises it: set here for the composition,
+    the user's value back once the job runs (:func:`_hydra_reports`), so that Hydra reports what the job raises
+    as it would."""
+    from hydra.errors import ConfigCompositionException, OverrideParseException
+
+    global _hydra_full_error
+    _hydra_full_error = os.environ.get("HYDRA_FULL_ERROR")
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        main()
+    except (ConfigCompositionException, OverrideParseException) as e:
+        print(composition_error(e), file=sys.stderr, flush=True)
+        sys.exit(2)
+    finally:
+        _hydra_reports()
+
+
+def _hydra_reports() -> None:
+    """``HYDRA_FULL_ERROR`` as the user set it (Hydra reports an error in its own way, or raises it)."""
+    if _hydra_full_error is None:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+    else:
+        os.environ["HYDRA_FULL_ERROR"] = _hydra_full_error
+
+
+def composition_error(error) -> str:
+    """The one line of a command line Hydra could not compose (:func:`command`)."""
+    from hydra.errors import MissingConfigException, OverrideParseException
+
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.missing_cfg_file:
+        group, _, name = error.missing_cfg_file.partition("/")
+        folder = CONFIGS / group
+        known = error.options or sorted(str(p.relative_to(folder).with_suffix("")) for p in folder.rglob("*.yaml"))
+        near = difflib.get_close_matches(name, known, n=1)
+        hint = f" (did you mean {group}={near[0]}?)" if near else ""
+        return user_error(ValueError(f"unknown option {group}={name!r}{hint}; known: {known}"), {})
+    if cause is not None and getattr(cause, "full_key", None) and getattr(cause, "parent_node", None) is not None:
+        added = re.search(r"use \+(\S+?)=(.*)$", str(error), re.M)  # Hydra's hint holds the override's value
+        value = added[2] if added else None
+        return user_error(unknown_setting(cause.full_key, value, list(cause.parent_node.keys())), {})
+    message = " ".join(str(error).split())
+    if isinstance(error, OverrideParseException):
+        return f"error: an override cannot be read: {message}; fix: correct it (Hydra's override grammar)"
+    return f"error: {message}; fix: correct the override or the experiment's config"

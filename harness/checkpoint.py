@@ -11,8 +11,10 @@ Layout under ``<run_dir>/ckpt/``::
                                  shards, each SLAMB replica its own), in place of the model and
                                  optimizer entries of the ``.pt`` files
     step000000480/**.sha256      each file's sha256 (``sha256sum -c`` format), checked before it is read
-    step000000480/complete.json  written once every rank's file is on disk: the folder is usable; lists the
-                                 files (``files``), each of which must have its digest
+    step000000480/complete.json  written once every rank's file is on disk: the folder is usable; records the
+                                 step and the files with their digests (``files``), each of which must match
+                                 its ``.sha256`` and the digest recorded here (a file of another checkpoint,
+                                 copied in with its ``.sha256``, does not)
     latest.json                  the last COMPLETE checkpoint (written last, atomically)
 
 Each file is written to a temporary name and renamed; ``complete.json`` and
@@ -269,8 +271,7 @@ def _reason(err: BaseException) -> str:
 
 
 def _unreadable(path: Path, err: BaseException, kind: str = "file") -> str:
-    return (f"checkpoint {kind} {path} is unreadable ({_reason(err)}); delete that checkpoint "
-            f"folder to resume from an older one, or start over with trainer.resume=never")
+    return f"checkpoint {kind} {path} is unreadable ({_reason(err)})"
 
 
 def _gather_objects(obj) -> list:
@@ -356,15 +357,16 @@ class Checkpointer:
             shutil.rmtree(folder, ignore_errors=True)
         barrier()
         folder.mkdir(parents=True, exist_ok=True)
-        mine = [folder / f"rank{self.env.rank}.pt"]
+        mine = {}  # the files this rank wrote, and their digests
         try:
-            atomic_torch_save(per_rank, mine[0])
+            path = folder / f"rank{self.env.rank}.pt"
+            mine[path] = atomic_torch_save(per_rank, path)
             if self.env.is_main:
-                mine.append(folder / "shared.pt")
-                atomic_torch_save({"progress": progress, **shared}, mine[-1])
+                path = folder / "shared.pt"
+                mine[path] = atomic_torch_save({"progress": progress, **shared}, path)
             for path in write(folder) if write is not None else ():
-                write_digest(path, file_sha256(path))
-                mine.append(path)
+                mine[path] = file_sha256(path)
+                write_digest(path, mine[path])
         except BaseException as err:  # DCP's CheckpointException is a BaseException
             # alone, or DCP's failure, which every rank raises: no rank writes into the folder any more
             agreed = self.env.world_size == 1 or getattr(err, "failures", None) is not None
@@ -375,8 +377,10 @@ class Checkpointer:
                 raise
             raise DiskFull(f"no space left on the disk of the checkpoint {folder} (writing "
                            f"{Path(full.filename or folder / SHARDED).name}): {_room(self.keep)}") from None
-        # every rank's files are on disk before the checkpoint is declared complete (the gather waits for all)
-        files = sorted(sum(_gather_objects([str(p.relative_to(folder)) for p in mine]), []))
+        # every rank's files are on disk before the checkpoint is declared complete (the gather waits for all);
+        # their digests in the marker too: a file of another step copied in with its .sha256 does not match them
+        gathered = _gather_objects({str(p.relative_to(folder)): digest for p, digest in mine.items()})
+        files = dict(sorted(kv for each in gathered for kv in each.items()))
         if self.env.is_main:
             record = {"world_size": self.env.world_size, **progress, "files": files}
             if self.inputs is not None:
@@ -395,20 +399,22 @@ class Checkpointer:
         barrier()
         return folder
 
-    def _read(self, folder: Path, files: list[str] | None, ranks) -> tuple[dict | None, str | None]:
+    def _read(self, folder: Path, files: dict | list | None, ranks) -> tuple[dict | None, str | None]:
         """(shared + the files of ``ranks``, None) or (None, why not). Each of ``files`` (those the checkpoint
-        records; None: written before they were, unchecked) is checked against its digest: the ``.pt`` files
-        by the ranks that load them, every other (a sharded run's) by one rank."""
+        records, with their digests; a list of names where written before the digests were recorded there; None:
+        before the files were, unchecked) is checked against its digests: the ``.pt`` files by the ranks that load
+        them, every other (a sharded run's) by one rank."""
         loaded, path = {"ranks": []}, None
+        digests = files if isinstance(files, dict) else {}
         try:
             path = folder / "shared.pt"
-            loaded["shared"] = verified_torch_load(path, required=files is not None)
+            loaded["shared"] = verified_torch_load(path, files is not None, digests.get(path.name))
             for r in ranks:
                 path = folder / f"rank{r}.pt"
-                loaded["ranks"].append(verified_torch_load(path, required=files is not None))
+                loaded["ranks"].append(verified_torch_load(path, files is not None, digests.get(path.name)))
             for name in [f for f in files or () if not f.endswith(".pt")][self.env.rank::self.env.world_size]:
                 path = folder / name
-                verify(path)
+                verify(path, listed=digests.get(name))
         except Exception as err:  # changed, truncated or missing: torch.load raises many kinds
             return None, _unreadable(path, err)
         return loaded, None
@@ -458,10 +464,13 @@ class Checkpointer:
                 shared = loaded["shared"]
                 self.folder, self.saved_world = folder, saved
                 return shared.pop("progress"), shared, loaded["ranks"]
-            if i + 1 == len(candidates):
-                raise ValueError(why)  # a damaged input: a restart would meet it again
+            if i + 1 == len(candidates):  # a damaged input: a restart would meet it again
+                raise ValueError(f"{why}; no older checkpoint is left to resume from: restore that file, or start "
+                                 "over with trainer.resume=never")
             if self.env.is_main:
-                print(f"{why}: resuming from the previous checkpoint, {candidates[i + 1]['dir']}", flush=True)
+                print(f"{why}; delete that checkpoint folder to resume from an older one, or start over with "
+                      f"trainer.resume=never: resuming from the previous checkpoint, {candidates[i + 1]['dir']}",
+                      flush=True)
         return None
 
 

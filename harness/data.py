@@ -20,6 +20,18 @@ def step_share(micro_batches: int, rank: int, world_size: int) -> range:
     return range(rank * per_worker, (rank + 1) * per_worker)
 
 
+def check_micro_batch(samples: int, micro_batch: int, micro_batches: int) -> None:
+    """Refuse a ``data.micro_batch`` that ``samples`` training samples cannot fill in every one of a step's
+    ``micro_batches`` (one per worker, or more, :class:`ShardedBatches`): the run would take no step. A data set
+    counted only as far as needed, or past, passes."""
+    each = samples // micro_batches
+    if each < micro_batch:
+        fix = f"set data.micro_batch to at most {each}, or run on fewer workers" if each else "run on fewer workers"
+        raise ValueError(f"invalid data.micro_batch={micro_batch}: the {samples} training samples give each of a "
+                         f"step's {micro_batches} micro-batches {each}, not a full batch: no step would be taken; "
+                         f"{fix}")
+
+
 class ShardedBatches:
     """This rank's micro-batches of sample indices for an epoch, in ``DistributedSampler`` order.
 
@@ -43,11 +55,7 @@ class ShardedBatches:
         self.samplers = [DistributedSampler(range(num_samples), num_replicas=self.micro_batches, rank=s,
                                             shuffle=shuffle, seed=seed, drop_last=True) for s in self.shards]
         self.batch_size = batch_size
-        if len(self) == 0:
-            raise ValueError(
-                f"{num_samples} samples cannot give every one of {self.micro_batches} micro-batches a full batch "
-                f"of {batch_size}: lower data.micro_batch or the number of workers"
-            )
+        check_micro_batch(num_samples, batch_size, self.micro_batches)
 
     def __len__(self) -> int:
         return self.samplers[0].num_samples // self.batch_size

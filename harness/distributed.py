@@ -23,7 +23,9 @@ Test hook: ``SLAMB_FAULT_AT_STEP=N`` kills (``os._exit``) the worker of rank
 first attempt of the job only, so that restarts (``--max-restarts``) and
 auto-resume can be exercised. ``SLAMB_FAULT_AT_STEP=N0,N1,...``: attempt k
 (the k-th restart; under torchft, the group's k-th relaunch) dies before step
-N_k, so that one run meets several failures.
+N_k, so that one run meets several failures. ``SLAMB_FAULT_KIND=hang``: that worker
+hangs there instead (it sleeps until it is ended), as a worker that trains on
+unseen, printing nothing, does.
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import types
 import uuid
 
@@ -51,9 +54,10 @@ from torch.distributed.rendezvous import rendezvous
 
 from slamb import comm
 from .atomic import DiskFull
+from .lock import RunLocked, end_with, enlist, this_process
 from .replica import current as current_replica, join
 
-FAULT_ENV, FAULT_RANK_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK"
+FAULT_ENV, FAULT_RANK_ENV, FAULT_KIND_ENV = "SLAMB_FAULT_AT_STEP", "SLAMB_FAULT_RANK", "SLAMB_FAULT_KIND"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -284,7 +288,11 @@ def maybe_inject_fault(step: int, env: DistEnv) -> None:
         return
     steps, attempt = [int(s) for s in at.split(",")], restart_count()
     if attempt < len(steps) and step == steps[attempt]:
-        print(f"[fault injection] rank {env.rank} exits before step {step} ({FAULT_ENV}={at})", flush=True)
+        hang = os.environ.get(FAULT_KIND_ENV) == "hang"
+        print(f"[fault injection] rank {env.rank} {'hangs' if hang else 'exits'} before step {step} ({FAULT_ENV}={at})",
+              flush=True)
+        while hang:
+            time.sleep(60)
         os._exit(17)
 
 
@@ -356,9 +364,13 @@ def keep_traceback(run_dir, rank) -> str | None:
     return path
 
 
-def _worker_entry(worker, cfg, run_dir, errors_dir=None):
+def _worker_entry(worker, cfg, run_dir, errors_dir=None, launcher=None):
     """A worker's body: ``worker(cfg, run_dir)``, its error in one line (:func:`error_line`; the traceback in
     ``run_dir``).
+
+    A worker this module's launchers start (``launcher``: theirs, :func:`harness.lock.this_process`) ends with its
+    launcher and enlists in the run directory's lock that the launcher holds (:mod:`harness.lock`); one that
+    torchrun or SLURM started ends with its parent, their agent.
 
     In the process of :func:`launch` (one worker) the error is a :class:`WorkerError`. Under this launcher's
     elastic agent (``errors_dir`` its folder) the worker writes the line there and exits (status 1, or
@@ -366,6 +378,14 @@ def _worker_entry(worker, cfg, run_dir, errors_dir=None):
     torchrun's agent a worker prints the line of an error that would recur and exits with that status; torchrun
     reports any other error itself.
     """
+    if launcher is not None or started_externally():
+        end_with(launcher)
+    if launcher is not None:
+        try:
+            enlist(run_dir, launcher)
+        except RunLocked as e:  # its launcher is gone, the run directory another job's: nothing more of it there
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            raise SystemExit(2) from None
     try:
         return resolve_worker(worker)(cfg, run_dir)
     except Exception as e:
@@ -564,7 +584,8 @@ def launch(worker, cfg, run_dir: str, *, nproc_per_node: int = 1, max_restarts: 
         try:
             # launch_agent builds its agent from this module's name: the one way in short of copying it
             with mock.patch.object(api, "LocalElasticAgent", reporting.agent_class()), _quick_rendezvous_names():
-                results = api.elastic_launch(config, _worker_entry)(worker, cfg, run_dir, reporting.errors_dir)
+                results = api.elastic_launch(config, _worker_entry)(worker, cfg, run_dir, reporting.errors_dir,
+                                                                    this_process())
         except ChildFailedError as failed:
             raise reporting.line(failed) from None
         finally:

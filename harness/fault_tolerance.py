@@ -49,6 +49,7 @@ from slamb.optim.slamb import SLAMB
 from slamb.sharding import local
 from .checkpoint import Checkpointer, unwrap
 from .distributed import WILL_RECUR_EXIT, WorkerError, _worker_entry, _worker_module, forkserver, started_externally
+from .lock import this_process
 from .replica import ENV, Replica, current
 
 MODES = ("none", "torchft")
@@ -147,6 +148,7 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
     server = LighthouseServer(bind="[::]:0", min_replicas=t["min_replicas"], join_timeout_ms=JOIN_MS,
                               heartbeat_timeout_ms=HEARTBEAT_MS)
     fork = multiprocessing.get_context(forkserver(_worker_module(worker), *PRELOAD))
+    launcher = this_process()  # the groups end with it, and with the lighthouse it hosts (harness.lock.end_with)
     running: dict[int, list] = {}  # a group's processes
     with tempfile.TemporaryDirectory(prefix="slamb_ft_") as folder:
         errors = Path(folder) / "errors"
@@ -156,7 +158,7 @@ def launch(worker, cfg: dict, run_dir: str) -> dict:
             running[index] = []
             for rank in range(size):
                 env = f"{server.address()} {index} {groups} {attempt} {folder} {rank} {size}"
-                p = fork.Process(target=_worker, args=(worker, cfg, run_dir, env, str(errors)))
+                p = fork.Process(target=_worker, args=(worker, cfg, run_dir, env, str(errors), launcher))
                 p.start()
                 running[index].append(p)
 
@@ -213,7 +215,7 @@ def _error_line(errors: Path, rank: int, status: int, who: str) -> str:
     return f"{who}: {how}"
 
 
-def _worker(worker, cfg: dict, run_dir: str, env: str, errors: str) -> None:
+def _worker(worker, cfg: dict, run_dir: str, env: str, errors: str, launcher: dict) -> None:
     """A replica group's process: the pipeline's worker, which :func:`join` makes this group's."""
     _, index, groups, attempt, _, rank, size = env.split()
     # RANK names its error file; the restart count, the attempt (the fault-injection hook's first attempt); the
@@ -222,7 +224,7 @@ def _worker(worker, cfg: dict, run_dir: str, env: str, errors: str) -> None:
     os.environ.update({ENV: env, "RANK": global_rank, "TORCHELASTIC_RESTART_COUNT": attempt,
                        "LOCAL_RANK": global_rank, "LOCAL_WORLD_SIZE": str(int(groups) * int(size))})
     try:
-        _worker_entry(worker, cfg, run_dir, errors)
+        _worker_entry(worker, cfg, run_dir, errors, launcher)
     finally:
         if current() is not None:
             current().group.shutdown()
@@ -284,6 +286,14 @@ class ManagedSteps:
         """(first, end): the steps of each logged period (``period`` steps, the run's last one shorter) this group
         takes part in, from where the job stands (a joining group skips the others')."""
         while (self.quorum or self.done < self.total) and self._quorum() < self.total:  # no quorum past the end
+            if self.replica.attempt and not self.done and self.replica.group.size() == 1:
+                # relaunched, and alone at step 0: the groups it was to rejoin have finished (a relaunch that came
+                # up after the run's last step) or are gone; trained alone from scratch, it would write a second
+                # run's lines and summary over theirs
+                if self.replica.rank == 0:
+                    print(f"notice: replica group {self.replica.index} was relaunched and found no group to rejoin "
+                          "(the others have finished): it ends without training", flush=True)
+                return
             first = self.done // self.period * self.period
             yield first, min(first + self.period, self.total)
 

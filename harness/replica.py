@@ -82,8 +82,10 @@ def join(device, timeout_s: float) -> Replica | None:
         index, attempt, rank, size = int(index), int(attempt), int(rank), int(size)
         store = group_store(index, attempt, rank, size, Path(folder), timeout_s,
                             "nccl" if device.type == "cuda" else "gloo")
+        # trainer.timeout_s bounds the quorum too: a group whose lighthouse or peers are gone waits that long, not
+        # torchft's 300 s
         group = connect(address, replica_id=str(index), rank=rank, world_size=size, store=store, timeout=timeout_s,
-                        device=device.type, host="127.0.0.1", init_sync=False)
+                        quorum_timeout=timeout_s, device=device.type, host="127.0.0.1", init_sync=False)
         _replica = Replica(index, int(groups), attempt, group, Path(folder), rank, size)
     return _replica
 

@@ -8,7 +8,7 @@ Written by rank 0 only::
     metrics.jsonl    one line per epoch (appended; truncated to the resumed epoch on resume)
     metrics.json     the final summary (last epoch, best top-1, totals, wall time); removed when a
                      run starts writing, so that it exists only when the last writer finished
-    run.lock         held while a job writes the directory (see :class:`RunLock`)
+    run.lock         held while a job writes the directory (see :class:`harness.lock.RunLock`)
     train.log        the job's console, as a terminal shows it (see :class:`ConsoleLog`; appended by each attempt)
 
 Communication columns come from the optimizer's ledger (bytes this rank handed
@@ -17,32 +17,20 @@ since the start of the run (restored on resume).
 """
 from __future__ import annotations
 
-import datetime
 import json
 import multiprocessing.resource_tracker
 import os
 import platform
-import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 from .atomic import atomic_write_bytes, atomic_write_json
 from .distributed import DistEnv, forkserver_started, stop_forkserver
-
-
-def process_start(pid: int) -> str | None:
-    """When process ``pid`` of this host started (clock ticks since boot, /proc), None where unknown: with the
-    pid it names one process, since a pid is reused once its process is gone."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat.rsplit(")", 1)[1].split()[19]  # field 22, counted after the command name's closing parenthesis
+from .lock import process_start
 
 
 def process_seconds() -> float | None:
@@ -54,106 +42,6 @@ def process_seconds() -> float | None:
     except (OSError, TypeError, ValueError):
         return None
     return uptime - started / os.sysconf("SC_CLK_TCK")
-
-
-class RunLocked(RuntimeError):
-    """The run directory is another job's (its lock is held): one line naming the holder and the fix."""
-
-
-class RunLock:
-    """``<run_dir>/run.lock`` while a job writes the run directory; a second writer gets a clear error.
-
-    The file names the holder (host, pid, the process's start time); a lock whose process is gone on
-    this host (or whose pid now names another process) is stale and is taken over with a message. A lock
-    file still empty is being written by its holder: it is stale only once it stays empty past
-    :attr:`EMPTY_GRACE_S`. ``hold=False`` makes it a no-op (the workers torchrun starts beside the one
-    that holds it).
-    """
-
-    EMPTY_GRACE_S = 10.0  # far beyond the instant between a holder's creating the file and writing it
-
-    def __init__(self, run_dir, hold: bool = True):
-        self.path = Path(run_dir) / "run.lock"
-        self.hold = hold
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": process_start(os.getpid())}
-
-    def _holder(self) -> dict | None:
-        try:
-            return json.loads(self.path.read_text())
-        except (OSError, ValueError):  # removed meanwhile, or a holder killed while writing it
-            return None
-
-    @staticmethod
-    def _gone(holder: dict) -> str | None:
-        """Why the holder's process is gone (the lock is stale), or None where it may still run."""
-        if holder.get("host") != socket.gethostname():
-            return None  # another host's process cannot be checked from here
-        pid = int(holder["pid"])
-        try:
-            os.kill(pid, 0)  # signal 0: is there such a process, nothing sent
-        except ProcessLookupError:
-            return f"process {pid} is gone"
-        except PermissionError:  # there is, run by another user
-            pass
-        started = holder.get("started")  # absent from locks written before it was recorded
-        now = process_start(pid)
-        if started is None or now in (None, started):
-            return None
-        return f"process {pid} that wrote it is gone: pid {pid} now names another process, started later"
-
-    def _unwritten(self) -> bool:
-        """The lock file exists and is not (yet) a record: wait for its holder to write it, up to the grace."""
-        while True:
-            try:
-                age = time.time() - self.path.stat().st_mtime
-            except FileNotFoundError:
-                return False
-            if self._holder() is not None or age > self.EMPTY_GRACE_S:
-                return self._holder() is None
-            time.sleep(0.05)
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        record = {**self.me, "since": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
-        for _ in range(2):
-            try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-            except FileExistsError:
-                unwritten = self._unwritten()
-                holder = self._holder()
-                gone = self._gone(holder) if holder is not None else None
-                if holder is not None and gone is None:
-                    raise RunLocked(
-                        f"run directory {self.path.parent} is being written by process {holder['pid']} on "
-                        f"{holder['host']} (since {holder.get('since')}): wait for it to finish or use another run "
-                        f"directory; if that process is gone, delete {self.path}") from None
-                if unwritten:
-                    print(f"removing the stale lock {self.path} (empty for over {self.EMPTY_GRACE_S:.0f} s: its "
-                          "holder died before writing it)", flush=True)
-                elif holder is not None:  # else the lock was released meanwhile
-                    print(f"removing the stale lock {self.path} ({gone})", flush=True)
-                self.path.unlink(missing_ok=True)
-                continue
-            with os.fdopen(fd, "w") as f:
-                json.dump(record, f)
-            return
-        raise RunLocked(f"could not lock run directory {self.path.parent}: another job took it; wait for it "
-                        "to finish or use another run directory")
-
-    def release(self) -> None:
-        holder = self._holder()
-        if holder is not None and (holder.get("host"), holder.get("pid")) == (self.me["host"], self.me["pid"]):
-            self.path.unlink(missing_ok=True)
-
-    def __enter__(self):
-        if self.hold:
-            self.acquire()
-        return self
-
-    def __exit__(self, *exc):
-        if self.hold:
-            self.release()
-        return False
 
 
 class ConsoleLog:

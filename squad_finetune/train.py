@@ -116,6 +116,17 @@ def inputs(cfg: dict) -> dict:
     return {key: fingerprint(cfg["data"][key.split(".")[1]]) for key in ("data.train_file", "data.dev_file")}
 
 
+def check_inputs(cfg: dict) -> None:
+    """:func:`check`, and the SQuAD files read as the workers will read them, before any worker starts: a file that
+    is not SQuAD's JSON ends the command in one line naming its setting (the workers read them again)."""
+    check(cfg)
+    for key in ("train_file", "dev_file"):
+        try:
+            load_squad(cfg["data"][key])
+        except ValueError as e:
+            raise ValueError(f"invalid data.{key}={cfg['data'][key]!r}: {e}") from None
+
+
 def train(cfg: dict, run_dir: str) -> dict:
     plain, cfg = cfg, OmegaConf.create(cfg)
     t, d = cfg.trainer, cfg.data
@@ -189,7 +200,7 @@ def train(cfg: dict, run_dir: str) -> dict:
 
 # how this pipeline is checked and launched: its main, and a script's checks of every run before the first
 # (harness.preflight)
-LAUNCH = {"check": check, "fault_tolerant": True}
+LAUNCH = {"check": check_inputs, "fault_tolerant": True}
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="squad")
@@ -198,4 +209,4 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

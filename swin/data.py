@@ -103,6 +103,17 @@ def fingerprint(root) -> dict:
     return identity.kept(root, "imagefolder", [root / split for split in SPLITS] + folders, make)
 
 
+def train_images(root, enough: int) -> int:
+    """The images of the ImageFolder tree's ``train/`` under ``root``, counted up to ``enough`` (ImageNet's 1.28
+    million files need not be listed to their end to know that a step's micro-batches fill)."""
+    count = 0
+    for folder in sorted(p for p in (Path(root) / "train").iterdir() if p.is_dir()):
+        count += sum(1 for f in folder.iterdir() if f.suffix.lower() in IMAGE_SUFFIXES)
+        if count >= enough:
+            break
+    return count
+
+
 def transforms(dcfg, img_size: int):
     """(train, val) transforms of timm for the ``data.aug`` settings."""
     aug = dcfg["aug"]

@@ -40,6 +40,7 @@ import harness
 from harness.accumulate import accumulation_steps
 from harness.amp import MixedPrecision, accumulation_context, check_clip_grad
 from harness.build import planned_world
+from harness.data import check_micro_batch
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 from harness.seeding import reseed
 from harness.settings import check_count
@@ -119,11 +120,12 @@ def accumulation(cfg: dict, world_size: int) -> int:
 def check(cfg: dict) -> None:
     """This pipeline's settings and data, before any worker starts (:func:`harness.build.check_settings`): the
     accumulation, the LR's reference batch, clipping, the schedule, the model (timm's, built on the meta device),
-    mixup, the ImageFolder's classes."""
-    from .data import check_classes, mixup_and_loss
+    mixup, the ImageFolder's classes, and a micro-batch its training images fill for every worker."""
+    from .data import check_classes, mixup_and_loss, train_images
     from .model import build_model
 
-    accumulation(cfg, planned_world(cfg["trainer"]))
+    world = planned_world(cfg["trainer"])
+    steps = accumulation(cfg, world)
     check_count("lr_scaling.reference_batch", cfg["lr_scaling"]["reference_batch"], " (the global batch of "
                 "optimizer.lr)")
     check_clip_grad(cfg["clip_grad"])
@@ -132,6 +134,9 @@ def check(cfg: dict) -> None:
         build_model(cfg["model"])
     mixup_and_loss(cfg["data"], cfg["model"]["num_classes"])
     check_classes(cfg["data"]["dir"], cfg["model"]["num_classes"])
+    micro_batches = world * steps
+    check_micro_batch(train_images(cfg["data"]["dir"], micro_batches * cfg["data"]["micro_batch"]),
+                      cfg["data"]["micro_batch"], micro_batches)
 
 
 def inputs(cfg: dict) -> dict:
@@ -226,4 +231,4 @@ def main(cfg) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    harness.command(main)

@@ -33,6 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
     pytest.param("trainer.device=cuda", f"invalid trainer.device='cuda': no usable CUDA device (torch built for CUDA "
                  f"{torch.version.cuda or 'none (a CPU build)'}, NVIDIA driver ",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here")),
+    # before: Hydra's report of 6 lines and more, exit status 1
+    ("data.augmnt=false", "error: unknown setting data.augmnt='false' (did you mean data.augment?); known: ['augment', "
+                          "'dir', 'eval_batch', 'micro_batch', 'name']; fix: drop data.augmnt or correct its name (the "
+                          "pipeline's configs/); +data.augmnt=... adds a setting the pipeline reads"),
+    ("experiment=cifar10/slamm", "error: unknown option experiment='cifar10/slamm' (did you mean "
+                                 "experiment=cifar10/slamb?); known: ['bert/phase1_lamb', "),
+    ("optimizer=adamm", "error: unknown option optimizer='adamm' (did you mean optimizer=adamw?); known: ['adamw', "),
 ])
 @pytest.mark.multiprocess
 def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, override, line):
@@ -48,6 +55,24 @@ def test_rejected_setting_is_one_line_and_exit_2_before_any_worker(tmp_path, ove
     assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ") and line in done.stderr, done.stderr
     assert done.stdout == "" and not (run_dir / "meta.json").exists()  # no worker wrote its run directory
     assert elapsed < 120  # the interpreter's imports and Hydra's composition, no process group, no data
+
+
+@pytest.mark.multiprocess
+def test_torchft_under_torchrun_is_refused_in_one_line_of_the_first_worker(tmp_path):
+    """torchrun starts the workers before any of the project's code runs: each refuses, the first says why (before:
+    every worker said it), and torchrun then reports its failed workers itself."""
+    done = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--standalone", "--nproc-per-node", "2",
+                           "-m", "cifar10.train", "experiment=cifar10/slamb", "+mixin=torchft", "trainer.replica_groups=2",
+                           f"data.dir={tmp_path}", f"hydra.run.dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode != 0
+    said = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    assert said == ["error: invalid trainer.fault_tolerance=torchft with a job started by torchrun or SLURM: set "
+                    "python -m <pipeline> (the launcher starts the groups and the lighthouse) (+mixin=torchft sets them); "
+                    "fix: set trainer.fault_tolerance to an allowed value (command line or configs/trainer/default.yaml)"]
+    assert "exitcode  : 2" in done.stderr  # torchrun's report of the worker that refused
+    assert not (tmp_path / "run" / "meta.json").exists()
 
 
 @pytest.mark.parametrize("name, settings, match", [

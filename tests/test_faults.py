@@ -23,8 +23,9 @@ import harness
 import slamb
 from harness.atomic import atomic_torch_save, atomic_write_bytes
 from harness.checkpoint import Checkpointer, run_settings
-from harness.run import RunLock, RunLogger, process_start, read_jsonl
+from harness.lock import RunLock, RunLocked, enlist, gone, process_start, read, this_process
 from harness.records import load_runs
+from harness.run import RunLogger, read_jsonl
 from slamb.checkpoint import _dcp_writer
 from tests import distributed
 from tests.disk import as_the_other_ranks_learn_it, disk_with_room
@@ -86,12 +87,48 @@ def test_a_missing_digest_falls_back_naming_it(tmp_path, capsys):
         ckpt.save({"step": step}, {"a": step}, {"b": step})
     (ckpt.dir / "step000000002" / "rank0.pt.sha256").unlink()
     assert ckpt.load() == ({"step": 1}, {"a": 1}, [{"b": 1}])
-    assert json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"] == ["rank0.pt", "shared.pt"]
+    assert list(json.loads((ckpt.dir / "step000000002" / "complete.json").read_text())["files"]) == ["rank0.pt",
+                                                                                                    "shared.pt"]
     assert capsys.readouterr().out == (
         f"checkpoint file {ckpt.dir / 'step000000002' / 'rank0.pt'} is unreadable (FileNotFoundError: its digest "
         "rank0.pt.sha256 is missing, though the checkpoint records one: the file cannot be checked); delete that "
         "checkpoint folder to resume from an older one, or start over with trainer.resume=never: resuming from the "
         "previous checkpoint, step000000001\n")
+
+
+def test_a_file_of_another_step_copied_in_with_its_digest_is_fallen_back_from_naming_it(tmp_path, capsys):
+    """Before: the copy matched the .sha256 copied beside it, and the run resumed at step 12 with step 11's file (a
+    final loss of 4.98349 where the run ends at 4.98153)."""
+    ckpt = Checkpointer(tmp_path, solo())
+    for step in (11, 12):
+        ckpt.save({"step": step}, {"a": step}, {"b": torch.full((1000,), float(step))})
+    older, newest = ckpt.dir / "step000000011", ckpt.dir / "step000000012"
+    for name in ("rank0.pt", "rank0.pt.sha256"):
+        shutil.copy(older / name, newest / name)
+    recorded = json.loads((newest / "complete.json").read_text())
+    assert recorded["step"] == 12 and recorded["files"]["rank0.pt"] != (older / "rank0.pt.sha256").read_text()[:64]
+    progress, shared, (mine,) = ckpt.load()
+    assert progress == {"step": 11} and shared == {"a": 11} and torch.equal(mine["b"], torch.full((1000,), 11.0))
+    copied = (older / "rank0.pt.sha256").read_text()[:16]
+    assert capsys.readouterr().out == (
+        f"checkpoint file {newest / 'rank0.pt'} is unreadable (ValueError: its sha256 {copied}... differs from the "
+        f"{recorded['files']['rank0.pt'][:16]}... that complete.json records for it: it is not the file this "
+        "checkpoint wrote (another checkpoint's, copied in with its digest)); delete that checkpoint folder to "
+        "resume from an older one, or start over with trainer.resume=never: resuming from the previous checkpoint, "
+        "step000000011\n")
+
+
+def test_no_checkpoint_left_to_fall_back_to_says_so_and_names_the_file(tmp_path):
+    # before: "...delete that checkpoint folder to resume from an older one", of which there was none
+    ckpt = Checkpointer(tmp_path, solo())
+    ckpt.save({"step": 1}, {"a": 1}, {"b": torch.arange(10_000.0)})
+    flip_byte(ckpt.dir / "step000000001" / "rank0.pt")
+    with pytest.raises(harness.distributed.WILL_RECUR) as raised:
+        ckpt.load()
+    assert str(raised.value).startswith(f"checkpoint file {ckpt.dir / 'step000000001' / 'rank0.pt'} is unreadable "
+                                        "(ValueError: its sha256 ")
+    assert str(raised.value).endswith("the file changed on disk); no older checkpoint is left to resume from: restore "
+                                      "that file, or start over with trainer.resume=never")
 
 
 def damaged_rank_worker(rank, world, run_dir):
@@ -685,6 +722,140 @@ def test_the_lock_records_its_holders_start_and_waits_for_an_empty_lock_to_be_wr
     with RunLock(tmp_path):
         assert "(empty for over 10 s: its holder died before writing it)" in capsys.readouterr().out
     assert not (tmp_path / "run.lock").exists()
+
+
+def test_a_lock_is_stale_only_once_neither_its_launcher_nor_a_worker_it_records_lives(tmp_path, capsys, monkeypatch):
+    """Before: the lock named the launcher only, and a rerun took it the moment the launcher was gone, beside its
+    workers, which still wrote checkpoints there (a rerun resumed at step 23 while they wrote steps 24-26)."""
+    with RunLock(tmp_path) as lock:  # a worker enlists in its launcher's lock, and in no other job's
+        enlist(tmp_path, this_process())
+        assert read(lock.path)[1] == [{"pid": os.getpid(), "started": process_start(os.getpid())}]
+        other = {**this_process(), "pid": os.getppid(), "started": process_start(os.getppid())}
+        with pytest.raises(RunLocked, match=rf"^run directory {tmp_path} is no longer held by process "
+                                            rf"{os.getppid()}, which started this worker: the worker ends without "
+                                            "writing there$"):
+            enlist(tmp_path, other)
+    launcher, worker = subprocess.Popen(["sleep", "60"]), subprocess.Popen(["sleep", "60"])
+    try:
+        lines = [{"host": socket.gethostname(), "pid": launcher.pid, "started": process_start(launcher.pid),
+                  "since": "then"}, {"pid": worker.pid, "started": process_start(worker.pid)}]
+        (tmp_path / "run.lock").write_text("".join(json.dumps(line) + "\n" for line in lines))
+        launcher.kill()
+        launcher.wait()
+        monkeypatch.setattr(RunLock, "WORKERS_GRACE_S", 0.5)  # the wait for workers that end with their launcher
+        with pytest.raises(RunLocked) as refused:
+            RunLock(tmp_path).acquire()
+        assert str(refused.value) == (
+            f"run directory {tmp_path} is being written by the workers of process {launcher.pid} (since then), which "
+            f"is gone: 1 of them still run (pids {worker.pid}); end them (kill {worker.pid}) or use another run "
+            "directory")
+    finally:
+        worker.kill()
+        worker.wait()
+    with RunLock(tmp_path):
+        assert capsys.readouterr().out == (f"removing the stale lock {tmp_path / 'run.lock'} (process {launcher.pid} "
+                                           "is gone)\n")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes ``pid`` started, and those they started, ..."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except OSError:  # ended meanwhile
+            continue
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        started = children.get(todo.pop(), [])
+        found += started
+        todo += started
+    return found
+
+
+def kill_the_launcher(module: str, args: list[str], run_dir: Path, step: int) -> tuple[float, float]:
+    """``python -m module args`` whose rank 0 hangs before ``step`` (as a worker that trains on, printing nothing,
+    would be there): SIGKILL its launcher then, and return the seconds until its workers have ended, and every
+    process it started (their fork server and resource tracker too); the test fails where one outlives 20 s."""
+    from tests.test_cifar10 import ROOT, env
+
+    launcher = subprocess.Popen([sys.executable, "-m", module, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT,
+                                env=env(**{harness.distributed.FAULT_ENV: str(step),
+                                           harness.distributed.FAULT_KIND_ENV: "hang"}),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    started = []
+    try:
+        said = []
+        while not said or "hangs before step" not in said[-1]:
+            said.append(launcher.stdout.readline())
+            assert said[-1] or launcher.poll() is None, "".join(said)[-3000:]
+        started = _descendants(launcher.pid)
+        workers = [w["pid"] for w in read(run_dir / "run.lock")[1]]  # they enlisted in its lock
+        assert len(workers) >= 2 and set(workers) <= set(started)
+        launcher.kill()
+        tic, ended = time.monotonic(), {}
+        while len(ended) < len(started) and time.monotonic() < tic + 20:
+            ended.update({p: time.monotonic() - tic for p in started if p not in ended and gone({"pid": p})})
+            time.sleep(0.05)
+        assert len(ended) == len(started), f"{set(started) - set(ended)} outlived their launcher by 20 s"
+        return max(ended[w] for w in workers), max(ended.values())
+    finally:
+        launcher.kill()
+        launcher.communicate()
+        for pid in started:  # what outlived the test's bound
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, 9)
+
+
+@pytest.mark.multiprocess  # runs the pipeline's command line and its workers
+@pytest.mark.parametrize("parallelism", ["ddp", "hsdp"])
+def test_a_killed_launcher_takes_its_workers_with_it_and_a_rerun_resumes_exactly(
+        tmp_path, tiny_data, parallelism):  # noqa: F811 (the imported fixture)
+    """Before: the workers of a launcher killed with SIGKILL trained on until they next printed (BERT HSDP: from
+    step 8 to 59, 35 s), and a rerun took the lock at once and resumed beside them. Now they end with it, the rerun
+    takes over the lock once they are gone and ends where the uninterrupted run ends. DDP: CIFAR-10 on 2 workers,
+    the launcher killed in epoch 2 of 3; HSDP: BERT on 2 x 2 workers, killed at step 3 of 4 (one line, at the end)."""
+    from tests.test_cifar10 import ROOT, TINY, assert_same_run, env, history
+
+    if parallelism == "ddp":
+        from cifar10.data import write_digits
+
+        data = write_digits(tmp_path / "cifar-10-batches-py", 64, 16)  # 2 steps an epoch
+        module, args, at = "cifar10.train", [*TINY, "experiment=cifar10/lamb", "epochs=3", f"data.dir={data}"], 5
+    else:
+        module, at = "bert.train", 3
+        args = ["experiment=bert/phase1_lamb", "optimizer.lr=0.02", "model=bert_tiny",
+                f"model.vocab_size={tiny_data['vocab_size']}", f"data.dir={tiny_data[32]}", "data.seq_len=32",
+                f"validation.dir={tiny_data[32]}", "data.global_batch=16", "data.micro_batch=4", "steps=4",
+                "log_every=4", "trainer.checkpoint.every=2", "schedule.warmup_steps=1", "schedule.power=0.0",
+                "trainer.progress=false", "trainer.threads_per_worker=1", "trainer.device=cpu",
+                "trainer.precision=fp32", "trainer.nproc_per_node=4", "trainer.parallelism=hsdp",
+                "trainer.shard_size=2"]
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    # the uninterrupted run beside the killed one
+    uninterrupted = subprocess.Popen([sys.executable, "-m", module, *args, f"hydra.run.dir={plain}"], cwd=ROOT,
+                                     env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    workers, everything = kill_the_launcher(module, args, run, at)
+    print(f"the workers ended {workers:.2f} s after their launcher was killed, all it started {everything:.2f} s")
+    assert workers < 10
+    launcher = read(run / "run.lock")[0]["pid"]
+    rerun = subprocess.run([sys.executable, "-m", module, *args, f"hydra.run.dir={run}"], cwd=ROOT, env=env(),
+                           capture_output=True, text=True, timeout=600, check=False)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"removing the stale lock {run / 'run.lock'} (process {launcher} is gone)" in rerun.stdout
+    assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read()[-3000:]
+    uninterrupted.stderr.close()
+    summary, whole = (json.loads((d / "metrics.json").read_text()) for d in (run, plain))
+    if parallelism == "ddp":
+        assert summary["resumed_from"] == [2]
+        assert_same_run(history(run), history(plain))
+    else:
+        assert summary["resumed_from"] == [2]
+        assert summary["final_val_mlm_loss"] == pytest.approx(whole["final_val_mlm_loss"], rel=1e-6)
+        assert summary["final_val_mlm_acc"] == whole["final_val_mlm_acc"]
+        assert summary["bytes_total"] == whole["bytes_total"]
+    assert not list(run.glob("error.rank*.txt"))
 
 
 @pytest.mark.multiprocess  # runs the pipeline's command line

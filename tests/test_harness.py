@@ -20,8 +20,9 @@ import yaml
 import slamb
 import harness
 from harness.checkpoint import Checkpointer
-from harness.run import ConsoleLog, RunLock, RunLogger
+from harness.lock import RunLock
 from harness.records import load_runs
+from harness.run import ConsoleLog, RunLogger
 from harness.tables import RERUN_DRIFT, build_tables
 from harness.schedules import build_lr_scheduler
 from slamb.schedules import MultiStep, WarmupPolyDecay, compression_ratio
@@ -87,7 +88,9 @@ def test_sharded_batches_partition_the_epoch_and_resume_mid_epoch():
     assert len(seen) == 90 and len(set(seen.tolist())) == 90  # disjoint across ranks
     assert not torch.equal(epoch0[0], torch.cat([b.flatten() for b in shards[0].epoch(1)]))  # set_epoch reshuffles
     assert torch.equal(torch.cat([b.flatten() for b in shards[1].epoch(0, start=2)]), epoch0[1][20:])
-    with pytest.raises(ValueError, match="lower data.micro_batch or the number of workers"):
+    with pytest.raises(ValueError, match=r"^invalid data.micro_batch=16: the 20 training samples give each of a step's "
+                                         r"2 micro-batches 10, not a full batch: no step would be taken; set "
+                                         r"data.micro_batch to at most 10, or run on fewer workers$"):
         harness.ShardedBatches(20, 16, solo(0, 2), seed=0)
     assert harness.eval_shard(7, solo(1, 3)).tolist() == [1, 4]
 
@@ -169,7 +172,9 @@ def test_rank_aware_checkpoint_resumes_exactly(tmp_path, name):
     shared = torch.load(tmp_path / "ckpt/step000000003/shared.pt", weights_only=False)
     assert ("model" in per_rank) == (name == "slamb") and ("model" in shared) == (name != "slamb")
     latest = json.loads((tmp_path / "ckpt/latest.json").read_text())
-    files = ["rank0.pt", "rank1.pt", "shared.pt"]  # each with its digest beside it
+    # each with its digest beside it, and in the marker too
+    files = {name: (tmp_path / "ckpt/step000000003" / f"{name}.sha256").read_text().split()[0]
+             for name in ("rank0.pt", "rank1.pt", "shared.pt")}
     assert latest == {"dir": "step000000003", "world_size": 2, "epoch": 1, "step": 3, "files": files}
     assert json.loads((tmp_path / "ckpt/step000000003/complete.json").read_text()) == \
         {"world_size": 2, "epoch": 1, "step": 3, "files": files}

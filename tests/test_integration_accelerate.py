@@ -49,6 +49,7 @@ def train_worker(rank, n, plain, name, ckpt, resume, overflow_at, export=None):
         # accelerate makes a scaler for fp16 only on accelerators; this is the one it would make
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     if plain:
+        opt.allow_same_gradients = True  # accelerate's own all-reduce, measured on purpose (else refused)
         model, opt, loader = accelerator.prepare(model, opt, loader)
     else:
         model, opt, loader = integration.prepare(accelerator, model, opt, loader)
@@ -162,7 +163,9 @@ def plain_save_state_worker(rank, n, ckpt):
     import slamb.integrations.accelerate as integration
 
     accelerator = Accelerator(cpu=True)
-    model, opt, loader = accelerator.prepare(*_setup(rank))
+    model, opt, loader = _setup(rank)
+    opt.allow_same_gradients = True  # the plain prepare's checkpoint, made on purpose (else refused)
+    model, opt, loader = accelerator.prepare(model, opt, loader)
     for x, y in list(loader)[:2]:
         accelerator.backward(F.mse_loss(model(x), y))
         opt.step()

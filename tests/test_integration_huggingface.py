@@ -66,6 +66,7 @@ def train_worker(rank, n, plain, out_dir, resume, overflow_at, name="slamb", eva
 
     if plain:
         opt = slamb.create_optimizer("slamb", model, **SETTINGS)
+        opt.allow_same_gradients = True  # the plain Trainer's all-reduce, measured on purpose (else refused)
         trainer = Trainer(model=model, args=args, train_dataset=Pairs(), optimizers=(opt, None))
     elif out_dir is None:
         opt = slamb.create_optimizer(name, model, **(SETTINGS if name == "slamb" else OTHERS[name]))
@@ -204,8 +205,9 @@ def plain_checkpoint_worker(rank, n, out_dir):
         model = Tiny()
         args = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=4, max_steps=SAVE_AT,
                                  save_steps=SAVE_AT, use_cpu=True, report_to=[], disable_tqdm=True, **more)
-        return cls(model=model, args=args, train_dataset=Pairs(),
-                   optimizers=(slamb.create_optimizer("slamb", model, **SETTINGS), None))
+        opt = slamb.create_optimizer("slamb", model, **SETTINGS)
+        opt.allow_same_gradients = cls is Trainer  # the plain Trainer's checkpoint, made on purpose (else refused)
+        return cls(model=model, args=args, train_dataset=Pairs(), optimizers=(opt, None))
 
     def error(call):
         try:

@@ -64,6 +64,7 @@ def train_worker(rank, n, plain, ckpt_dir, resume, overflow_at, name="slamb", ep
 
         def configure_optimizers(self):
             opt = slamb.create_optimizer(name, self, **(SETTINGS if name == "slamb" else OTHERS[name]))
+            opt.allow_same_gradients = plain  # DDPStrategy's all-reduce, measured on purpose (else refused)
             self.probe = support.StepProbe(opt)
             return opt
 

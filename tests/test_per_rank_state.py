@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import math
-import warnings
 
 import pytest
 import torch
@@ -205,14 +204,27 @@ def compile_case(rank, name):
     return all(torch.equal(a, b) for a, b in zip(snapshot(model_a), snapshot(model_b)))
 
 
-def warning_case(rank, wrap: str, **kw):
+def plain_ddp_case(rank, **kw):
+    """SLAMB under torch's own DDP, which all-reduces every gradient before the step: the first step's refusal, what
+    it changed and sent; then the same with ``allow_same_gradients`` (the steps taken)."""
     model, _, opt = build("slamb", wrap=False, **kw)
     model.late.requires_grad_(False)
-    ddp = slamb.wrap_model(model, opt) if wrap == "slamb" else torch.nn.parallel.DistributedDataParallel(model)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        train(ddp, opt, rank, range(5))
-    return [str(w.message) for w in caught if str(w.message).startswith("SLAMB")]
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    before = snapshot(model)
+    try:
+        train(ddp, opt, rank, range(1))
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    out = {"refused": refused, "untouched": all(torch.equal(a, b) for a, b in zip(before, snapshot(model))),
+           "sent": {k: v["payload"] for k, v in opt.comm_stats()["total"].items()}}
+    model, _, opt = build("slamb", wrap=False, **kw)
+    model.late.requires_grad_(False)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt.allow_same_gradients = True
+    train(ddp, opt, rank, range(3))
+    out["allowed steps"] = opt._step
+    return out
 
 
 def worker(rank, world, directory):
@@ -227,8 +239,7 @@ def worker(rank, world, directory):
         "lr0": {name: lr_zero_case(rank, name) for name in OPTIMIZERS},
         "empty": {name: empty_case(rank, name) for name in ("slamb", "dgc")},
         "compile": {name: compile_case(rank, name) for name in OPTIMIZERS},
-        "warning": {wrap: warning_case(rank, wrap) for wrap in ("ddp", "slamb")}
-        | {"ddp_fused": warning_case(rank, "ddp", fused=True)},  # the exchange by layout positions
+        "plain_ddp": {"multi-tensor": plain_ddp_case(rank), "fused": plain_ddp_case(rank, fused=True)},
     }
 
 
@@ -399,9 +410,16 @@ def test_compiled_step_equals_the_eager_step(results):
 
 
 @pytest.mark.multiprocess
-def test_gradients_averaged_by_someone_else_warn_once_with_the_fix(results):
+@pytest.mark.parametrize("path", ["multi-tensor", "fused"])
+def test_plain_ddp_is_refused_at_the_first_step_in_one_line_unless_allowed(results, path):
+    """Before: a warning after 3 steps, which went on all-reducing every gradient beside the exchange."""
     for r in results:
-        for wrap in ("ddp", "ddp_fused"):
-            assert len(r["warning"][wrap]) == 1
-            assert "slamb.wrap_model(model, optimizer)" in r["warning"][wrap][0]
-        assert r["warning"]["slamb"] == []
+        got = r["plain_ddp"][path]
+        assert got["refused"] is not None and "\n" not in got["refused"], got["refused"]
+        assert got["refused"].startswith("SLAMB: every rank holds the same gradients at the first step: they were "
+                                         "averaged across the ranks before it (torch's DistributedDataParallel")
+        assert "model = slamb.wrap_model(model, optimizer)" in got["refused"]
+        assert "optimizer.allow_same_gradients = True" in got["refused"]
+        # before it changed anything or sent a byte of its own: the layout check's gather only
+        assert got["untouched"] and set(got["sent"]) <= {"control", "all"}
+        assert got["allowed steps"] == 3  # opted in: it trains

@@ -142,6 +142,33 @@ def test_a_pipelines_own_bad_setting_ends_the_command_before_any_worker(tmp_path
     assert stderr.startswith(line.format(data=data)), stderr
 
 
+@pytest.mark.parametrize("module", ["cifar10.train", "swin.train", "squad_finetune.train"])
+def test_data_the_run_cannot_take_a_step_on_ends_the_command_before_any_worker(tmp_path, module):
+    """Before: each was found in the workers, after they had started (one line, exit status 65)."""
+    from cifar10.data import write_digits
+
+    if module == "cifar10.train":  # 64 training images, 32 for each of 2 workers
+        args = [*CIFAR, f"data.dir={write_digits(tmp_path / 'cifar', 64, 16)}", "data.micro_batch=40"]
+        line = ("error: invalid data.micro_batch=40: the 64 training samples give each of a step's 2 micro-batches 32, "
+                "not a full batch: no step would be taken; set data.micro_batch to at most 32, or run on fewer workers; "
+                "fix: set data.micro_batch to an allowed value (command line or the pipeline's configs/data/*.yaml)")
+    elif module == "swin.train":  # 32 training images
+        args = ["experiment=swin_b/slamb", "model=swin_tiny_test", f"data.dir={write_tiny_imagenet(tmp_path / 'in')}",
+                "data.micro_batch=20", "data.workers=0", "epochs=2", "schedule.warmup_epochs=1",
+                "trainer.nproc_per_node=2"]
+        line = ("error: invalid data.micro_batch=20: the 32 training samples give each of a step's 2 micro-batches 16, "
+                "not a full batch: no step would be taken; set data.micro_batch to at most 16, or run on fewer workers")
+    else:
+        (tmp_path / "train.json").write_text("<html>a page, not the file</html>")
+        args = [f"model.dir={tmp_path}", f"data.train_file={tmp_path / 'train.json'}",
+                f"data.dev_file={tmp_path / 'train.json'}", "trainer.nproc_per_node=2"]
+        line = (f"error: invalid data.train_file='{tmp_path / 'train.json'}': SQuAD file {tmp_path / 'train.json'} is "
+                "not valid JSON (Expecting value: line 1 column 1 (char 0)); fix: set data.train_file to an allowed value "
+                "(command line or the pipeline's configs/data/*.yaml)")
+    stderr = refused(module, args, tmp_path / "run")
+    assert stderr.startswith(line), stderr
+
+
 @pytest.mark.parametrize("root", ROOTS)
 def test_every_pipelines_defaults_pass_the_checks(root):
     cfg = compose_root(root)

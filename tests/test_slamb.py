@@ -251,10 +251,10 @@ def test_ledger_bytes_follow_the_formula(runs):
                 assert step["bytes"]["momentum_dense"] == int(dense.sum()) * size
                 assert step["bytes"]["momentum"] == int(step["mask"][~dense].sum()) * size
                 assert step["bytes"].get("params", 0) == (total * 8 if (t - 1) % SYNC == 0 else 0)
-                # the non-finite agreement: one float per step (+ the layout, start and mask-count checks at
-                # step 1), and with fp16 the agreed scale of the exchange: one float
+                # the non-finite agreement: one float per step (+ the layout, start, gradient and mask-count
+                # checks at step 1), and with fp16 the agreed scale of the exchange: one float
                 fp16 = 4 if cfg.get("comm_dtype") == torch.float16 else 0
-                assert step["bytes"]["control"] == 4 + fp16 + (4 * 8 + 8 if t == 1 else 0)
+                assert step["bytes"]["control"] == 4 + fp16 + (5 * 8 + 8 if t == 1 else 0)
 
 
 @pytest.mark.multiprocess

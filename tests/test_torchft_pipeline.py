@@ -102,6 +102,7 @@ def killed_and_relaunched(module: str, args: list[str], step: int, run_dir, rank
     assert done.returncode == 0, done.stderr[-3000:]
     out = done.stdout + done.stderr
     assert f"[fault injection] rank {rank} exits before step {step}" in out
+    assert "GET /checkpoint/" not in out  # the heal server's access lines (before: one per request of each heal)
     assert [line for line in out.splitlines() if line.startswith("replica group ")] == [
         f"replica group 1 failed ({who}: exit status 17); relaunched (1 of trainer.max_restarts=3): it "
         "joins the others at a coming step"], out[-3000:]
@@ -138,6 +139,52 @@ def test_a_killed_group_is_relaunched_and_rejoins_while_the_others_train_on(data
                       channel_stats(torch.device("cpu")))
     assert scored["test_loss"] == pytest.approx(summary["final_test_loss"], rel=1e-5)
     assert scored["test_top1"] == summary["final_test_top1"]
+
+
+@pytest.mark.multiprocess
+def test_a_killed_launcher_takes_its_groups_with_it_and_a_rerun_right_after_runs_clean(data, tmp_path):
+    """Before: the groups of a launcher killed with SIGKILL (the lighthouse's host) waited out torchft's quorum
+    timeout of 300 s, whatever trainer.timeout_s, then wrote error.rank*.txt into the run directory, where a rerun
+    that had finished meanwhile then looked failed."""
+    from tests.test_faults import kill_the_launcher
+
+    args = [*SLAMB_TINY, *GROUPS, "epochs=2", f"data.dir={data.parent}", *TORCHFT]
+    run, plain = tmp_path / "run", tmp_path / "plain"
+    uninterrupted = subprocess.Popen([sys.executable, "-m", "cifar10.train", *SLAMB_TINY, *GROUPS, "epochs=2",
+                                      f"data.dir={data.parent}", *PLAIN, f"hydra.run.dir={plain}"], cwd=ROOT,
+                                     env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # group 0 hangs in epoch 2, the others wait for it
+    groups, everything = kill_the_launcher("cifar10.train", args, run, 5)
+    print(f"the groups ended {groups:.2f} s after their launcher was killed, all it started {everything:.2f} s")
+    assert groups < 10
+    rerun = command("cifar10.train", [*args, f"hydra.run.dir={run}"])
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert uninterrupted.wait(timeout=600) == 0, uninterrupted.stderr.read()[-3000:]
+    uninterrupted.stderr.close()
+    assert_same_lines(rows(run), rows(plain), [3, 6])
+    assert not list(run.glob("error.rank*.txt"))
+
+
+@pytest.mark.multiprocess  # a subprocess joins a replica group
+def test_a_quorum_waits_trainer_timeout_s_not_torchfts_300_s(tmp_path):
+    """A group whose quorum cannot form (a lighthouse that wants 2 groups, and 1 asks) fails after trainer.timeout_s
+    (3 s here); before, after torchft's 300 s."""
+    code = ("import os, sys, time, torch; from torchft.coordination import LighthouseServer\n"
+            "server = LighthouseServer(bind='[::]:0', min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=5000)\n"
+            f"os.environ['SLAMB_FT'] = server.address() + ' 0 2 0 {tmp_path} 0 1'\n"
+            "from harness.replica import join\n"
+            "group = join(torch.device('cpu'), 3.0).group\n"
+            "tic = time.monotonic()\n"
+            "try:\n"
+            "    group.manager.start_quorum(); group.manager.wait_quorum()\n"
+            "except Exception as e:\n"
+            "    print(type(e).__name__, round(time.monotonic() - tic))\n"
+            "group.shutdown(); server.shutdown()\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env(RUST_LOG="error"), capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failure, seconds = done.stdout.split()
+    assert failure == "TimeoutError" and 3 <= int(seconds) < 60
 
 
 def refused(*overrides, root="cifar10", fault_tolerant=True) -> str:

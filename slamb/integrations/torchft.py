@@ -234,8 +234,10 @@ def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int 
     store of its own at ``host``.
 
     ``min_replicas``: a step commits only with at least this many replicas in it. ``timeout``: seconds a
-    collective, a commit or a heal may take before it fails (a dead peer is usually seen at once, as a
-    closed connection; a peer that hangs, after this). ``init_sync``: the replicas start from one replica's
+    collective, a commit, a heal or a connection to a peer or the lighthouse may take before it fails (a dead
+    peer is usually seen at once, as a closed connection; a peer that hangs, after this). ``quorum_timeout``:
+    seconds a quorum may wait (for ``min_replicas`` replicas, or for a lighthouse that is gone) before
+    ``start_step`` fails. ``init_sync``: the replicas start from one replica's
     state at step 0 (False: each from its own, e.g. all seeded alike). ``host``: the address other
     replicas reach this one's store at (default: this machine's name).
     """
@@ -251,13 +253,22 @@ def connect(lighthouse: str, replica_id: str, *, rank: int = 0, world_size: int 
     if store is None:
         store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     pg = ProcessGroupGloo(timeout=limit) if device == "cpu" else ProcessGroupNCCL(timeout=limit)
-    transport = HealTransport(HTTPTransport(timeout=limit, num_chunks=0))
+    transport = HealTransport(_quiet(HTTPTransport(timeout=limit, num_chunks=0)))
     manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
                       use_async_quorum=False, timeout=limit, quorum_timeout=timedelta(seconds=quorum_timeout),
                       connect_timeout=limit, replica_id=replica_id, store_addr=store.host, store_port=store.port,
                       rank=rank, world_size=world_size, lighthouse_addr=lighthouse, checkpoint_transport=transport,
                       init_sync=init_sync)
     return ManagedGroup(manager, pg, transport, store, process=rank, processes=world_size)
+
+
+def _quiet(transport: HTTPTransport) -> HTTPTransport:
+    """``transport`` without the line its heal server writes on stderr for every request it serves (each chunk of
+    each heal: http.server's access log), which torchft has no setting for; its errors still go to its logger."""
+    server = getattr(transport, "_server", None)
+    if server is not None:
+        server.RequestHandlerClass.log_message = lambda handler, format, *args: None
+    return transport
 
 
 class Undo:

@@ -20,8 +20,7 @@ back. Each step:
   gradients are still the step's, falls back to sending the others again
   (warning once), and starts the rest (:func:`launch`);
 * :meth:`MomentumExchange.finish`, called by the update once step 2 is done,
-  waits, writes the averages into the momentum and returns them; it also
-  watches the first steps for gradients averaged before SLAMB saw them.
+  waits, writes the averages into the momentum and returns them.
 
 On a fused optimizer's layout (:class:`FlatMomentum`) an exchange gathers and
 scatters by positions in the flat buffers instead of tensor by tensor
@@ -43,10 +42,6 @@ import torch
 from .. import comm
 from ..ddp import in_place
 from .masks import LayoutRuns, Selection, run_shifts, run_steps
-
-# first steps at which identical momenta on every rank show gradients averaged before SLAMB saw them
-ALIKE_STEPS = 3
-
 
 @dataclasses.dataclass
 class Sent:
@@ -74,9 +69,9 @@ class Averages:
     sel: Selection
     sent: list[Sent]
 
-    def wait_into(self, grads=None) -> list[tuple[list[int], torch.Tensor]]:
-        """m[M_t] = the averages (:meth:`MomentumExchange.finish`); ``grads``: where step 2 has not run yet."""
-        return self.exchange.finish(self.sel, self.sent, grads)
+    def wait_into(self) -> list[tuple[list[int], torch.Tensor]]:
+        """m[M_t] = the averages (:meth:`MomentumExchange.finish`)."""
+        return self.exchange.finish(self.sel, self.sent)
 
 
 @dataclasses.dataclass
@@ -115,7 +110,6 @@ class MomentumExchange:
         self.next_sel: Selection | None = None
         self.pending: dict[tuple[int, ...], Pending] = {}  # by the DDP bucket's parameter places
         self.warned_fallback = False
-        self.alike_steps: int | None = 0  # first steps whose momenta were the same on every rank; None: done
 
     def bind(self, params: list[torch.Tensor], momenta: list[torch.Tensor], groups: list[dict],
              flat: FlatMomentum | None = None) -> None:
@@ -168,58 +162,18 @@ class MomentumExchange:
                                         packed(sel, grads, order)))
         return Averages(self, sel, works)
 
-    def finish(self, sel: Selection, works: list[Sent], grads=None) -> list[tuple[list[int], torch.Tensor]]:
-        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages).
-
-        ``grads``: the step's gradients where step 2 has not run yet (the fused path's order): the first
-        steps' check of the averages against this rank's own momentum then recomputes that momentum."""
-        alike = self.alike_steps is not None
+    def finish(self, sel: Selection, works: list[Sent]) -> list[tuple[list[int], torch.Tensor]]:
+        """Step 4 ends: m[M_t] = the averages; returns them as (parameter places in packed order, averages)."""
         means = []
         for sent in works:
             ids = sent.ids
             mean = sent.work.wait().to(self.momenta[ids[0]].dtype)
-            if alike:
-                alike = self._same_as_local(self._local(sel, sent, grads), mean)
             if sent.positions is not None:
                 self.flat.momentum.index_copy_(0, sent.positions, mean)
             else:
                 sel.put_([self.momenta[i] for i in ids], mean.split([sel.counts[i] for i in ids]), ids)
             means.append((ids, mean))
-        if self.alike_steps is not None and comm.world_size(self.process_group) > 1:
-            self._count_alike(alike)
         return means
-
-    def _local(self, sel: Selection, sent: Sent, grads=None) -> torch.Tensor:
-        """This rank's momentum entries that ``sent`` averages; with ``grads`` (step 2 not run yet), their step 2
-        as the launch computed it."""
-        local = (packed(sel, self.momenta, sent.ids) if sent.positions is None
-                 else self.flat.momentum.index_select(0, sent.positions))
-        return local if grads is None else step_two_(self, sel, sent.ids, local, selected_grads(self, sel, sent, grads))
-
-    def _same_as_local(self, local: torch.Tensor, mean: torch.Tensor) -> bool:
-        """Whether this rank's momentum entries equal their average: to the rounding of the exchange."""
-        if self.comm_dtype == torch.int8:  # quantised per chunk: off by up to a scale of the chunk's largest entry
-            return bool(torch.allclose(local, mean, rtol=0.0, atol=2 * float(local.abs().max()) / 127))
-        rtol = 8 * torch.finfo(self.wire_dtype).eps
-        return bool(torch.allclose(local, mean, rtol=rtol, atol=0.0))
-
-    def _count_alike(self, alike: bool) -> None:
-        """Warn once when the first steps' momenta were the same on every rank before averaging.
-
-        Costs nothing on the wire (the averages are those of step 4); stops at the first step that differs.
-        """
-        if not alike:
-            self.alike_steps = None
-            return
-        self.alike_steps += 1
-        if self.alike_steps == ALIKE_STEPS:
-            self.alike_steps = None
-            warnings.warn(
-                f"SLAMB: every rank held the same momentum before averaging at its first {ALIKE_STEPS} steps: the "
-                "gradients were already averaged across ranks (plain DDP, or a framework's trainer), or every rank "
-                "trains on the same data. SLAMB needs each rank's local gradients, else it sends its momentum on top "
-                "of a gradient all-reduce: wrap the model with slamb.wrap_model(model, optimizer) (or use the "
-                "slamb.integrations trainer) instead of DistributedDataParallel.", stacklevel=3)
 
 
 def discard(pending: dict) -> None:

@@ -42,10 +42,21 @@ def bit_sum(tensors) -> torch.Tensor:
     return total
 
 
-def check_layouts_agree(layouts, *, ledger, group, who: str, start=None) -> None:
+SAME_GRADIENTS = ("every rank holds the same gradients at the first step: they were averaged across the ranks before "
+                  "it (torch's DistributedDataParallel around the model, or a framework's trainer), an all-reduce of "
+                  "every gradient beside the optimizer's own exchange; wrap the model with model = "
+                  "slamb.wrap_model(model, optimizer) instead, which keeps them local (a framework's trainer: "
+                  "slamb.integrations' SLAMBTrainer, prepare or SLAMBStrategy), or, where every rank computes the "
+                  "same gradients on purpose, set optimizer.allow_same_gradients = True")
+
+
+def check_layouts_agree(layouts, *, ledger, group, who: str, start=None, grads=None) -> None:
     """Every rank must lay out the same tensors, or a packed entry means different things on each; and at a
     run's first step every rank must hold the same ``start`` parameters (where given: DDP's broadcast at
-    :func:`slamb.wrap_model` gives every rank rank 0's). Both in one all-gather."""
+    :func:`slamb.wrap_model` gives every rank rank 0's). ``grads`` (where given, on every rank): the layout's
+    gradients on this rank (None for one it has none of), which must differ from another rank's where any is
+    there, since an optimizer that keeps each rank's own (SLAMB) otherwise runs beside an all-reduce of them
+    (:data:`SAME_GRADIENTS`). All in one all-gather."""
     n = comm.world_size(group)
     live = [lay for lay in layouts if lay is not None]
     if n == 1 or not live:
@@ -57,9 +68,16 @@ def check_layouts_agree(layouts, *, ledger, group, who: str, start=None) -> None
     mine = torch.tensor(sig, dtype=torch.long, device=live[0].device)
     if start is not None:
         mine = torch.cat([mine, bit_sum(start).view(1)])
+    if grads is not None:  # 0 where no rank has a gradient yet (a layout fixed before the first step)
+        grads = [local(g) for g in grads if g is not None]
+        mine = torch.cat([mine, bit_sum(grads).view(1) if grads else mine.new_zeros(1)])
     everyone = torch.empty(n * mine.numel(), dtype=torch.long, device=live[0].device)
     comm.all_gather_into_tensor(everyone, mine, kind="control", ledger=ledger, group=group)
     rows = everyone.view(n, -1)
+    if grads is not None:
+        if bool((rows == mine).all()) and int(mine[-1]) != 0:
+            raise RuntimeError(f"{who}: {SAME_GRADIENTS}")
+        rows, mine = rows[:, :-1], mine[:-1]
     if bool((rows == mine).all()):
         return
     if not bool((rows[:, :len(sig)] == mine[:len(sig)]).all()):

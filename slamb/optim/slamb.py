@@ -71,7 +71,11 @@ class SLAMB(LocalStateOptimizer):
     (or :func:`slamb.average_model`, which also averages buffers such as BatchNorm statistics).
 
     Wrap the model with :func:`slamb.wrap_model` (DDP that broadcasts the initial parameters but keeps gradients
-    local) or call ``backward()`` on an unwrapped model: gradients must NOT be all-reduced.
+    local) or call ``backward()`` on an unwrapped model: gradients must NOT be all-reduced. A first step (of a run,
+    or of a layout that grows) whose gradients are the same on every rank, as torch's own
+    ``DistributedDataParallel`` leaves them, is refused in one line naming ``slamb.wrap_model``, before it changes
+    anything (their bit sums ride in the step's layout check, 8 bytes); set ``opt.allow_same_gradients = True``
+    where every rank computes the same gradients on purpose.
 
     The flat layout is fixed at the first step: the parameters that have a gradient then. A later step where one of
     them has no gradient treats it as zero, so every rank still packs the same entries; a parameter that first gets
@@ -118,6 +122,9 @@ class SLAMB(LocalStateOptimizer):
 
     params_differ = True
     state_averages = True  # the moments' mean, as a model sync leaves the parameters
+    # refuse a first step whose gradients are the same on every rank (plain DDP), unless set (the same batch on
+    # every rank on purpose): see the class docstring
+    allow_same_gradients = False
     takes_sharded = True
     state_key = "slamb"
     per_rank_reason = "each worker keeps its own moments"
@@ -300,7 +307,8 @@ class SLAMB(LocalStateOptimizer):
         layout = SlambLayout.of(self, ids, align=fused_passes.BLOCK if self.fused else 1,
                                 min_compress_numel=self.min_compress_numel)
         check_layouts_agree([layout], ledger=self.ledger, group=self.process_group, who="SLAMB",
-                            start=layout.params if self._step == 0 else None)
+                            start=layout.params if self._step == 0 else None,
+                            grads=None if self.allow_same_gradients else [k.grad for k in layout.keys])
         self._flat = {"exp_avg": layout.adopt(self.state, "exp_avg"),
                       "exp_avg_sq": layout.adopt(self.state, "exp_avg_sq")}
         self._age = self._adopt_age(layout)

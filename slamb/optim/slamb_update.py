@@ -350,7 +350,7 @@ def _fused_slamb(layout, sel, params, grads, m, v, age, groups, *, variant, n, a
     passes, flat = fused.passes, fused.flat
     p, g = flat.view(flat.params()), flat.view(flat.grad)  # ``grads``: views of it, gathered by the step
     age.index_fill_(0, sel.layout_positions(fused.runs), fused_passes.SELECTED)
-    written = 1.0 if averages.wait_into(grads) else 0.0  # step 4 ended: nothing written at world size 1
+    written = 1.0 if averages.wait_into() else 0.0  # step 4 ended: nothing written at world size 1
     rows = [_fused_columns(variant, h) for _, _, h in groups]
     cols = dict(zip(_FUSED_COLUMNS, fused_passes.table(rows, fused.group_index, layout.device).unbind(1)))
     cols["dense"] = fused.dense
