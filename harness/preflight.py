@@ -47,15 +47,14 @@ def refusal(root: str, experiment: str, overrides) -> str | None:
     from hydra.errors import HydraException
     from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-    from .build import added_settings, check_settings, user_error
-    from .recipe import composition_error
+    from .build import added_settings, check_settings, composition_error, user_error
 
     try:
         cfg = composed(root, experiment, overrides, throw_on_missing=True)
     except MissingMandatoryValue as e:
         return f"error: {experiment}: {e.full_key} is required and not set; fix: set {e.full_key}=..."
     except (HydraException, OmegaConfBaseException) as e:
-        return composition_error(root, experiment, overrides, e)
+        return composition_error(e)
     launch = importlib.import_module(PIPELINES[root]).LAUNCH
     # the notices a check prints (the CPU fallback, one worker) are the run's to print, once
     try:

@@ -15,7 +15,6 @@ misspelt setting, an unknown option) are refused in one line naming the setting 
 from __future__ import annotations
 
 import hashlib
-import re
 import sys
 from pathlib import Path
 
@@ -103,37 +102,6 @@ def size_name(root: str, experiments, overrides) -> tuple[str, dict]:
     return f"smoke-{hashlib.sha256(text.encode()).hexdigest()[:8]}", changed
 
 
-def composition_error(root: str, experiment: str, overrides, error: Exception) -> str:
-    """One line for overrides Hydra cannot compose (a misspelt setting, a config group's unknown option, an
-    override it cannot parse), naming the setting and the valid choices, in place of Hydra's traceback."""
-    from .build import unknown_setting, user_error
-
-    text = str(error)
-    missing = re.search(r"Could not find '([^']+)/([^'/]+)'", text)
-    if missing:
-        group, option = missing[1], missing[2]
-        key, _, prefix = group.partition("/")
-        choices = sorted(f"{prefix + '/' if prefix else ''}{p.stem}" for p in (CONFIGS / group).glob("*.yaml"))
-        return (f"error: {key}={prefix + '/' if prefix else ''}{option}: no such config in configs/{group}/; "
-                f"choose from: {', '.join(choices)}")
-    override = re.match(r"Could not override '([^']+)'", text)
-    if override:
-        key = override[1]
-        others = [o for o in overrides if o.split("=", 1)[0].lstrip("+~") != key]
-        value = next((o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0].lstrip("+~") == key), None)
-        parent = key.rpartition(".")[0]
-        try:
-            node = composed(root, experiment, others)
-            for name in parent.split(".") if parent else ():
-                node = node[name]
-            return user_error(unknown_setting(key, value, list(node)), {})
-        except Exception:  # noqa: BLE001 - another override is wrong too: Hydra's own words, on one line
-            pass
-    lines = [line for line in text.split("\nConfig search path", 1)[0].split("\nSee https", 1)[0].splitlines()
-             if line.strip()]
-    return f"error: {' '.join(' '.join(lines).split())}; fix: correct the override (configs/{root}.yaml and its groups)"
-
-
 def composed(root: str, experiment: str, overrides, throw_on_missing: bool = False) -> dict:
     """The resolved config of ``experiment`` with ``overrides`` (Hydra's own settings left out)."""
     overrides = [o for o in overrides if not o.lstrip("+~").startswith("hydra")]
@@ -144,13 +112,15 @@ def main(argv=None) -> int:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    from .build import composition_error
+
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     (root, *experiments), overrides = argv[:cut], argv[cut + 1:]
     try:
         name, changed = size_name(root, experiments, overrides)
     except (HydraException, OmegaConfBaseException) as e:  # before any run starts: one line, a usage error
-        print(composition_error(root, experiments[0], overrides, e), file=sys.stderr)
+        print(composition_error(e), file=sys.stderr)
         return 2
     if name:
         print(f"{name}: not the recipe's size (" + ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new)
