@@ -23,7 +23,6 @@ import csv
 import inspect
 import json
 import math
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -32,7 +31,7 @@ import yaml
 
 from slamb.comm import MOMENTUM, MOMENTUM_DENSE
 from . import identity
-from .run import read_jsonl
+from .run import read_jsonl, shown_path, shown_text
 from .settings import INPUT_KEYS, covers, effective_config, flatten, lookup
 
 ROW_ORDER = ("SGD-M", "AdamW", "LAMB", "1-bit LAMB", "DGC", "JointSpar", "JointSpar-LARS", "SLAMB")
@@ -88,7 +87,27 @@ def keep_records(runs_root: Path, records: Path) -> None:
         into.mkdir(parents=True, exist_ok=True)
         for name in RECORD:
             if (r["dir"] / name).exists():
-                shutil.copyfile(r["dir"] / name, into / name)
+                keep_record(r["dir"] / name, into / name)
+
+
+def keep_record(source: Path, into: Path) -> None:
+    """One file of a run's record as a page keeps it: its paths shown without the machine's folders
+    (:func:`harness.run.shown_text`), its numbers as they are."""
+    text = source.read_text()
+    if source.suffix == ".json":
+        text = json.dumps(shown_text(json.loads(text)), indent=1)
+    elif source.suffix == ".jsonl":
+        text = "".join(_shown_line(line) + "\n" for line in text.splitlines() if line.strip())
+    elif source.suffix == ".yaml":
+        text = yaml.safe_dump(shown_text(yaml.safe_load(text)), sort_keys=False)
+    into.write_text(text)
+
+
+def _shown_line(line: str) -> str:
+    try:
+        return json.dumps(shown_text(json.loads(line)))
+    except ValueError:  # a line cut short by a killed run: kept as it is, as read_jsonl skips it
+        return line
 
 
 def configuration(run: dict) -> dict:
@@ -245,16 +264,6 @@ def model_name(run: dict, runs: list[dict]) -> str:
         return f"the model in {shown_path(model['dir'])}" + (f" ({model_name(source, runs)})" if source else "")
     shape = ", ".join(f"{k} {_value(model[k])}" for k in SHAPE_KEYS if k in model)
     return str(model.get("name", "not recorded")) + (f" ({shape})" if shape else "")
-
-
-def shown_path(path: str) -> str:
-    """A path as a page shows it: relative to the repository where it lies inside (a page names no folder of the
-    machine that made it)."""
-    root = Path(__file__).resolve().parents[1]
-    try:
-        return str(Path(path).relative_to(root))
-    except ValueError:
-        return str(path)
 
 
 def data_name(run: dict) -> str:

@@ -161,11 +161,42 @@ def git_revision(repo: Path | None = None) -> dict:
         return {"commit": "unknown", "dirty": None}
 
 
+REPOSITORY = Path(__file__).resolve().parents[1]
+
+
+def shown_path(path: str) -> str:
+    """A path as a record kept with a page shows it (a page names no folder of the machine that made it): relative
+    to the repository where it lies inside (``runs/tta``), by its last part elsewhere (``.../tta``)."""
+    if not os.path.isabs(path) or not path.strip("/"):  # ("/" alone is a word: "1,500 train / 297 test")
+        return path
+    inside = os.path.relpath(path, REPOSITORY)
+    return inside if not inside.startswith("..") else f".../{os.path.basename(path.rstrip('/'))}"
+
+
+def shown_args(args) -> list[str]:
+    """:func:`shown_path` of each argument that is a path, or ``key=path`` (a Hydra override)."""
+    out = []
+    for arg in map(str, args):
+        key, eq, value = arg.partition("=")
+        out.append(f"{key}={shown_path(value)}" if eq and not key.startswith("-") else shown_path(arg))
+    return out
+
+
+def shown_text(value):
+    """``value`` (a record's JSON or YAML: dicts, lists, strings) with the paths in its strings shown as
+    :func:`shown_path` shows them, word by word."""
+    if isinstance(value, dict):
+        return {k: shown_text(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [shown_text(v) for v in value]
+    if isinstance(value, str) and "/" in value:
+        return " ".join(shown_args(value.split(" ")))
+    return value
+
+
 def command() -> list[str]:
-    """This process's command line, the repository's own paths in it relative to the repository (the record of a
-    run kept with a page names no folder of the machine that ran it)."""
-    root = str(Path(__file__).resolve().parents[1]) + os.sep
-    return [arg.replace(root, "") for arg in sys.argv]
+    """This process's command line, its paths shown as :func:`shown_path` shows them."""
+    return shown_args(sys.argv)
 
 
 def hardware(device: torch.device) -> str:

@@ -2,8 +2,11 @@
 the figure of the page it links to (a regenerated page cannot leave a stale figure behind)."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
+
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
@@ -167,19 +170,39 @@ def test_the_study_docs_give_the_steps_the_page_ran():
     assert f"the run's {steps} steps" in (ROOT / "configs" / "experiment" / "study" / "digits_onebit_lamb.yaml").read_text()
 
 
-# pages whose commands recorded a machine's directories, their generators since fixed (bench.shown_command)
-MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt|scratch)/")
+# a page, or a run's record kept with one, names no folder of the machine that made it
+MACHINE_PATH = re.compile(r"(?<![\w.])/(?:work|home|root|Users|mnt|scratch|tmp)/")
 
 
-def test_results_pages_record_no_machine_paths():
+def test_results_pages_and_kept_records_name_no_machine_folder():
     from bench import shown_command
 
-    for name in ("time_to_accuracy.md", "time_to_accuracy.json", "fault_tolerance_pipelines_bert.json",
-                 "fault_tolerance_pipelines_digits.json"):
-        assert not MACHINE_PATH.search((ROOT / "results" / name).read_text()), name
+    texts = [p for p in (ROOT / "results").rglob("*") if p.is_file() and p.suffix in (".md", ".json", ".jsonl",
+                                                                                        ".yaml", ".csv")]
+    assert len(texts) > 100  # the pages and the study's kept runs
+    assert not [str(p.relative_to(ROOT)) for p in texts if MACHINE_PATH.search(p.read_text())]
     assert shown_command(["--workdir", str(ROOT / "runs" / "tta"), f"data.dir={ROOT / 'runs' / 'd'}",
-                          "hydra.run.dir=/scratch/u/x", "seed=0"]) == \
-        "--workdir runs/tta data.dir=runs/d hydra.run.dir=.../x seed=0"
+                          "hydra.run.dir=/scratch/u/x", "seed=0", "/"]) == \
+        "--workdir runs/tta data.dir=runs/d hydra.run.dir=.../x seed=0 /"
+
+
+def test_a_kept_record_shows_its_paths_without_the_machine_folders(tmp_path):
+    from harness.records import keep_record
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "meta.json").write_text(json.dumps({"command": [str(ROOT / "cifar10" / "train.py"), "seed=1",
+                                                           f"data.dir={ROOT / 'runs' / 'data'}"],
+                                               "note": "1,500 train / 297 test", "top1": 97.31649831649831}))
+    (run / "config.yaml").write_text(yaml.safe_dump({"data": {"dir": "/scratch/u/digits", "micro_batch": 64}}))
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.1}) + "\n" + '{"step": 2, "lo')
+    for name in ("meta.json", "config.yaml", "metrics.jsonl"):
+        keep_record(run / name, tmp_path / name)
+    assert json.loads((tmp_path / "meta.json").read_text()) == {
+        "command": ["cifar10/train.py", "seed=1", "data.dir=runs/data"], "note": "1,500 train / 297 test",
+        "top1": 97.31649831649831}
+    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == {"data": {"dir": ".../digits", "micro_batch": 64}}
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 0.1}\n{"step": 2, "lo\n'
 
 
 def test_contributing_names_no_tool_the_repository_does_not_ship():
