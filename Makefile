@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 export WANDB_MODE ?= offline
 export HF_HUB_OFFLINE ?= 1
 
-.PHONY: demo study sweeps time-to-accuracy test test-quick test-compat bench comm-volume tables gpu-check clean
+.PHONY: demo study sweeps time-to-accuracy test test-quick test-compat test-newest bench comm-volume tables gpu-check \
+        clean
 
 # the library requires ranges (pyproject.toml); the checkout installs the exact versions it is tested with
 $(STAMP): pyproject.toml constraints.txt
@@ -47,13 +48,22 @@ test: $(STAMP)
 test-quick: $(STAMP)
 	$(PY) -m pytest -q -m "not multiprocess and not e2e" $(PYTEST_ARGS)
 
-# the oldest torch pyproject.toml declares, in a venv of its own, with what a GPU machine's tier-1 check has
-# besides (pytest, transformers, omegaconf), the other packages at constraints.txt's versions: the tests that reach
-# into torch (its compiler, FSDP2/HSDP, DCP, collectives, dispatch, profiler) and the GPU check's plumbing. PyPI's
-# only torch 2.11 for Linux is the CUDA build: about 1.7 GB to download once, 4.7 GB installed
+# the torch releases at the ends of the range pyproject.toml declares, each in a venv of its own, with what a GPU
+# machine's tier-1 check has besides (pytest, transformers, omegaconf), the other packages at constraints.txt's
+# versions: the tests that reach into torch (its compiler, FSDP2/HSDP, DCP, collectives, dispatch, profiler) and the
+# GPU check's plumbing. test-compat: the oldest (PyPI's only torch 2.11 for Linux is the CUDA build: about 1.7 GB to
+# download once, 4.7 GB installed). test-newest: the newest release, what `pip install slamb` brings today (PyPI's
+# CUDA build too: about 1.9 GB to download, estimated from its 5.6 GB installed; 8 min 33 s to build cold). Not a
+# step of .ci/run: a cold CI run is to stay under 60 minutes and takes about 65 with make test and test-compat, to
+# which test-newest would add about 19 (the build, then its tests: 10 min 52 s in the warm venv, 106 passed and 65
+# CUDA-only skipped, then 59 with workers; 2 cores shared with another test run)
 TORCH_OLDEST  := 2.11.0
+TORCH_NEWEST  := 2.15.0
+# by the venv's suffix: the rules below serve both venvs
+TORCH_compat  := $(TORCH_OLDEST)
+TORCH_newest  := $(TORCH_NEWEST)
 COMPAT        := .venv-compat
-COMPAT_STAMP  := $(COMPAT)/.installed
+NEWEST        := .venv-newest
 COMPAT_TESTS  := tests/test_fused.py tests/test_precision.py tests/test_gpu_paths.py tests/test_masks.py \
                  tests/test_kernels.py tests/test_comm.py tests/test_gpu.py
 # and with workers: FSDP2/HSDP and DCP (each module's tests read one run of its workers), the collectives on 3
@@ -61,15 +71,18 @@ COMPAT_TESTS  := tests/test_fused.py tests/test_precision.py tests/test_gpu_path
 COMPAT_WORKERS := tests/test_fsdp.py tests/test_fsdp_checkpoint.py tests/test_gpu_check.py \
                   tests/test_comm.py::test_collectives_and_their_bytes_on_three_ranks
 
-$(COMPAT_STAMP): pyproject.toml constraints.txt
-	test -x $(COMPAT)/bin/python || $(PYTHON) -m venv $(COMPAT)
-	{ grep -v -E '^(torch|triton|nvidia-|cuda-)' constraints.txt; echo torch==$(TORCH_OLDEST); } > $(COMPAT)/constraints.txt
-	$(COMPAT)/bin/python -m pip install -q -c $(COMPAT)/constraints.txt -e . pytest transformers omegaconf
-	touch $(COMPAT_STAMP)
+# the venv's constraint file replaces any a pip configuration names (PIP_CONSTRAINT overrides the configuration's
+# `constraint`, which -c would only add to; an empty value is ignored): where a pip configuration constrains torch
+# to another release, the venv's torch pin could not be met
+$(COMPAT)/.installed $(NEWEST)/.installed: .venv-%/.installed: pyproject.toml constraints.txt
+	test -x .venv-$*/bin/python || $(PYTHON) -m venv .venv-$*
+	{ grep -v -E '^(torch|triton|nvidia-|cuda-)' constraints.txt; echo torch==$(TORCH_$*); } > .venv-$*/constraints.txt
+	PIP_CONSTRAINT=.venv-$*/constraints.txt .venv-$*/bin/python -m pip install -q -e . pytest transformers omegaconf
+	touch $@
 
-test-compat: $(COMPAT_STAMP)
-	$(COMPAT)/bin/python -m pytest -q -m "not multiprocess" $(COMPAT_TESTS) $(PYTEST_ARGS)
-	$(COMPAT)/bin/python -m pytest -q $(COMPAT_WORKERS) $(PYTEST_ARGS)
+test-compat test-newest: test-%: .venv-%/.installed
+	.venv-$*/bin/python -m pytest -q -m "not multiprocess" $(COMPAT_TESTS) $(PYTEST_ARGS)
+	.venv-$*/bin/python -m pytest -q $(COMPAT_WORKERS) $(PYTEST_ARGS)
 
 # the GPU acceptance check (docs/gpu.md; results/gpu/<gpu>.md): tier 1, at most 5 minutes on one H100; TIER=2 the
 # rest. Without CUDA it runs its environment part and skips the others, a line each. `make gpu-check PY=python3`
@@ -92,4 +105,4 @@ tables: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
 	$(PY) scripts/make_tables.py --runs $(RUNS) --out $(TABLES)
 
 clean:
-	rm -rf $(VENV) $(COMPAT) .pytest_cache
+	rm -rf $(VENV) $(COMPAT) $(NEWEST) .pytest_cache

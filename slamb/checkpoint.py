@@ -244,7 +244,9 @@ def _dcp_writer(directory):
                     raise
                 raise found from None
 
-    return Writer(directory)
+    # a directory's checkpoint written over, as save_sharded always has: FileSystemWriter's default (True through
+    # torch 2.15) is announced to become False, under which a second save into one directory would raise
+    return Writer(directory, overwrite=True)
 
 
 def save_sharded(model, optimizer, directory) -> None:
@@ -256,7 +258,7 @@ def save_sharded(model, optimizer, directory) -> None:
     parameters and state are saved apart (``replica{r}.*``); a data-parallel optimizer's once. The step,
     the mask (seed, compression ratio, variant) and the parameter groups are saved once (entry ``slamb``).
     A failed write raises DCP's ``CheckpointException`` on every rank, holding each failed rank's ``OSError``
-    (a full disk: ``errno.ENOSPC``).
+    (a full disk: ``errno.ENOSPC``). A checkpoint already in ``directory`` is written over.
     """
     import torch.distributed.checkpoint as dcp
 

@@ -203,10 +203,13 @@ def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch
 
     ``blocks``: module classes (transformer layers, ResNet stages) or a predicate ``module -> bool``.
     ``mesh``: a 1-D mesh (FSDP) or a 2-D ``("replicate", "shard")`` mesh (HSDP). Build the optimizer on
-    the sharded parameters, then :func:`slamb.wrap_model` the model with it.
+    the sharded parameters, then :func:`slamb.wrap_model` the model with it. ``fsdp_kwargs`` go to
+    ``fully_shard``; an ``mp_policy`` with a ``param_dtype`` and no ``reduce_dtype`` reduces the gradients in
+    ``param_dtype`` (:func:`_reduce_dtype_set`), on every torch.
     """
     from torch.distributed.fsdp import fully_shard
 
+    fsdp_kwargs = _reduce_dtype_set(fsdp_kwargs)
     if isinstance(blocks, type) or isinstance(blocks, tuple):
         classes = blocks if isinstance(blocks, tuple) else (blocks,)
         chosen = lambda m: isinstance(m, classes)  # noqa: E731
@@ -222,6 +225,23 @@ def shard_model(model: torch.nn.Module, mesh, blocks=(), **fsdp_kwargs) -> torch
         if id(p) not in sharded:
             _REPLACED[p] = True
     return model
+
+
+def _reduce_dtype_set(fsdp_kwargs: dict) -> dict:
+    """``fsdp_kwargs`` with its mixed-precision policy's unset ``reduce_dtype`` set to the policy's ``param_dtype``.
+
+    Unset, torch 2.11 to 2.14 reduce the gradients in the dtype they are computed in, ``param_dtype``
+    (``foreach_reduce``: ``reduce_dtype or grad_dtype``), and 2.15 in the parameters' own dtype (their
+    ``grad_dtype``): fp32 parameters computed in bf16 or fp16 would send twice the bytes in every reduce-scatter
+    (and HSDP all-reduce), and the ledger's ``fsdp_reduce_scatter`` would change with the torch installed.
+    ``param_dtype`` keeps 2.14's reduction on every torch: 2.14 clamps a ``reduce_dtype`` equal to
+    ``param_dtype`` back to unset, and 2.15 reduces in it. A ``param_dtype_override_fn`` (2.15) keeps some
+    parameters in their own dtype, which no earlier torch could: its policy is left as given."""
+    policy = fsdp_kwargs.get("mp_policy")
+    if policy is None or policy.param_dtype is None or policy.reduce_dtype is not None \
+            or getattr(policy, "param_dtype_override_fn", None) is not None:
+        return fsdp_kwargs
+    return {**fsdp_kwargs, "mp_policy": dataclasses.replace(policy, reduce_dtype=policy.param_dtype)}
 
 
 def refuse_replaced(name: str, params) -> None:

@@ -185,6 +185,29 @@ def lamb_runs(rank, world):
     return out
 
 
+def mixed_precision_runs(rank):
+    """HSDP LAMB on fp32 parameters computed in bf16 (FSDP2's ``MixedPrecisionPolicy``) with ``reduce_dtype``
+    unset, bf16 and fp32: the ledger's bytes by kind of one step, the bytes handed to the collectives, and the
+    entries each reduce-scatter's input holds (every parameter padded to a multiple of the shards, dim 0)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    out = {}
+    for reduce in (None, torch.bfloat16, torch.float32):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+        model = slamb.shard_model(make_model().float(), hsdp_mesh(), blocks=(torch.nn.Linear, torch.nn.LayerNorm),
+                                  mp_policy=policy)
+        padded = sum(-(-p.shape[0] // S) * S * p.shape[1:].numel() for p in model.parameters())
+        opt = slamb.LAMB(model.parameters(), lr=0.02)
+        wrapped = slamb.wrap_model(model, opt)
+        with Traffic() as traffic:
+            x, y = batch(rank, 1)
+            torch.nn.functional.mse_loss(wrapped(x.float()).float(), y.float()).backward()
+            opt.step()
+        out[str(reduce)] = {"kinds": {k: v["payload"] for k, v in opt.comm_stats()["last_step"].items()},
+                            "traffic": traffic.bytes, "padded": padded}
+    return out
+
+
 def refusals():
     from torch.distributed.device_mesh import init_device_mesh
     out = {}
@@ -216,6 +239,7 @@ def worker(rank, world):
         out["slamb"][name] = {"hsdp": hsdp_slamb(rank, cfg), "flat": flat, "flat_masks": flat_masks,
                               "flat_averaged": flat_averaged}
     out["lamb"] = lamb_runs(rank, world)
+    out["mixed"] = mixed_precision_runs(rank)
     out["refusals"] = refusals()
     return out
 
@@ -314,6 +338,48 @@ def test_hsdp_lamb_ledger_holds_fsdps_collectives_by_mesh_dimension(runs):
         assert crossed["shard", "all_gather_single"] == total["fsdp_all_gather"]["levels"]["shard"]["payload"] > 0
         assert crossed["shard", "reduce_scatter_single"] == total["fsdp_reduce_scatter"]["payload"] > 0
         assert sum(b for (key, _), b in crossed.items() if key == "shard") == level["shard"]
+
+
+def test_a_mixed_precision_policy_without_reduce_dtype_reduces_in_param_dtype(runs):
+    """FSDP2 reduces a bf16-computed model's gradients in bf16 where the policy leaves ``reduce_dtype`` unset,
+    on every torch (torch 2.15 alone would reduce them in the parameters' fp32): the reduce-scatters' and the
+    replicas' all-reduce bytes are bf16's, as ``reduce_dtype=bfloat16``'s, half of ``reduce_dtype=float32``'s."""
+    for r in runs:
+        unset, bf16, fp32 = (r["mixed"][str(d)] for d in (None, torch.bfloat16, torch.float32))
+        assert unset["kinds"] == bf16["kinds"] and unset["traffic"] == bf16["traffic"], (unset, bf16)
+        assert unset["kinds"]["fsdp_reduce_scatter"] == 2 * unset["padded"]
+        assert fp32["kinds"]["fsdp_reduce_scatter"] == 2 * unset["kinds"]["fsdp_reduce_scatter"]
+        assert fp32["kinds"]["grads"] == 2 * unset["kinds"]["grads"] > 0  # the all-reduce over the replicas
+        for kind in ("fsdp_all_gather", "norms"):  # the parameters are gathered in bf16 either way
+            assert fp32["kinds"][kind] == unset["kinds"][kind]
+
+
+def test_shard_model_hands_fully_shard_a_policy_whose_reduce_dtype_is_set(monkeypatch):
+    """What each ``fully_shard`` call is given, on any torch (the worker run above tells the bytes only where the
+    torch installed would reduce otherwise): an unset ``reduce_dtype`` becomes ``param_dtype``, the policy's other
+    fields kept; one the caller set, a policy without ``param_dtype`` and no policy at all go through as given."""
+    import torch.distributed.fsdp as fsdp
+    from torch.distributed.fsdp import MixedPrecisionPolicy as Policy
+
+    given = []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, mesh=None, **kwargs: given.append(kwargs))
+    bf16, fp16, fp32 = torch.bfloat16, torch.float16, torch.float32
+    cases = [(Policy(param_dtype=bf16), Policy(param_dtype=bf16, reduce_dtype=bf16)),
+             (Policy(param_dtype=fp16, output_dtype=fp32, cast_forward_inputs=False),
+              Policy(param_dtype=fp16, reduce_dtype=fp16, output_dtype=fp32, cast_forward_inputs=False)),
+             (Policy(param_dtype=bf16, reduce_dtype=fp32), Policy(param_dtype=bf16, reduce_dtype=fp32)),
+             (Policy(), Policy())]
+    if "param_dtype_override_fn" in Policy.__dataclass_fields__:  # torch 2.15: some parameters keep their dtype
+        keep = Policy(param_dtype=bf16, param_dtype_override_fn=lambda p: p.dtype if p.dim() == 1 else None)
+        cases.append((keep, keep))
+    for policy, expected in cases:
+        given.clear()
+        slamb.shard_model(make_model(), None, blocks=torch.nn.Linear, mp_policy=policy, reshard_after_forward=False)
+        assert len(given) == 4 and all(kw == {"mp_policy": expected, "reshard_after_forward": False}
+                                       for kw in given), (policy, given)
+    given.clear()
+    slamb.shard_model(make_model(), None, blocks=torch.nn.Linear)
+    assert given == [{}] * 4
 
 
 def test_replicate_dimension_carries_exactly_the_ledger(runs):

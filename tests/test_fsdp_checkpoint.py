@@ -9,8 +9,10 @@ what the files hold, read back whole in the test process (``dcp_to_torch_save``)
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+from unittest import mock
 
 import pytest
 import torch
@@ -131,11 +133,30 @@ def errors(rank, world, root):
     return out
 
 
+@contextlib.contextmanager
+def dcp_refusing_to_overwrite():
+    """DCP's ``FileSystemWriter`` under the default a torch change announces, ``overwrite=False``: a save into a
+    directory that holds a checkpoint raises unless its writer says otherwise."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    init = FileSystemWriter.__init__
+
+    def announced(self, path, *args, overwrite=False, **kwargs):
+        init(self, path, *args, overwrite=overwrite, **kwargs)
+
+    with mock.patch.object(FileSystemWriter, "__init__", announced):
+        yield
+
+
 def one_replica(rank, world, root):
-    """1 replica of 2 shards: saves a SLAMB checkpoint for the 1 -> 2 replicas load."""
+    """1 replica of 2 shards: saves a SLAMB checkpoint for the 1 -> 2 replicas load, into the directory of an
+    earlier one, which it writes over (what loads is the later state) under DCP's announced default."""
     model, opt = build("slamb", mesh_of(1, 2))
-    train(model, opt, rank, range(1, SAVED_AT + 1))
-    slamb.save_sharded(model, opt, root / "one")
+    train(model, opt, rank, range(1, 3))
+    with dcp_refusing_to_overwrite():
+        slamb.save_sharded(model, opt, root / "one")
+        train(model, opt, rank, range(3, SAVED_AT + 1))
+        slamb.save_sharded(model, opt, root / "one")
     return gathered(model, opt)
 
 
@@ -331,3 +352,23 @@ def test_a_full_disk_reaches_every_rank_as_the_files_own_error(tmp_path, room):
         dcp.save({"x": torch.zeros(100_000)}, checkpoint_id=str(tmp_path), no_dist=True)  # DCP's own writer
     (error, _), = as_the_other_ranks_learn_it(raised.value).failures.values()
     assert isinstance(error, OSError if room < 600 else RuntimeError), repr(error)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # one process: DCP's single writer
+@pytest.mark.filterwarnings("ignore:Detected an existing checkpoint")
+def test_a_checkpoint_is_written_over_whatever_dcps_default(tmp_path):
+    """save_sharded's writer sets ``overwrite`` itself: where DCP's own writer refuses a directory holding a
+    checkpoint (its announced default), the second save replaces the first."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with dcp_refusing_to_overwrite():
+        for x in (torch.zeros(4), torch.ones(4)):
+            dcp.save({"x": x}, storage_writer=_dcp_writer(str(tmp_path)), no_dist=True)
+        with pytest.raises(CheckpointException) as refused:
+            dcp.save({"x": torch.full((4,), 2.0)}, checkpoint_id=str(tmp_path), no_dist=True)
+    (error, _), = refused.value.failures.values()
+    assert "already exists" in str(error), repr(error)
+    back = {"x": torch.empty(4)}
+    dcp.load(back, checkpoint_id=str(tmp_path), no_dist=True)
+    assert torch.equal(back["x"], torch.ones(4))

@@ -44,8 +44,8 @@ def test_without_cuda_a_tier_runs_its_environment_part_and_says_which_parts_it_s
 
 
 def test_this_torch_has_every_api_the_library_relies_on():
-    """The probe on the installed torch (2.11 under ``make test-compat``, 2.14 under ``make test``): every hook
-    and signature exists, and the names the library calls are this torch's."""
+    """The probe on the installed torch (2.11 under ``make test-compat``, 2.14 under ``make test``, 2.15 under
+    ``make test-newest``): every hook and signature exists, and the names the library calls are this torch's."""
     import torch.distributed as dist
 
     api = gpu_check.api_probe()

@@ -92,6 +92,11 @@ def test_the_library_requires_a_torch_range_not_a_pin(wheel):
         if r.marker is None:
             assert r.specifier.contains(next(iter(pins[r.name].specifier)).version), (r, pins[r.name])
     assert {"torch", "torchvision", "numpy", "timm", "pytest"} <= set(pins)
+    # the newest torch the README names is the one make test-newest installs, in the range and past the pin
+    (newest,) = re.findall(r"^TORCH_NEWEST\s*:=\s*(\S+)$", (ROOT / "Makefile").read_text(), flags=re.M)
+    assert f"torch {newest}" in (ROOT / "README.md").read_text()
+    (pinned,) = pins["torch"].specifier
+    assert torch_req.specifier.contains(newest) and Version(newest) > Version(pinned.version), (newest, pinned)
 
 
 def test_the_makefile_installs_the_constraints_and_reinstalls_when_they_change(tmp_path):
