@@ -239,12 +239,14 @@ def model_name(run: dict, runs: list[dict]) -> str:
 
 def shown_path(path: str) -> str:
     """A path as a page shows it: relative to the repository where it lies inside (a page names no folder of the
-    machine that made it)."""
+    machine that made it); a run made in another checkout (its records kept, the page rebuilt here) from that
+    checkout's ``runs/`` folder on."""
     root = Path(__file__).resolve().parents[1]
     try:
         return str(Path(path).relative_to(root))
     except ValueError:
-        return str(path)
+        parts = Path(path).parts
+        return str(Path(*parts[parts.index("runs"):])) if Path(path).is_absolute() and "runs" in parts else str(path)
 
 
 def data_name(run: dict) -> str:

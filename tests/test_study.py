@@ -149,7 +149,7 @@ def test_unigram_line_is_the_cross_entropy_of_the_masked_tokens_under_training_f
 def test_rows_are_the_config_files():
     study = load_study()
     found = {task: study.rows(task) for task in study.TABLES}
-    assert found["digits"] == ["study/digits_dgc", "study/digits_lamb", "study/digits_onebit_lamb",
+    assert found["digits"] == ["study/digits_adamw", "study/digits_dgc", "study/digits_lamb", "study/digits_onebit_lamb",
                                "study/digits_sgd", "study/digits_slamb_hierarchical", "study/digits_slamb_int8",
                                "study/digits_slamb_v1", "study/digits_slamb_v2"]
     assert found["bert"] == ["study/bert_lamb", "study/bert_onebit_lamb", "study/bert_slamb"]
