@@ -113,6 +113,64 @@ def test_top_up_plan_asks_for_more_runs_of_lamb_and_the_wide_rows_only():
                     "study/digits_slamb_int8": n_shifted} and min(n_wide, n_shifted) > 5
 
 
+def grid_run(study, row, lr, seed, top1, loss):
+    """A run of the learning-rate grid as load_runs gives it: scored on the validation split, no test metric."""
+    return {"config": {"paper": {"table": study.GRID_TABLE, "row": row}, "optimizer": {"lr": lr}, "seed": seed},
+            "summary": {"final_valid_top1": top1, "final_valid_loss": loss, "steps": 200},
+            "history": [{"epoch": 40, "valid_top1": top1, "valid_loss": loss}],
+            "identity": {"data": {"data.valid_images": {"counts": {"train": 1280, "valid": 220}}}}}
+
+
+def test_the_grid_chooses_the_best_validation_top1_and_says_whether_the_rows_run_at_it():
+    study = load_study()
+    assert [study.grid_lr(1e-3, i) for i in range(-3, 4)] == [3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2]
+    runs = [grid_run(study, "AdamW", lr, s, top1, loss) for lr, s, top1, loss in
+            [(1e-3, 0, 97.0, 0.20), (1e-3, 1, 98.0, 0.10), (3e-3, 0, 98.5, 0.12), (3e-3, 1, 96.5, 0.11),
+             (1e-2, 0, 90.0, 0.5), (1e-2, 1, 91.0, 0.4)]]
+    runs += [grid_run(study, "LAMB", lr, s, top1, 0.1) for lr, s, top1 in
+             [(3e-3, 0, 97.0), (3e-3, 1, 97.0), (1e-2, 0, 97.5), (1e-2, 1, 97.5), (3e-2, 0, 98.0), (3e-2, 1, 99.0)]]
+    cells = study.grid_cells(runs)
+    # AdamW: 1e-3 and 3e-3 tie at a mean of 97.5; 3e-3's validation loss is the lower
+    assert study.grid_choice(cells["AdamW"]) == 3e-3 and study.grid_choice(cells["LAMB"]) == 3e-2
+
+    def row(name, lr):
+        return {"optimizer": name, "members": [{"config": {"optimizer": {"lr": lr}}}]}
+
+    text, record = study.grid_section(runs, [row("AdamW", 3e-3), row("LAMB", 1e-2)])
+    assert record["AdamW"]["chosen_lr"] == 3e-3 and record["LAMB"]["chosen_lr"] == 3e-2
+    assert [r["valid_top1"] for r in record["AdamW"]["grid"]["0.001"]] == [97.0, 98.0]
+    assert "| 0.003 | **97.50 ± 1.41 (n = 2)** | 0.1150 ± 0.0071 | 97.00 ± 0.00 (n = 2) | 0.1000 ± 0.0000 |" in text
+    assert "trained on 1,280 of the 1,500 training images and scored on the other 220" in text
+    assert "No run of the grid read the test split" in text
+    assert "- AdamW: the grid chose lr 0.003, the learning rate its study row runs at." in text
+    assert ("- LAMB: the grid chose lr 0.03 (at the edge of the grid as run: a wider grid may choose otherwise), "
+            "NOT the learning rate its study row runs at (0.01)") in text
+    runs[0]["history"][0]["test_top1"] = 97.0  # a grid run that scored the test split is called out
+    assert "1 run of the grid read the test splits: the choice below is NOT independent" in study.grid_section(
+        runs, [])[0]
+    assert study.grid_section([], []) == ("", {})
+
+
+def test_slamb_v1_is_also_judged_against_the_tuned_adamw_row():
+    study = load_study()
+
+    def row(name, file, values, optimizer, nbytes):
+        return {"optimizer": name, "runs": len(values), "settings": {"optimizer.name": optimizer},
+                "bytes_per_worker": nbytes,
+                "members": [{"config": {"name": f"study_{file}"}, "summary": {"final_test_top1": v}} for v in values]}
+
+    lamb = row("LAMB", "digits_lamb", [97.0, 96.0, 98.0], "lamb", 60.0)
+    adamw = row("AdamW", "digits_adamw", [96.0, 95.5, 96.5], "adamw", 60.0)
+    v1 = row("SLAMB v1", "digits_slamb_v1", [97.5, 97.0, 96.0], "slamb", 21.0)
+    v2 = row("SLAMB v2", "digits_slamb_v2", [97.5, 97.0, 96.0], "slamb", 21.0)
+    lines = study.verdicts([adamw, lamb, v1, v2], "digits")
+    assert len(lines) == 3 and lines[:2] == study.verdicts([lamb, v1, v2], "digits")  # v1 only, after the LAMB ones
+    d, lo, hi = welch_by_hand([97.5, 97.0, 96.0], [96.0, 95.5, 96.5])
+    assert lines[2].startswith(f"SLAMB v1's averaged model is {d:.2f} points above tuned AdamW's test top-1 "
+                               f"(95% CI {lo:+.2f} to {hi:+.2f}")
+    assert lines[2].endswith(f"at {21 / 60:.3f}x tuned AdamW's bytes per worker.")
+
+
 def test_unigram_line_is_the_cross_entropy_of_the_masked_tokens_under_training_frequencies(tmp_path):
     """Shards written in the real format by hand: the line is -mean log p over the validation's masked tokens,
     p the add-one-smoothed frequency of the training text as written (masked positions restored, [CLS] and
