@@ -32,8 +32,9 @@ sweeps: $(STAMP)
 	$(SWEEPS) GRID=1 scripts/sweep_compress_ratio.sh seed=0,1 $(SWEEP_DATA)
 	$(SWEEPS) scripts/sweep_sync_interval.sh seed=0,1 $(SWEEP_DATA)
 
-# the speed claim: LAMB, SLAMB and 1-bit LAMB to accuracy on 2 emulated hosts behind a 5 Mbit/s link, 3 seeds
-# (needs root for the network namespaces); results/time_to_accuracy.md and .json (about 30 minutes)
+# the speed claim: LAMB, SLAMB (H 10, int8, H 50) and 1-bit LAMB to accuracy on 2 and 4 emulated hosts behind a
+# 5 Mbit/s link, 6 seeds (needs root for the network namespaces); results/time_to_accuracy.md and .json (60 runs,
+# about 3.5 hours on a quiet 2-core machine)
 time-to-accuracy: $(STAMP)
 	$(PY) -m bench.time_to_accuracy
 

@@ -238,15 +238,27 @@ def model_name(run: dict, runs: list[dict]) -> str:
 
 
 def shown_path(path: str) -> str:
-    """A path as a page shows it: relative to the repository where it lies inside (a page names no folder of the
-    machine that made it); a run made in another checkout (its records kept, the page rebuilt here) from that
-    checkout's ``runs/`` folder on."""
+    """A path as a page shows it (a page names no folder of the machine that made it): relative to the repository
+    where it lies inside; a run made in another checkout (its records kept, the page rebuilt here) from that
+    checkout's ``runs/`` folder on; any other absolute path by its last component only."""
     root = Path(__file__).resolve().parents[1]
     try:
         return str(Path(path).relative_to(root))
     except ValueError:
         parts = Path(path).parts
-        return str(Path(*parts[parts.index("runs"):])) if Path(path).is_absolute() and "runs" in parts else str(path)
+        if not Path(path).is_absolute():
+            return str(path)
+        return str(Path(*parts[parts.index("runs"):])) if "runs" in parts else f".../{Path(path).name}"
+
+
+def shown_command(argv: list[str]) -> str:
+    """A command line as a page shows it: each path in it (an argument, or an override's value) by
+    :func:`shown_path`."""
+    def one(arg: str) -> str:
+        key, eq, value = arg.rpartition("=") if "=" in arg and not arg.startswith("/") else ("", "", arg)
+        return key + eq + (shown_path(value) if value.startswith("/") else value)
+
+    return " ".join(one(a) for a in argv)
 
 
 def data_name(run: dict) -> str:
