@@ -2,6 +2,7 @@
 
     python scripts/study.py                  # the full study into results/study/ (about 2 hours on 2 cores)
     python scripts/study.py --quick          # tiny sizes, written to runs/study-quick/ (the test's mode)
+    python scripts/study.py --tune           # AdamW's and LAMB's lr grid on a validation split (about 25 min)
 
 Two tasks, each a set of rows (``configs/experiment/study/<task>_*.yaml``, one
 file per row: adding a row is adding a file) run as one Hydra ``--multirun``
@@ -55,7 +56,8 @@ if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repositor
     sys.path.insert(0, str(ROOT))
 
 from harness.figures import save_figure  # noqa: E402
-from harness.records import fmt_bytes, load_runs, optimizer_defaults, pm, stat  # noqa: E402
+from harness.records import fmt_bytes, load_runs, optimizer_defaults, pm, shown_command, stat  # noqa: E402
+from harness.run import git_revision  # noqa: E402
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, pretrain_rows  # noqa: E402
 
 ROWS_DIR = ROOT / "configs" / "experiment" / "study"
@@ -572,9 +574,11 @@ def warmup_excess(run: dict) -> float:
     a raised k sent beyond the bytes per step of the periods at the target k, as the ledger logged both."""
     target = (run["config"].get("optimizer") or {}).get("compress_ratio")
     periods = [h for h in run["history"] if "compress_ratio" in h and "bytes/momentum" in h and h.get("period_steps")]
-    steady = [h["bytes/momentum"] / h["period_steps"] for h in periods if h["compress_ratio"] <= target]
-    if target is None or not steady:
+    if target is None:
         return 0.0
+    steady = [h["bytes/momentum"] / h["period_steps"] for h in periods if h["compress_ratio"] <= target]
+    if not steady:  # every period raised (a run shorter than the warm-up): the sampled bytes scale with k
+        return sum(h["bytes/momentum"] * (1 - target / h["compress_ratio"]) for h in periods)
     per_step = statistics.fmean(steady)
     return sum(h["bytes/momentum"] - per_step * h["period_steps"] for h in periods if h["compress_ratio"] > target)
 
@@ -610,7 +614,7 @@ def breakdown_table(rows_: list[dict], task: str) -> list[str]:
     return lines
 
 
-def ledger_setting(shape: str, label: str = LEDGER_SLAMB) -> dict:
+def ledger_setting(shape: str, label: str = LEDGER_SLAMB) -> dict | None:
     """SLAMB's and 1-bit LAMB's bytes per step at the paper's settings for ``shape``, by role, from the ledger's
     measurements (results/comm_volume_raw.json; BERT-Large extrapolated in depth as bench.comm_volume does) and
     the recipe's settings (configs/): the parameter syncs every H steps, the compression warm-up's excess over
@@ -633,9 +637,8 @@ def ledger_setting(shape: str, label: str = LEDGER_SLAMB) -> dict:
     slamb_, onebit = rows_[label], rows_["1-bit LAMB"]
     k, h = recipe["compress_ratio"], recipe["sync_interval"]
     sampled = slamb_.get("last_payload/momentum")
-    if sampled is None:
-        raise SystemExit(f"error: {LEDGER.relative_to(ROOT)} has no payload by kind; fix: run `python -m "
-                         "bench.comm_volume` (make comm-volume) to measure it again")
+    if sampled is None:  # measured before the ledger's kinds were kept
+        return None
     warm = recipe.get("compression_warmup")
     raised = sum(compression_ratio(e, k, warm) / k - 1 for e in range(epochs)) / epochs if warm and epochs else 0.0
     per_step = {"sampled": sampled, "warmup": sampled * raised, "dense": slamb_.get("last_payload/momentum_dense", 0),
@@ -682,12 +685,14 @@ def bytes_section(rows_by_task: dict[str, list[dict]]) -> str:
         lines += breakdown_table(rows_, task)
     find = {task: ({r["optimizer"]: r for r in rows_}) for task, rows_ in rows_by_task.items()}
     measured = {}
-    for task, name, label in (("digits", "SLAMB v1", "digits, ResNet-8 (in kind)"), ("bert", "SLAMB", "BERT, 2 layers (in kind)")):
+    for task, name, label in (("digits", "SLAMB v1", "digits, ResNet-8 (in kind)"),
+                              ("bert", "SLAMB", "BERT, 2 layers (in kind)")):
         if name in find.get(task, {}):
             measured[label] = (find[task][name], find[task].get("1-bit LAMB"))
-    if not LEDGER.exists() or not measured:
-        return "\n".join(lines) + "\n"
-    paper = {shape: ledger_setting(shape) for shape in ("ResNet-110", "BERT-Large")}
+    paper = {shape: ledger_setting(shape) for shape in ("ResNet-110", "BERT-Large")} if LEDGER.exists() else {}
+    if not measured or not paper or None in paper.values():
+        return "\n".join([*lines, "", f"No figures at the paper's settings: {LEDGER.relative_to(ROOT)} holds no "
+                           "payload by kind (`python -m bench.comm_volume` measures it)." if measured else ""]) + "\n"
     settings = {label: in_kind(row, onebit) for label, (row, onebit) in measured.items()}
 
     def setting_of(row: dict) -> str:
@@ -713,7 +718,8 @@ def bytes_section(rows_by_task: dict[str, list[dict]]) -> str:
         parts = got["per_step"]
         lines.append(f"| {label} | " + " | ".join(f"{pct(parts[key], parts):.1f}%" for key, _ in ROLES
                                                  if key not in ("grads", "onebit"))
-                     + f" | {100 * got['dense_params']:.1f}% | {got['vs_onebit']:.2f}x |")
+                     + f" | {100 * got['dense_params']:.1f}% | "
+                     + ("-" if math.isnan(got["vs_onebit"]) else f"{got['vs_onebit']:.2f}x") + " |")
     lines += ["", inflation(measured, settings, paper)]
     return "\n".join(lines) + "\n"
 
@@ -724,7 +730,7 @@ def inflation(measured: dict, settings: dict, paper: dict) -> str:
     from bench.comm_volume import ONEBIT_WARMUP, PHASE1_STEPS
     from slamb.schedules import compression_ratio
 
-    digits, bert = (next((k for k in settings if k.startswith(t)), None) for t in ("digits", "bert"))
+    digits, bert = (next((k for k in settings if k.lower().startswith(t)), None) for t in ("digits", "bert"))
     if digits is None:
         return ""
     row, onebit = measured[digits]
@@ -737,13 +743,14 @@ def inflation(measured: dict, settings: dict, paper: dict) -> str:
 
     def verb(role: str) -> str:
         here, there = share_of["kind"][role], max(share_of["res"][role], share_of["large"][role])
-        return (f"**inflated** ({here / there:.1f}x the larger of the two)" if here > there
-                else "not inflated")
+        if here <= there:
+            return "not inflated"
+        return f"**inflated** ({here / there:.1f}x the larger of the two)" if there else "**inflated** (none there)"
 
     epochs = head["epochs"]
     raised = sum(compression_ratio(e, o["compress_ratio"], o["compression_warmup"]) > o["compress_ratio"]
                  for e in range(epochs)) if o.get("compression_warmup") else 0
-    syncs = head["steps"] // o["sync_interval"]
+    syncs = math.ceil(head["steps"] / o["sync_interval"])  # step 1 syncs too
     bert_o = measured[bert][0]["members"][0]["config"]["optimizer"] if bert else None
     said = [
         f"**Parameter syncs** (H = {o['sync_interval']} over {head['steps']} steps: {syncs} syncs of the whole model): "
@@ -763,7 +770,8 @@ def inflation(measured: dict, settings: dict, paper: dict) -> str:
         f"**Compression warm-up** (the reference code's per-epoch stages, k raised above {o['compress_ratio']:g} in "
         f"the first {raised} epochs): {raised} of {epochs} epochs here, {share_of['kind']['warmup']:.1f}% of "
         f"{row['optimizer']}'s bytes, against {res['raised_epochs']} of {res['epochs']} epochs and "
-        f"{share_of['res']['warmup']:.1f}% at ResNet-110's shapes (BERT's recipe has no warm-up): {verb('warmup')}.",
+        f"{share_of['res']['warmup']:.1f}% at ResNet-110's shapes"
+        + ("" if large["warmup"] else " (BERT-Large's recipe has none)") + f": {verb('warmup')}.",
     ]
     if onebit is not None:
         freeze = onebit["members"][0]["config"]["optimizer"]["freeze_step"]
@@ -771,18 +779,37 @@ def inflation(measured: dict, settings: dict, paper: dict) -> str:
         said.append(f"**1-bit LAMB's full-precision stage** is {freeze} of its {head['steps']} steps here "
                     f"({100 * freeze / head['steps']:.0f}%) and {ONEBIT_WARMUP:,} of {PHASE1_STEPS:,} in DeepSpeed's "
                     f"setting ({100 * ONEBIT_WARMUP / PHASE1_STEPS:.0f}%): {pct(mine['grads'], mine):.1f}% of its "
-                    f"bytes here, {100 * large['onebit_full_share']:.1f}% at BERT-Large's shapes. Its side is scaled "
-                    "alike; SLAMB's is not.")
-    fp16 = ledger_setting("BERT-Large", LEDGER_SLAMB.replace("fp32", "fp16"))
-    said.append(f"Net: {row['optimizer']} sends {got['vs_onebit']:.2f}x 1-bit LAMB's bytes on the digits"
-                + (f" (BERT in kind: {settings[bert]['vs_onebit']:.2f}x)" if bert else "")
-                + f"; at the paper's settings the ledger gives {res['vs_onebit']:.2f}x at ResNet-110's shapes and "
-                f"{large['vs_onebit']:.2f}x at BERT-Large's with fp32 momentum ({fp16['vs_onebit']:.2f}x with the "
-                "paper's fp16 momentum). The in-kind comparison of bytes with 1-bit LAMB does not carry to the "
-                "paper's setting: the syncs and the always-averaged tensors, a larger share of a small model's "
-                "short run, decide it.")
+                    f"bytes here, {100 * large['onebit_full_share']:.1f}% at BERT-Large's shapes.")
+    said.append(net(row["optimizer"], got, settings.get(bert), res, large,
+                    [key for key in ("params", "dense", "warmup") if share_of["kind"][key] > max(
+                        share_of["res"][key], share_of["large"][key])]))
     return "Which in-kind sizes inflate SLAMB's bytes against the paper's settings:\n\n" + "\n".join(
         f"- {x}" for x in said) + "\n"
+
+
+def net(name: str, digits: dict, bert: dict | None, res: dict, large: dict, inflated: list[str]) -> str:
+    """SLAMB's bytes over 1-bit LAMB's in kind and at the paper's settings, and whether the order carries over:
+    said from the ratios, naming the roles that the in-kind sizes inflated."""
+    fp16 = ledger_setting("BERT-Large", LEDGER_SLAMB.replace("fp32", "fp16"))
+    kind = [x["vs_onebit"] for x in (digits, bert) if x is not None and not math.isnan(x["vs_onebit"])]
+    paper = [res["vs_onebit"], large["vs_onebit"]]
+    text = (f"Net: {name} sends {digits['vs_onebit']:.2f}x 1-bit LAMB's bytes on the digits"
+            + (f" (BERT in kind: {bert['vs_onebit']:.2f}x)" if bert is not None else "")
+            + f"; at the paper's settings the ledger gives {res['vs_onebit']:.2f}x at ResNet-110's shapes and "
+              f"{large['vs_onebit']:.2f}x at BERT-Large's with fp32 momentum"
+            + (f" ({fp16['vs_onebit']:.2f}x with the paper's fp16 momentum)" if fp16 else "") + ". ")
+    names = [{"params": "parameter syncs", "dense": "always-averaged tensors", "warmup": "compression warm-up"}[key]
+             for key in inflated]
+    roles_ = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    if kind and min(kind) > 1 and max(paper) < 1:
+        return text + ("So SLAMB's bytes are above 1-bit LAMB's in kind and below them at the paper's settings: the "
+                       "in-kind comparison of bytes does not carry to the paper's setting" + (
+                           f"; the roles the in-kind sizes inflate are the {roles_}." if inflated else "."))
+    if kind and max(kind) < 1 and max(paper) < 1:
+        return text + "SLAMB sends fewer bytes than 1-bit LAMB in kind and at the paper's settings alike."
+    if kind and min(kind) > 1 and min(paper) > 1:
+        return text + "SLAMB sends more bytes than 1-bit LAMB in kind and at the paper's settings alike."
+    return text + "The order of SLAMB's and 1-bit LAMB's bytes differs between the settings compared here."
 
 
 # ------------------------------------------------------------------------------------------- pages
@@ -934,6 +961,23 @@ def bert_learning(rows_: list[dict], data: dict) -> str:
     return "\n\n".join(lines) + "\n"
 
 
+def provenance(metas: list[dict], invocations: list[dict], now: dict) -> str:
+    """The commits the page's runs ran at (each run's meta.json), the one that wrote the page, and the machine's
+    1-minute load average at the start and end of each invocation that ran runs (``invocations.json``)."""
+    def commit(git: dict) -> str:
+        return str(git.get("commit", "unknown"))[:10] + (" (with uncommitted changes)" if git.get("dirty") else "")
+
+    counts: dict[str, int] = {}
+    for meta in metas:
+        counts[commit(meta.get("git") or {})] = counts.get(commit(meta.get("git") or {}), 0) + 1
+    ran = "; ".join(f"{c}: {n} run{'s' if n > 1 else ''}" for c, n in sorted(counts.items(), key=lambda x: -x[1]))
+    loads = [x for x in invocations if x.get("load_avg")]
+    load = ("The machine's 1-minute load average at the start and end of each invocation that ran runs: "
+            + ", ".join(f"{x['load_avg'][0]:g} to {x['load_avg'][1]:g} ({x['started']})" for x in loads) + "."
+            if loads else "The machine's load was not recorded for these runs.")
+    return f"Commits: the runs ran at {ran or 'no recorded commit'}; this page was written at {commit(now)}. {load}"
+
+
 def page(parts: dict, args, times: dict) -> str:
     cmd = "make study" if not args.quick else "python scripts/study.py --quick"
     run_args = [a for a in args.argv if a != "--report-only"]
@@ -942,11 +986,11 @@ def page(parts: dict, args, times: dict) -> str:
         del run_args[i:i + 2]
     lines = ["# SLAMB vs LAMB, reproduced in kind on a CPU", "",
              "Written by `scripts/study.py` from the runs it started: every table, curve and verdict is computed from them.", "",
-             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', *run_args])}`)"
+             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', shown_command(run_args)]).strip()}`)"
              + ("; this page rebuilt from its runs with `--report-only`" if args.report_only else "") + ". "
              f"Wall time: {sum(times.values()) / 60:.1f} min in all ("
              + ", ".join(f"{'learning-rate grid' if k == 'tune' else k} {v / 60:.1f} min" for k, v in times.items())
-             + f") on {args.machine}.", "",
+             + f") on {args.machine}.", "", provenance(args.metas, args.invocations, args.commit), "",
              "## Verdicts", ""]
     for task, (_, verdict_lines) in parts.items():
         lines += [f"- **{task}**: {v}" for v in verdict_lines]
@@ -973,6 +1017,7 @@ def page(parts: dict, args, times: dict) -> str:
                  "digits section)." if args.grid else "."), "", RERUN_DRIFT, ""]
     for task, (text, _) in parts.items():
         lines += [f"## {'Images: digits, ResNet-8' if task == 'digits' else 'Text: BERT pre-training'}", "", text]
+    lines += [bytes_section(args.rows_by_task)] if args.rows_by_task else []
     return "\n".join(lines)
 
 
@@ -1043,7 +1088,10 @@ def main(argv=None) -> int:
         now[task] = now.get(task, 0.0) + seconds
         times_path.write_text(json.dumps(now))
     parts, data, record = {}, None, {}
-    args.grid = {}
+    args.grid, args.rows_by_task, args.metas = {}, {}, []
+    # what this invocation leaves in the records: its commit and the load it ran under, when it runs anything
+    started, load0 = time.strftime("%Y-%m-%d %H:%M"), round(os.getloadavg()[0], 2)
+    times_before = times_path.read_text() if times_path.exists() else None
     data_root = runs_root / "data"
 
     if "digits" in args.tasks:
@@ -1077,6 +1125,8 @@ def main(argv=None) -> int:
         if runs:  # (a grid run before any row has only its records to show)
             text, lines, args.grid = digits_section(runs, out, records / "tune")
             parts["digits"] = (text, lines)
+            args.rows_by_task["digits"] = comparison_rows(runs)
+            args.metas += [r["meta"] for r in runs]
             record["digits"] = per_run(runs, "digits")
             record["lr_grid"] = args.grid
 
@@ -1116,8 +1166,19 @@ def main(argv=None) -> int:
         data = json.loads(record_json.read_text())
         runs = task_runs(records / "bert", "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)
+        args.rows_by_task["bert"] = pretrain_rows(runs)
+        args.metas += [r["meta"] for r in runs]
         record["bert"] = per_run(runs, "bert")
 
+    if "digits" in args.tasks and args.grid:
+        args.metas += [r["meta"] for r in load_runs(records / "tune", log=lambda _: None)]
+    invocations_path = records / "invocations.json"
+    args.invocations = json.loads(invocations_path.read_text()) if invocations_path.exists() else []
+    args.commit = git_revision(ROOT)
+    if (times_path.read_text() if times_path.exists() else None) != times_before:  # it ran runs
+        args.invocations.append({"started": started, "command": shown_command(args.argv), **args.commit,
+                                 "load_avg": [load0, round(os.getloadavg()[0], 2)]})
+        invocations_path.write_text(json.dumps(args.invocations, indent=1))
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
     text = page(parts, args, {task: times[task] for task in [*parts, "tune"] if task in times and
                               (task != "tune" or args.grid)})
