@@ -793,8 +793,11 @@ def net(name: str, digits: dict, bert: dict | None, res: dict, large: dict, infl
     fp16 = ledger_setting("BERT-Large", LEDGER_SLAMB.replace("fp32", "fp16"))
     kind = [x["vs_onebit"] for x in (digits, bert) if x is not None and not math.isnan(x["vs_onebit"])]
     paper = [res["vs_onebit"], large["vs_onebit"]]
-    text = (f"Net: {name} sends {digits['vs_onebit']:.2f}x 1-bit LAMB's bytes on the digits"
-            + (f" (BERT in kind: {bert['vs_onebit']:.2f}x)" if bert is not None else "")
+    def ratio(x: dict) -> str:  # a task without a 1-bit LAMB row has no ratio in kind
+        return "no 1-bit LAMB row" if math.isnan(x["vs_onebit"]) else f"{x['vs_onebit']:.2f}x 1-bit LAMB's bytes"
+
+    text = (f"Net: {name} on the digits: {ratio(digits)}"
+            + (f" (BERT in kind: {ratio(bert)})" if bert is not None else "")
             + f"; at the paper's settings the ledger gives {res['vs_onebit']:.2f}x at ResNet-110's shapes and "
               f"{large['vs_onebit']:.2f}x at BERT-Large's with fp32 momentum"
             + (f" ({fp16['vs_onebit']:.2f}x with the paper's fp16 momentum)" if fp16 else "") + ". ")
@@ -809,6 +812,8 @@ def net(name: str, digits: dict, bert: dict | None, res: dict, large: dict, infl
         return text + "SLAMB sends fewer bytes than 1-bit LAMB in kind and at the paper's settings alike."
     if kind and min(kind) > 1 and min(paper) > 1:
         return text + "SLAMB sends more bytes than 1-bit LAMB in kind and at the paper's settings alike."
+    if not kind:
+        return text + "Nothing in kind to set beside them."
     return text + "The order of SLAMB's and 1-bit LAMB's bytes differs between the settings compared here."
 
 

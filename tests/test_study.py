@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import re
 import shutil
 import statistics
 import subprocess
@@ -253,6 +254,9 @@ def test_the_paper_settings_bytes_are_the_ledgers_at_the_recipes_k_and_h(tmp_pat
                              "parameter syncs and always-averaged tensors.")
     assert study.net("SLAMB v1", {"vs_onebit": 2.0}, None, {"vs_onebit": 1.5}, {"vs_onebit": 1.2}, []).endswith(
         "more bytes than 1-bit LAMB in kind and at the paper's settings alike.")
+    alone = study.net("SLAMB v1", {"vs_onebit": math.nan}, None, res, large, [])  # no 1-bit LAMB row in kind
+    assert alone.startswith("Net: SLAMB v1 on the digits: no 1-bit LAMB row; at the paper's settings")
+    assert alone.endswith("Nothing in kind to set beside them.")
 
 
 def test_unigram_line_is_the_cross_entropy_of_the_masked_tokens_under_training_frequencies(tmp_path):
@@ -392,7 +396,7 @@ def test_quick_study_page_is_computed_from_its_runs(tmp_path):
     invocations = json.loads((out / "runs" / "invocations.json").read_text())
     assert f"Commits: the runs ran at {head[:10]}" in page and len(invocations) == 1
     assert f"{invocations[0]['load_avg'][0]:g} to {invocations[0]['load_avg'][1]:g}" in page
-    assert str(tmp_path) not in page and str(ROOT) not in page
+    assert str(tmp_path) not in page and str(ROOT) not in page and not re.search(r"\bnan\b", page)
 
     # the page is computed from the records kept beside it (no checkpoints), and rebuilt from them alone
     for task, found in (("digits", digits), ("bert", bert)):
