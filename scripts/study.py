@@ -56,7 +56,7 @@ if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repositor
     sys.path.insert(0, str(ROOT))
 
 from harness.figures import save_figure  # noqa: E402
-from harness.records import fmt_bytes, load_runs, optimizer_defaults, pm, shown_command, stat  # noqa: E402
+from harness.records import fmt_bytes, load_runs, optimizer_defaults, pm, shown_command, shown_path, stat  # noqa: E402
 from harness.run import git_revision  # noqa: E402
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, pretrain_rows  # noqa: E402
 
@@ -373,9 +373,8 @@ AGAINST_ADAMW = ("study/digits_slamb_v1",)
 
 def per_run(runs: list[dict], task: str) -> list[dict]:
     """The numbers the page is made of, one entry per run."""
-    def where(folder) -> str:  # relative to the repository where it can be
-        folder = Path(folder).resolve()
-        return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+    def where(folder) -> str:  # the json, like the page, names no folder of the machine
+        return shown_path(str(Path(folder).resolve()))
 
     def entry(r: dict) -> dict:
         e = {"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
@@ -909,8 +908,8 @@ def digits_section(runs: list[dict], out: Path, grid_records: Path) -> tuple[str
     lines = verdicts(rows_, "digits")
     grid, grid_record = grid_section(load_runs(grid_records, log=lambda _: None) if grid_records.exists() else [],
                                      rows_)
-    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), digits_plateau(rows_), grid, bytes_markdown(rows_),
-                      other_kinds(rows_),
+    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), digits_plateau(rows_), *([grid] if grid else []),
+                      bytes_markdown(rows_), other_kinds(rows_),
                       f"![accuracy vs epoch and vs bytes]({TABLES['digits']}_curves.png)", ""])
     return text, lines, grid_record
 
