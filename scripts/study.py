@@ -1187,8 +1187,10 @@ def main(argv=None) -> int:
     text = page(parts, args, {task: times[task] for task in [*parts, "tune"] if task in times and
                               (task != "tune" or args.grid)})
     (out / "README.md").write_text(text)
+    # the data's folders as the page would show them: the json names no folder of the machine either
+    shown_data = data and {k: shown_path(v) if isinstance(v, str) and v.startswith("/") else v for k, v in data.items()}
     (out / "study.json").write_text(json.dumps({"runs": record, "verdicts": {k: v[1] for k, v in parts.items()},
-                                                "wall_time_s": times, "bert_data": data}, indent=1))
+                                                "wall_time_s": times, "bert_data": shown_data}, indent=1))
     print(text)
     return 0
 
