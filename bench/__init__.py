@@ -3,11 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.run import shown_command  # noqa: F401 (the benches' pages record their commands by it)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def shown_command(args) -> str:
-    """A command line as a results page records it, with no machine's directory (:func:`harness.run.shown_path`)."""
-    from harness.run import shown_args
-
-    return " ".join(shown_args(args))

@@ -137,6 +137,10 @@ def per_step_figures(label: str, steps: list[dict]) -> dict:
     row.setdefault("phase1_payload", PHASE1_STEPS * row["step_payload"])
     row.setdefault("phase1_wire", PHASE1_STEPS * row["step_wire"])
     row.setdefault("step_payload_amortised", row["phase1_payload"] / PHASE1_STEPS)
+    # where the bytes go (the study page's breakdown at the paper's shapes): the first step's payload by kind (a
+    # SLAMB parameter sync, 1-bit LAMB's full-precision stage) and the last one's (the steady step)
+    for when, step in (("first", steps[0]), ("last", last)):
+        row.update({f"{when}_payload/{kind}": v[0] for kind, v in step.items()})
     return row
 
 
@@ -150,7 +154,8 @@ def extrapolate(by_depth: dict[int, dict], depth: int) -> dict:
     rows = {}
     for label in by_depth[1]:
         one, two, three = (by_depth[d][label] for d in (1, 2, 3))
-        row = {key: one[key] + (depth - 1) * (two[key] - one[key]) for key in one}
+        row = {key: one.get(key, 0) + (depth - 1) * (two.get(key, 0) - one.get(key, 0))
+               for key in [*one, *(k for k in two if k not in one)]}
         key = "step_payload" if three["step_payload"] else "step_payload_amortised"  # DiLoCo: 0 between syncs
         predicted = one[key] + 2 * (two[key] - one[key])
         row["fit_error"] = abs(predicted - three[key]) / three[key]

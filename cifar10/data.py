@@ -10,6 +10,10 @@ writes scikit-learn's 8x8 digits (shipped with the package) in this layout, mark
 ``batches.meta`` (``b"source"``). A run records what its folder holds (:func:`fingerprint`): CIFAR-10 only
 where every file has the MD5 that torchvision publishes for it.
 
+``data.valid_images: N`` holds N images of the training split out as a validation split (:func:`hold_out`: a
+fixed draw, ``data.valid_seed``), scored after each epoch in place of the test split, which such a run never
+reads: the split a learning-rate grid chooses on (``scripts/study.py --tune``).
+
 The whole split is held as one uint8 tensor on the training device;
 augmentation (random 32 x 32 crop of the 4-pixel zero-padded image, random
 horizontal flip) runs batched there, drawn from a generator seeded by
@@ -100,14 +104,16 @@ def train_samples(path) -> int | None:
         return None
 
 
-def load_cifar10(path) -> dict:
-    """``{"train": (x, y), "test": (x, y), "classes": [...]}``; clear errors for a missing or malformed set."""
+def load_cifar10(path, test: bool = True) -> dict:
+    """``{"train": (x, y), "test": (x, y), "classes": [...]}``; clear errors for a missing or malformed set.
+    ``test=False``: the test split is not read (no ``"test"``)."""
     path = resolve_dir(path)
     meta = _unpickle(path / META_FILE)
     if b"label_names" not in meta:
         raise ValueError(f"{path / META_FILE}: expected key b'label_names'. {WHERE}")
     classes = [n.decode() if isinstance(n, bytes) else str(n) for n in meta[b"label_names"]]
-    return {"train": load_batches(path, TRAIN_FILES), "test": load_batches(path, (TEST_FILE,)), "classes": classes}
+    out = {"train": load_batches(path, TRAIN_FILES), "classes": classes}
+    return {**out, "test": load_batches(path, (TEST_FILE,))} if test else out
 
 
 def write_cifar10(path, train: tuple, test: tuple, classes, source: str | None = None) -> Path:
@@ -162,6 +168,28 @@ def fingerprint(path) -> dict:
                 "counts": {**images, "classes": classes}, "files": md5}
 
     return identity.kept(path, "cifar10", [path / f for f in FILES], make)
+
+
+def hold_out(n_train: int, valid_images: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(training, validation) indices into the training split: ``valid_images`` of its ``n_train`` images drawn
+    with ``seed`` (its own generator: the same draw for every run seed, so that a grid's points are scored on
+    the same images), the rest to train on; both sorted. The test split plays no part."""
+    if not 1 <= valid_images < n_train:
+        raise ValueError(f"invalid data.valid_images={valid_images}: the training split has {n_train:,} images, "
+                         f"so hold out between 1 and {n_train - 1:,} (or null: no validation split)")
+    order = torch.randperm(n_train, generator=torch.Generator().manual_seed(seed))
+    return order[valid_images:].sort().values, order[:valid_images].sort().values
+
+
+def validation_identity(data: dict, valid_images: int, seed: int) -> dict:
+    """The validation split as a run's :mod:`harness.identity` records it: which training images it holds (by
+    the data's digest and the drawn indices) and how many are left to train on."""
+    n_train = data["counts"]["train"]
+    train, valid = hold_out(n_train, valid_images, seed)
+    return {"layout": "held-out", "dataset": None, "counts": {"train": len(train), "valid": len(valid)},
+            "name": f"validation split: {len(valid):,} of the {n_train:,} training images (draw {seed}), "
+                    f"{len(train):,} left to train on; the test split unread",
+            "digest": identity.digest_of({"data": data["digest"], "valid": valid.tolist()})}
 
 
 def write_digits(path, n_train: int | None = None, n_test: int = DIGITS_TEST, seed: int = 0) -> Path:

@@ -32,14 +32,15 @@ from harness.build import planned_world
 from harness.data import check_micro_batch
 from harness.schedules import build_lr_scheduler, check_lr_schedule
 
-from .data import (augment, augment_draws, augment_generator, channel_stats, fingerprint, load_cifar10, normalize,
-                   train_samples)
+from .data import (augment, augment_draws, augment_generator, channel_stats, fingerprint, hold_out, load_cifar10,
+                   normalize, train_samples, validation_identity)
 from .model import build_model
 
 
 @torch.no_grad()
-def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
-    """Mean loss and top-1 % over the whole test set, each rank scoring its strided shard."""
+def evaluate(model, x, y, env, batch_size: int, stats, split: str = "test") -> dict:
+    """Mean loss and top-1 % over the whole evaluated split (``split``: its name in the keys), each rank scoring
+    its strided shard."""
     model.eval()
     idx = harness.eval_shard(len(x), env).to(env.device)
     sums = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
@@ -49,7 +50,7 @@ def evaluate(model, x, y, env, batch_size: int, stats) -> dict:
         sums += torch.stack([F.cross_entropy(logits, y[b], reduction="sum"), (logits.argmax(1) == y[b]).sum(),
                              torch.full((), float(len(b)), device=logits.device)]).double()
     loss, correct, count = harness.rank_sums(sums)
-    return {"test_loss": loss / count, "test_top1": 100.0 * correct / count}
+    return {f"{split}_loss": loss / count, f"{split}_top1": 100.0 * correct / count}
 
 
 def check(cfg: dict) -> None:
@@ -61,12 +62,31 @@ def check(cfg: dict) -> None:
     check_lr_schedule(cfg["schedule"], cfg["epochs"])
     samples = train_samples(cfg["data"]["dir"])
     if samples is not None:  # else the workers' load names what is missing
+        # a validation split held out of the training images leaves the rest to train on
+        samples -= cfg["data"].get("valid_images") or 0
         check_micro_batch(samples, cfg["data"]["micro_batch"], planned_world(cfg["trainer"]))
 
 
 def inputs(cfg: dict) -> dict:
-    """What the run reads, by content (:mod:`harness.identity`)."""
-    return {"data.dir": fingerprint(cfg["data"]["dir"])}
+    """What the run reads, by content (:mod:`harness.identity`): the data, and its validation split if any."""
+    found = {"data.dir": fingerprint(cfg["data"]["dir"])}
+    d = cfg["data"]
+    if d.get("valid_images") is not None:
+        found["data.valid_images"] = validation_identity(found["data.dir"], d["valid_images"], d["valid_seed"])
+    return found
+
+
+def splits(cfg, device) -> tuple[tuple, tuple, str]:
+    """(training images and labels, evaluated images and labels, the evaluated split's metric prefix): the test
+    split, or with ``data.valid_images`` the validation split held out of the training split, and then the test
+    split is never read."""
+    valid_images = cfg.data.get("valid_images")
+    data = load_cifar10(cfg.data.dir, test=valid_images is None)
+    train, scored, prefix = data["train"], data.get("test"), "test"
+    if valid_images is not None:
+        keep, valid = hold_out(len(train[1]), valid_images, cfg.data.get("valid_seed", 0))
+        train, scored, prefix = (train[0][keep], train[1][keep]), (train[0][valid], train[1][valid]), "valid"
+    return tuple(v.to(device) for v in train), tuple(v.to(device) for v in scored), prefix
 
 
 def train(cfg: dict, run_dir: str) -> dict:
@@ -75,9 +95,7 @@ def train(cfg: dict, run_dir: str) -> dict:
     harness.check_counts(cfg, "epochs")
     env = harness.init_distributed(t.device, t.threads_per_worker, t.timeout_s, tf32=t.tf32, cudnn_benchmark=t.cudnn_benchmark)
 
-    data = load_cifar10(d.dir)
-    train_x, train_y = (v.to(env.device) for v in data["train"])
-    test_x, test_y = (v.to(env.device) for v in data["test"])
+    (train_x, train_y), (test_x, test_y), split = splits(cfg, env.device)
     # each step's micro-batches are those of the run's first workers, however many workers resume it: fewer
     # take several each, so BatchNorm still normalizes over the same images and the global batch stays
     batches = harness.ShardedBatches(len(train_x), d.micro_batch, env, seed=cfg.seed,
@@ -130,15 +148,15 @@ def train(cfg: dict, run_dir: str) -> dict:
             run.optimizer_step(params)  # with fp16, every rank steps or every rank skips
             scheduler.step()
         loss_sum, correct, seen = harness.rank_sums(sums)
-        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, run.eval_env, d.eval_batch, stats))
+        metrics = run.evaluate(lambda: evaluate(model, test_x, test_y, run.eval_env, d.eval_batch, stats, split))
         seen = max(seen, 1)  # a torchft group that joined after the epoch's steps took none (another writes its line)
         run.end_epoch(epoch, {"train_loss": loss_sum / seen, "train_top1": 100.0 * correct / seen, **metrics},
                       steps=steps_per_epoch)
 
     model_dir = run.export(harness.save_state_dict(plain["model"]))
-    return run.finish(headline=("final_test_top1", "final_test_loss"), final_test_top1=run.last("test_top1"),
-                      final_test_loss=run.last("test_loss"), best_test_top1=run.best("test_top1"),
-                      model_dir=model_dir)
+    final = {f"final_{split}_top1": run.last(f"{split}_top1"), f"final_{split}_loss": run.last(f"{split}_loss"),
+             f"best_{split}_top1": run.best(f"{split}_top1")}
+    return run.finish(headline=(f"final_{split}_top1", f"final_{split}_loss"), **final, model_dir=model_dir)
 
 
 # how this pipeline is checked and launched: its main, and a script's checks of every run before the first

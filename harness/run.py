@@ -166,11 +166,15 @@ REPOSITORY = Path(__file__).resolve().parents[1]
 
 def shown_path(path: str) -> str:
     """A path as a record kept with a page shows it (a page names no folder of the machine that made it): relative
-    to the repository where it lies inside (``runs/tta``), by its last part elsewhere (``.../tta``)."""
+    to the repository where it lies inside (``runs/tta``); a run made in another checkout (its records kept, the
+    page rebuilt here) from that checkout's ``runs/`` folder on; by its last part elsewhere (``.../tta``)."""
     if not os.path.isabs(path) or not path.strip("/"):  # ("/" alone is a word: "1,500 train / 297 test")
         return path
     inside = os.path.relpath(path, REPOSITORY)
-    return inside if not inside.startswith("..") else f".../{os.path.basename(path.rstrip('/'))}"
+    if not inside.startswith(".."):
+        return inside
+    parts = Path(path).parts
+    return str(Path(*parts[parts.index("runs"):])) if "runs" in parts else f".../{os.path.basename(path.rstrip('/'))}"
 
 
 def shown_args(args) -> list[str]:
@@ -180,6 +184,11 @@ def shown_args(args) -> list[str]:
         key, eq, value = arg.partition("=")
         out.append(f"{key}={shown_path(value)}" if eq and not key.startswith("-") else shown_path(arg))
     return out
+
+
+def shown_command(args) -> str:
+    """A command line as a results page records it: :func:`shown_args` of its words."""
+    return " ".join(shown_args(args))
 
 
 def shown_text(value):

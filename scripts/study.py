@@ -2,6 +2,7 @@
 
     python scripts/study.py                  # the full study into results/study/ (about 2 hours on 2 cores)
     python scripts/study.py --quick          # tiny sizes, written to runs/study-quick/ (the test's mode)
+    python scripts/study.py --tune           # AdamW's and LAMB's lr grid on a validation split (about 25 min)
 
 Two tasks, each a set of rows (``configs/experiment/study/<task>_*.yaml``, one
 file per row: adding a row is adding a file) run as one Hydra ``--multirun``
@@ -54,7 +55,8 @@ if str(ROOT) not in sys.path:  # run as `python scripts/study.py`: the repositor
     sys.path.insert(0, str(ROOT))
 
 from harness.figures import save_figure  # noqa: E402
-from harness.records import fmt_bytes, keep_records, load_runs, pm, stat  # noqa: E402
+from harness.records import fmt_bytes, keep_records, load_runs, optimizer_defaults, pm, stat  # noqa: E402
+from harness.run import git_revision, shown_command, shown_path  # noqa: E402
 from harness.tables import RERUN_DRIFT, build_tables, comparison_rows, pretrain_rows  # noqa: E402
 
 ROWS_DIR = ROOT / "configs" / "experiment" / "study"
@@ -97,23 +99,23 @@ def welch_interval(a, b, level: float = 0.95) -> tuple[float, float, float]:
 DELTA = {"digits": 1.0, "bert": 0.05}  # the equivalence margins: 1 point of top-1, 0.05 nats of MLM loss
 
 
-def judgement(lo: float, hi: float, delta: float, *, higher_is_better: bool, digits: int) -> str:
-    """What a difference's interval decides: equivalence within ±``delta`` when it lies inside that margin,
-    better or worse when it excludes 0 (both can hold), otherwise undecided with its half-width."""
+def judgement(lo: float, hi: float, delta: float, *, higher_is_better: bool, digits: int, ref: str = "LAMB") -> str:
+    """What a difference's interval against ``ref`` decides: equivalence within ±``delta`` when it lies inside that
+    margin, better or worse when it excludes 0 (both can hold), otherwise undecided with its half-width."""
     if math.isnan(lo):
         return "no interval"
     said = []
     if lo > 0 or hi < 0:
-        said.append("better than LAMB" if (lo > 0) == higher_is_better else "worse than LAMB")
+        said.append(f"better than {ref}" if (lo > 0) == higher_is_better else f"worse than {ref}")
     if -delta <= lo and hi <= delta:
         said.append(f"equivalent within ±{delta:g}")
     return " and ".join(said) if said else f"undecided, interval ±{(hi - lo) / 2:.{digits}f}"
 
 
 def verdict(row: str, values: list[float], lamb: list[float], bytes_ratio: float, *, unit: str, metric: str,
-            higher_is_better: bool, delta: float) -> str:
-    """One sentence: ``row`` against LAMB (difference, its 95% interval over the seeds, what the interval
-    decides at the margin ``delta``) and the bytes ratio."""
+            higher_is_better: bool, delta: float, ref: str = "LAMB") -> str:
+    """One sentence: ``row`` against ``ref``'s runs ``lamb`` (difference, its 95% interval over the seeds, what the
+    interval decides at the margin ``delta``) and the bytes ratio."""
     digits = unit_digits(unit)
     d, lo, hi = welch_interval(values, lamb)
     word = ("above" if d > 0 else "below") if d != 0 else "level with"
@@ -123,10 +125,10 @@ def verdict(row: str, values: list[float], lamb: list[float], bytes_ratio: float
         half = (hi - lo) / 2
         ci = (f"95% CI {lo:+.{digits}f} to {hi:+.{digits}f}, ±{half:.{digits}f}: "
               + (f"within the ±{delta:g} target" if half <= delta else f"wider than the ±{delta:g} target"))
-    return (f"{row}'s averaged model is {abs(d):.{digits}f} {unit} {word} LAMB's {metric} "
+    return (f"{row}'s averaged model is {abs(d):.{digits}f} {unit} {word} {ref}'s {metric} "
             f"({ci}; n = {len(values)} and {len(lamb)}): "
-            f"**{judgement(lo, hi, delta, higher_is_better=higher_is_better, digits=digits)}**, "
-            f"at {bytes_ratio:.3f}x LAMB's bytes per worker.")
+            f"**{judgement(lo, hi, delta, higher_is_better=higher_is_better, digits=digits, ref=ref)}**, "
+            f"at {bytes_ratio:.3f}x {ref}'s bytes per worker.")
 
 
 def seeds_for(values: list[float], lamb: list[float], delta: float, cap: int, level: float = 0.95) -> int:
@@ -263,15 +265,16 @@ def multirun(module: str, experiments: list[str], seeds: list[int], sweep: Path,
 
 
 def run_missing(module: str, experiments: list[str], seeds: list[int], sweep: Path, records: Path,
-                overrides: list[str], spent: Callable[[float], None]) -> None:
+                overrides: list[str], spent: Callable[[float], None], name: str | None = None) -> None:
     """:func:`multirun` for each (row, seed) pair without a record under ``records``, one run at a time, its
     record kept and its wall time handed to ``spent`` as soon as it ends: a study stopped part way continues
-    where it stopped, here or on another machine."""
+    where it stopped, here or on another machine. ``name``: the name the overrides give the runs (a grid
+    point's), where it is not the row's ``study_<file>``."""
     keep_records(sweep, records)
-    done = {(f"study/{r['config']['name'].removeprefix('study_')}", r["config"].get("seed"))
+    done = {(r["config"]["name"], r["config"].get("seed"))
             for r in load_runs(records, log=lambda _: None)} if records.exists() else set()
     for e in experiments:
-        missing = [s for s in seeds if (e, s) not in done]
+        missing = [s for s in seeds if (name or f"study_{e.split('/')[-1]}", s) not in done]
         if len(missing) < len(seeds):
             print(f"study: {e}: seeds {sorted(set(seeds) - set(missing))} already ran ({records})", flush=True)
         for seed in missing:
@@ -347,13 +350,15 @@ def top_up(module: str, sweep: Path, records: Path, task: str, overrides: list[s
 
 
 METRIC = {"digits": "final_test_top1", "bert": "final_val_mlm_loss"}
+SCALE = {"digits": ("points", "test top-1", True), "bert": ("nats", "validation MLM loss", False)}  # unit, name, up
+# the rows also compared with the AdamW row, whose learning rate the grid (--tune) chose: the paper's SLAMB
+AGAINST_ADAMW = ("study/digits_slamb_v1",)
 
 
 def per_run(runs: list[dict], task: str) -> list[dict]:
     """The numbers the page is made of, one entry per run."""
-    def where(folder) -> str:  # relative to the repository where it can be
-        folder = Path(folder).resolve()
-        return str(folder.relative_to(ROOT)) if folder.is_relative_to(ROOT) else str(folder)
+    def where(folder) -> str:  # the json, like the page, names no folder of the machine
+        return shown_path(str(Path(folder).resolve()))
 
     def entry(r: dict) -> dict:
         e = {"row": r["config"]["paper"]["row"], "seed": r["config"]["seed"], "dir": where(r["dir"]),
@@ -367,30 +372,432 @@ def per_run(runs: list[dict], task: str) -> list[dict]:
 
 
 def verdicts(rows_: list[dict], task: str) -> list[str]:
-    """A verdict per SLAMB row of the table, from its runs' metrics and LAMB's."""
+    """A verdict per SLAMB row of the table, from its runs' metrics and LAMB's; and for the rows of
+    :data:`AGAINST_ADAMW`, one against the tuned AdamW row where the task has one."""
     lamb = next((r for r in rows_ if r["optimizer"] == "LAMB"), None)
     if lamb is None:
         return ["No LAMB row to compare with."]
+    unit, metric, higher = SCALE[task]
+
+    def against(r: dict, ref: dict, name: str) -> str:
+        return verdict(r["optimizer"], _metric_values(r, task), _metric_values(ref, task),
+                       r["bytes_per_worker"] / ref["bytes_per_worker"], unit=unit, metric=metric,
+                       higher_is_better=higher, delta=DELTA[task], ref=name)
+
     out = []
     for r in rows_:
         if r["settings"].get("optimizer.name") != "slamb":
             continue
-        values, ref = (_metric_values(x, task) for x in (r, lamb))
-        if task == "digits":
-            out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="points",
-                               metric="test top-1", higher_is_better=True, delta=DELTA[task]))
-            if r["settings"].get("optimizer.hierarchy") == "node":
-                out[-1] += (" Its bytes are every collective of a process, the dense gradient average inside each "
-                            "node included; what crosses the nodes is in results/comm_volume.md and "
-                            "results/netbench_hierarchical.md.")
-        else:
-            out.append(verdict(r["optimizer"], values, ref, r["bytes_vs_lamb"], unit="nats",
-                               metric="validation MLM loss", higher_is_better=False, delta=DELTA[task]))
+        out.append(against(r, lamb, "LAMB"))
+        if r["settings"].get("optimizer.hierarchy") == "node":
+            out[-1] += (" Its bytes are every collective of a process, the dense gradient average inside each "
+                        "node included; what crosses the nodes is in results/comm_volume.md and "
+                        "results/netbench_hierarchical.md.")
+    adamw = next((r for r in rows_ if experiment(r) == f"study/{task}_adamw"), None)
+    out += [against(r, adamw, "tuned AdamW") for r in rows_ if adamw is not None and experiment(r) in AGAINST_ADAMW]
     return out
 
 
 def _metric_values(row: dict, task: str) -> list[float]:
     return [m["summary"][METRIC[task]] for m in row["members"]]
+
+
+# ------------------------------------------------------------------------------------------- learning-rate grid
+
+# --tune: AdamW's and LAMB's learning rates chosen on a validation split held out of the training set, the rest of
+# each row's recipe as the study runs it. The grids are alike so that neither row is favoured: factors of about 3
+# around AdamW's default (configs/optimizer/adamw.yaml) and LAMB's recipe (configs/experiment/cifar10/lamb.yaml)
+GRID_ROWS = {"AdamW": ("study/digits_adamw", 1e-3), "LAMB": ("study/digits_lamb", 1e-2)}
+GRID_POINTS = (-2, -1, 0, 1, 2)  # centre x 0.1, 0.3, 1, 3, 10 (grid_lr)
+GRID_SEEDS = (0, 1)
+GRID_EXTEND = 2  # a choice at an edge of the grid extends it past that edge, one point at a time, this often at most
+GRID_TABLE = "study_digits_lr_grid"
+VALID_IMAGES = 220  # of the digits' 1,500 training images: 1,280 left, still 5 steps of 4 x 64 a epoch (the recipe's)
+QUICK_GRID = {"points": (0,), "seeds": (0,), "extend": 0}
+
+
+def grid_lr(centre: float, i: int) -> float:
+    """The ``i``-th point of the 1-3 grid around ``centre``: centre x 10^(i // 2), x 3 where ``i`` is odd."""
+    return float(f"{centre * 10 ** (i // 2) * (3 if i % 2 else 1):.3g}")
+
+
+def grid_name(row: str, lr: float) -> str:
+    return f"tune_digits_{row.lower().replace(' ', '_')}_lr{lr:g}"
+
+
+def grid_cells(runs: list[dict]) -> dict[str, dict[float, list[dict]]]:
+    """row -> learning rate -> its runs (each seed once) of the grid's records."""
+    cells: dict[str, dict[float, list[dict]]] = {}
+    for r in runs:
+        if (r["config"].get("paper") or {}).get("table") != GRID_TABLE:
+            continue
+        point = cells.setdefault(r["config"]["paper"]["row"], {}).setdefault(float(r["config"]["optimizer"]["lr"]), [])
+        if r["config"]["seed"] not in {m["config"]["seed"] for m in point}:
+            point.append(r)
+    return cells
+
+
+def grid_choice(points: dict[float, list[dict]]) -> float:
+    """The learning rate whose runs' mean validation top-1 of the averaged model at the last epoch is highest;
+    of a tie, the one with the lower mean validation loss."""
+    def score(lr: float) -> tuple[float, float]:
+        runs = [r["summary"] for r in points[lr]]
+        return (statistics.fmean(x["final_valid_top1"] for x in runs),
+                -statistics.fmean(x["final_valid_loss"] for x in runs))
+
+    return max(sorted(points), key=score)
+
+
+def tune(sweep: Path, records: Path, overrides: list[str], spent: Callable[[float], None], *,
+         points=GRID_POINTS, seeds=GRID_SEEDS, extend: int = GRID_EXTEND, rows_: list[str] | None = None) -> None:
+    """Every row of :data:`GRID_ROWS` (``rows_``: these) at each learning rate of its grid on the validation split,
+    each seed, through :func:`run_missing` (a grid stopped part way continues); a choice at an edge extends the
+    grid."""
+    for row, (exp, centre) in GRID_ROWS.items():
+        if rows_ is not None and row not in rows_:
+            continue
+        todo, lo, hi = list(points), min(points), max(points)
+        for extension in range(extend + 1):
+            for i in todo:
+                lr = grid_lr(centre, i)
+                name = grid_name(row, lr)
+                run_missing("cifar10.train", [exp], list(seeds), sweep, records,
+                            [*overrides, f"optimizer.lr={lr}", f"data.valid_images={VALID_IMAGES}", f"name={name}",
+                             f"paper.table={GRID_TABLE}"], spent, name=name)
+            cells = grid_cells(load_runs(records, log=lambda _: None)).get(row, {})
+            tried = sorted(cells)
+            best = grid_choice(cells) if cells else None
+            if best is None or len(tried) < 2 or tried[0] < best < tried[-1] or extension == extend:
+                break
+            lo, hi = (lo - 1, hi) if best == tried[0] else (lo, hi + 1)
+            todo = [lo if best == tried[0] else hi]
+            print(f"study: the grid's choice for {row}, lr {best:g}, is at its edge: adding lr "
+                  f"{grid_lr(centre, todo[0]):g}", flush=True)
+
+
+def grid_section(runs: list[dict], rows_: list[dict]) -> tuple[str, dict]:
+    """The grid's table and what it chose from its ``runs``, against the learning rates of the study's AdamW and
+    LAMB rows (``rows_``); ("", {}) where no grid has run."""
+    cells = grid_cells(runs)
+    if not cells:
+        return "", {}
+    chosen = {row: grid_choice(points) for row, points in cells.items()}
+    rates = sorted({lr for points in cells.values() for lr in points})
+    members = [r for points in cells.values() for runs_ in points.values() for r in runs_]
+    split = {json.dumps(r["identity"]["data"]["data.valid_images"]["counts"], sort_keys=True)
+             for r in members if r.get("identity") and "data.valid_images" in r["identity"]["data"]}
+    tested = sum(any(k.startswith("test_") for h in r["history"] for k in h) or "final_test_top1" in r["summary"]
+                 for r in members)
+    seeds = sorted({r["config"]["seed"] for r in members})
+    counts = json.loads(split.pop()) if len(split) == 1 else None
+    lines = ["### Learning rates chosen on a validation split", "",
+             f"Command: `python scripts/study.py --tune` ({len(members)} runs). AdamW and LAMB on the digits recipe "
+             "above at each learning rate of a grid of factors of about 3 (0.1, 0.3, 1, 3, 10 times AdamW's default "
+             f"{GRID_ROWS['AdamW'][1]:g} and LAMB's recipe {GRID_ROWS['LAMB'][1]:g}, extended past an edge that wins), "
+             f"seeds {', '.join(map(str, seeds))}, "
+             + (f"each trained on {counts['train']:,} of the {counts['train'] + counts['valid']:,} training images "
+                f"and scored on the other {counts['valid']:,} (a fixed draw, `data.valid_images`, recorded in each "
+                "run's identity.json)" if counts else "on validation splits that differ between runs (see their "
+                "identity.json)")
+             + f", {'/'.join(str(n) for n in sorted({r['summary']['steps'] for r in members}))} steps each"
+             + f". {'No' if not tested else tested} run of the grid read the test split"
+             + ("" if not tested else "s: the choice below is NOT independent of the test split")
+             + ". Chosen: the highest validation top-1 of the averaged model at the last epoch, mean over the seeds "
+               "(a tie: the lower validation loss); **bold**.", ""]
+    head = " | ".join(f"{row} validation top-1 | {row} validation loss" for row in cells)
+    lines += [f"| learning rate | {head} |", "|---" * (1 + 2 * len(cells)) + "|"]
+    for lr in rates:
+        cols = []
+        for row, points in cells.items():
+            if lr not in points:
+                cols += ["-", "-"]
+                continue
+            top1 = pm(stat(r["summary"]["final_valid_top1"] for r in points[lr]))
+            loss = pm(stat(r["summary"]["final_valid_loss"] for r in points[lr]), 4)
+            mark = "**" if chosen[row] == lr else ""
+            cols += [f"{mark}{top1} (n = {len(points[lr])}){mark}", loss]
+        lines.append(f"| {lr:g} | " + " | ".join(cols) + " |")
+    lines.append("")
+    for row, lr in chosen.items():
+        tried = sorted(cells[row])
+        edge = "" if tried[0] < lr < tried[-1] else (" (at the edge of the grid as run: a wider grid may choose "
+                                                     "otherwise)")
+        ran = sorted({float(m["config"]["optimizer"]["lr"]) for r in rows_ if r["optimizer"] == row
+                      for m in r["members"]})
+        if not ran:
+            lines.append(f"- {row}: the grid chose lr {lr:g}{edge}; the study has no {row} row yet.")
+        elif ran == [lr]:
+            lines.append(f"- {row}: the grid chose lr {lr:g}{edge}, the learning rate its study row runs at.")
+        else:
+            lines.append(f"- {row}: the grid chose lr {lr:g}{edge}, NOT the learning rate its study row runs at "
+                         f"({', '.join(f'{x:g}' for x in ran)})" + (
+                             ": the verdicts compare SLAMB with LAMB at the paper's recipe, whose learning rate "
+                             "SLAMB's rows share; against a LAMB tuned on this task, the LAMB row (and SLAMB's) "
+                             "would be rerun at the grid's choice." if row == "LAMB" else
+                             ": the row should be rerun at the grid's choice."))
+    return "\n".join(lines) + "\n", {row: {"chosen_lr": lr, "grid": {f"{x:g}": [
+        {"seed": r["config"]["seed"], "valid_top1": r["summary"]["final_valid_top1"],
+         "valid_loss": r["summary"]["final_valid_loss"]} for r in cells[row][x]] for x in sorted(cells[row])}}
+        for row, lr in chosen.items()}
+
+
+# ------------------------------------------------------------------------------------------- where the bytes go
+
+LEDGER = ROOT / "results" / "comm_volume_raw.json"  # bench.comm_volume's measurements at the paper's shapes
+LEDGER_SLAMB = "SLAMB fp32 (k=0.1, H=100)"  # fp32 momentum, as the study's rows exchange it
+FP32_BYTES = 4
+# the kinds of the ledger by what they carry: (key, heading)
+ROLES = (("sampled", "momentum, sampled at the target k"), ("warmup", "compression warm-up (sampled above the target k)"),
+         ("dense", "momentum, always-averaged tensors"), ("params", "parameter syncs"),
+         ("grads", "dense gradients"), ("onebit", "1-bit momentum and scales"), ("control", "control"))
+
+
+def warmup_excess(run: dict) -> float:
+    """The sampled momentum bytes that the compression warm-up added above the target k: what each logged period at
+    a raised k sent beyond the bytes per step of the periods at the target k, as the ledger logged both."""
+    target = (run["config"].get("optimizer") or {}).get("compress_ratio")
+    periods = [h for h in run["history"] if "compress_ratio" in h and "bytes/momentum" in h and h.get("period_steps")]
+    if target is None:
+        return 0.0
+    steady = [h["bytes/momentum"] / h["period_steps"] for h in periods if h["compress_ratio"] <= target]
+    if not steady:  # every period raised (a run shorter than the warm-up): the sampled bytes scale with k
+        return sum(h["bytes/momentum"] * (1 - target / h["compress_ratio"]) for h in periods)
+    per_step = statistics.fmean(steady)
+    return sum(h["bytes/momentum"] - per_step * h["period_steps"] for h in periods if h["compress_ratio"] > target)
+
+
+def roles(run: dict) -> dict[str, float]:
+    """A run's bytes per worker by :data:`ROLES`, from the ledger's kinds (they add up to its total)."""
+    b, warm = run["summary"]["bytes_total"], warmup_excess(run)
+    return {"sampled": b.get("momentum", 0) - warm, "warmup": warm, "dense": b.get("momentum_dense", 0),
+            "params": b.get("params", 0), "grads": b.get("grads", 0),
+            "onebit": b.get("momentum_1bit", 0) + b.get("scales", 0), "control": b.get("control", 0)}
+
+
+def row_roles(row: dict) -> dict[str, float]:
+    """:func:`roles`, mean over the row's seeds."""
+    each = [roles(m) for m in row["members"]]
+    return {k: statistics.fmean(e[k] for e in each) for k, _ in ROLES}
+
+
+def share(part: float, whole: float) -> str:
+    return f"{fmt_bytes(part)} ({100 * part / whole:.1f}%)" if part else "-"
+
+
+def breakdown_table(rows_: list[dict], task: str) -> list[str]:
+    """Each SLAMB and 1-bit LAMB row's bytes per worker by role, with its share of the row's total."""
+    lines = []
+    for r in rows_:
+        if r["settings"].get("optimizer.name") not in ("slamb", "onebit_lamb"):
+            continue
+        got = row_roles(r)
+        total = sum(got.values())
+        lines.append(f"| {task} | {r['optimizer']} | {fmt_bytes(total)} | "
+                     + " | ".join(share(got[k], total) for k, _ in ROLES) + " |")
+    return lines
+
+
+def ledger_setting(shape: str, label: str = LEDGER_SLAMB) -> dict | None:
+    """SLAMB's and 1-bit LAMB's bytes per step at the paper's settings for ``shape``, by role, from the ledger's
+    measurements (results/comm_volume_raw.json; BERT-Large extrapolated in depth as bench.comm_volume does) and
+    the recipe's settings (configs/): the parameter syncs every H steps, the compression warm-up's excess over
+    the recipe's epochs, 1-bit LAMB's full-precision stage over DeepSpeed's share of the steps."""
+    import yaml
+
+    from bench.comm_volume import ONEBIT_WARMUP, PHASE1_STEPS, extrapolate
+    from slamb.schedules import compression_ratio
+
+    raw = json.loads(LEDGER.read_text())
+    if shape == "ResNet-110":
+        rows_, numel = raw["resnet110"], raw["resnet110_numel"]
+        recipe = yaml.safe_load((ROOT / "configs" / "experiment" / "cifar10" / "slamb.yaml").read_text())["optimizer"]
+        epochs = yaml.safe_load((ROOT / "configs" / "cifar10.yaml").read_text())["epochs"]
+    else:
+        rows_ = extrapolate({int(d): r for d, r in raw["bert_large_by_depth"].items()}, 24)
+        numel = raw["bert_large_numel"]
+        recipe = yaml.safe_load((ROOT / "configs" / "experiment" / "bert" / "phase1_slamb.yaml").read_text())["optimizer"]
+        epochs = None
+    slamb_, onebit = rows_[label], rows_["1-bit LAMB"]
+    k, h = recipe["compress_ratio"], recipe["sync_interval"]
+    sampled = slamb_.get("last_payload/momentum")
+    if sampled is None:  # measured before the ledger's kinds were kept
+        return None
+    warm = recipe.get("compression_warmup")
+    raised = sum(compression_ratio(e, k, warm) / k - 1 for e in range(epochs)) / epochs if warm and epochs else 0.0
+    per_step = {"sampled": sampled, "warmup": sampled * raised, "dense": slamb_.get("last_payload/momentum_dense", 0),
+                "params": slamb_["first_payload/params"] / h, "grads": 0, "onebit": 0,
+                "control": slamb_.get("last_payload/control", 0)}
+    full = ONEBIT_WARMUP / PHASE1_STEPS
+    onebit_step = full * sum(v for key, v in onebit.items() if key.startswith("first_payload/")) + (1 - full) * sum(
+        v for key, v in onebit.items() if key.startswith("last_payload/"))
+    onebit_full = full * sum(v for key, v in onebit.items() if key == "first_payload/grads")
+    return {"per_step": per_step, "numel": numel, "k": k, "H": h, "epochs": epochs, "warmup": warm,
+            "dense_params": per_step["dense"] / FP32_BYTES / numel, "onebit_full_share": onebit_full / onebit_step,
+            "vs_onebit": sum(per_step.values()) / onebit_step,
+            "raised_epochs": sum(compression_ratio(e, k, warm) > k for e in range(epochs)) if warm and epochs else 0}
+
+
+def in_kind(row: dict, onebit: dict | None) -> dict:
+    """A measured SLAMB row as :func:`ledger_setting` gives the paper's: its bytes by role (whole runs, mean over
+    the seeds), the share of its parameters in always-averaged tensors (fp32 exchange), and its bytes over 1-bit
+    LAMB's."""
+    got = row_roles(row)
+    head = row["members"][0]["summary"]
+    dense_params = got["dense"] / head["steps"] / FP32_BYTES / head["params"]
+    return {"per_step": got, "dense_params": dense_params,
+            "vs_onebit": sum(got.values()) / sum(row_roles(onebit).values()) if onebit else math.nan}
+
+
+def pct(part: float, parts: dict) -> float:
+    return 100 * part / sum(parts.values())
+
+
+def bytes_section(rows_by_task: dict[str, list[dict]]) -> str:
+    """Where SLAMB's bytes go in the study's runs, by the ledger's kinds, against the same roles at the paper's
+    settings at ResNet-110's and BERT-Large's shapes (the ledger of bench.comm_volume): which of the in-kind
+    sizes inflate SLAMB's bytes."""
+    lines = ["## Where SLAMB's bytes go, in kind and at the paper's settings", "",
+             "Bytes each worker handed to the collectives over the run, by what they carry (the ledger's kinds; mean "
+             "over the seeds; share of the row's total). The compression warm-up's part is the sampled momentum that "
+             "the periods at a raised k (the runs' metrics.jsonl log k per period) sent above the bytes per step of "
+             "the periods at the target k; 1-bit LAMB's dense gradients are its full-precision stage, the "
+             "hierarchical row's the average inside each node.", "",
+             "| task | optimizer | total / worker | " + " | ".join(head for _, head in ROLES) + " |",
+             "|---" * (3 + len(ROLES)) + "|"]
+    for task, rows_ in rows_by_task.items():
+        lines += breakdown_table(rows_, task)
+    find = {task: ({r["optimizer"]: r for r in rows_}) for task, rows_ in rows_by_task.items()}
+    measured = {}
+    for task, name, label in (("digits", "SLAMB v1", "digits, ResNet-8 (in kind)"),
+                              ("bert", "SLAMB", "BERT, 2 layers (in kind)")):
+        if name in find.get(task, {}):
+            measured[label] = (find[task][name], find[task].get("1-bit LAMB"))
+    paper = {shape: ledger_setting(shape) for shape in ("ResNet-110", "BERT-Large")} if LEDGER.exists() else {}
+    if not measured or not paper or None in paper.values():
+        return "\n".join([*lines, "", f"No figures at the paper's settings: {LEDGER.relative_to(ROOT)} holds no "
+                           "payload by kind (`python -m bench.comm_volume` measures it)." if measured else ""]) + "\n"
+    settings = {label: in_kind(row, onebit) for label, (row, onebit) in measured.items()}
+
+    def setting_of(row: dict) -> str:
+        o = row["members"][0]["config"]["optimizer"]
+        return (f"k {o['compress_ratio']:g}, H {o['sync_interval']}, T {o['min_compress_numel']:,}, "
+                f"{row['members'][0]['summary']['steps']} steps"
+                + (", the compression warm-up" if o.get("compression_warmup") else ""))
+
+    lines += ["", "SLAMB's bytes by role in kind (measured, fp32 momentum) and at the paper's settings (the ledger of "
+              f"`python -m bench.comm_volume` at the models' shapes, {LEDGER_SLAMB.split(' (')[0]} momentum, k and H "
+              "of the recipe in configs/, per step averaged over the run: the syncs every H steps, the warm-up's "
+              "excess over the recipe's epochs), share of SLAMB's bytes; and SLAMB's bytes over 1-bit LAMB's (at the "
+              "paper's settings: 1-bit LAMB's full-precision stage over DeepSpeed's 1,000 of 7,038 steps).", "",
+              "| setting | " + " | ".join(head for key, head in ROLES if key not in ("grads", "onebit"))
+              + " | parameters in always-averaged tensors | SLAMB / 1-bit LAMB |", "|---" * 8 + "|"]
+    rows_out = [(f"{label}: {setting_of(measured[label][0])}", settings[label]) for label in settings]
+    threshold = optimizer_defaults("slamb")["min_compress_numel"]  # the ledger's SLAMB is built with the defaults
+    for shape, got in paper.items():
+        rows_out.append((f"{shape} (the ledger): k {got['k']:g}, H {got['H']}, T {threshold:,}, "
+                         + (f"the compression warm-up over {got['epochs']} epochs" if got["warmup"] else "no warm-up"),
+                         got))
+    for label, got in rows_out:
+        parts = got["per_step"]
+        lines.append(f"| {label} | " + " | ".join(f"{pct(parts[key], parts):.1f}%" for key, _ in ROLES
+                                                 if key not in ("grads", "onebit"))
+                     + f" | {100 * got['dense_params']:.1f}% | "
+                     + ("-" if math.isnan(got["vs_onebit"]) else f"{got['vs_onebit']:.2f}x") + " |")
+    lines += ["", inflation(measured, settings, paper)]
+    return "\n".join(lines) + "\n"
+
+
+def inflation(measured: dict, settings: dict, paper: dict) -> str:
+    """Which of the in-kind sizes inflate SLAMB's bytes against the paper's settings, from the figures of
+    :func:`bytes_section`'s table: a role's share of SLAMB's bytes in kind beside its share at the paper's shapes."""
+    from bench.comm_volume import ONEBIT_WARMUP, PHASE1_STEPS
+    from slamb.schedules import compression_ratio
+
+    digits, bert = (next((k for k in settings if k.lower().startswith(t)), None) for t in ("digits", "bert"))
+    if digits is None:
+        return ""
+    row, onebit = measured[digits]
+    got, res, large = settings[digits], paper["ResNet-110"], paper["BERT-Large"]
+    o, head = row["members"][0]["config"]["optimizer"], row["members"][0]["summary"]
+    share_of = {name: {k: pct(v, x["per_step"]) for k, v in x["per_step"].items()}
+                for name, x in (("kind", got), ("res", res), ("large", large))}
+    if bert:
+        share_of["bert"] = {k: pct(v, settings[bert]["per_step"]) for k, v in settings[bert]["per_step"].items()}
+
+    def verb(role: str) -> str:
+        here, there = share_of["kind"][role], max(share_of["res"][role], share_of["large"][role])
+        if here <= there:
+            return "not inflated"
+        return f"**inflated** ({here / there:.1f}x the larger of the two)" if there else "**inflated** (none there)"
+
+    epochs = head["epochs"]
+    raised = sum(compression_ratio(e, o["compress_ratio"], o["compression_warmup"]) > o["compress_ratio"]
+                 for e in range(epochs)) if o.get("compression_warmup") else 0
+    syncs = math.ceil(head["steps"] / o["sync_interval"])  # step 1 syncs too
+    bert_o = measured[bert][0]["members"][0]["config"]["optimizer"] if bert else None
+    said = [
+        f"**Parameter syncs** (H = {o['sync_interval']} over {head['steps']} steps: {syncs} syncs of the whole model): "
+        f"{share_of['kind']['params']:.1f}% of {row['optimizer']}'s bytes on the digits, against "
+        f"{share_of['res']['params']:.1f}% at ResNet-110's shapes with the CIFAR-10 recipe's H = {res['H']} and "
+        f"{share_of['large']['params']:.1f}% at BERT-Large's with H = {large['H']}"
+        + (f" (BERT in kind, H = {bert_o['sync_interval']}: {share_of['bert']['params']:.1f}%)" if bert else "")
+        + f": {verb('params')}.",
+        f"**Always-averaged tensors** (the threshold T = {o['min_compress_numel']:,} against a {head['params']:,}-"
+        f"parameter model): {100 * got['dense_params']:.1f}% of ResNet-8's parameters are in tensors under T or "
+        f"with one dimension, sent whole every step: {share_of['kind']['dense']:.1f}% of {row['optimizer']}'s bytes, "
+        f"against {100 * res['dense_params']:.1f}% of the parameters and {share_of['res']['dense']:.1f}% of the bytes "
+        f"at ResNet-110's shapes and {100 * large['dense_params']:.1f}% and {share_of['large']['dense']:.1f}% at "
+        f"BERT-Large's"
+        + (f" (BERT in kind, T = {bert_o['min_compress_numel']:,}: {100 * settings[bert]['dense_params']:.1f}% and "
+           f"{share_of['bert']['dense']:.1f}%)" if bert else "") + f": {verb('dense')}.",
+        f"**Compression warm-up** (the reference code's per-epoch stages, k raised above {o['compress_ratio']:g} in "
+        f"the first {raised} epochs): {raised} of {epochs} epochs here, {share_of['kind']['warmup']:.1f}% of "
+        f"{row['optimizer']}'s bytes, against {res['raised_epochs']} of {res['epochs']} epochs and "
+        f"{share_of['res']['warmup']:.1f}% at ResNet-110's shapes"
+        + ("" if large["warmup"] else " (BERT-Large's recipe has none)") + f": {verb('warmup')}.",
+    ]
+    if onebit is not None:
+        freeze = onebit["members"][0]["config"]["optimizer"]["freeze_step"]
+        mine = row_roles(onebit)
+        said.append(f"**1-bit LAMB's full-precision stage** is {freeze} of its {head['steps']} steps here "
+                    f"({100 * freeze / head['steps']:.0f}%) and {ONEBIT_WARMUP:,} of {PHASE1_STEPS:,} in DeepSpeed's "
+                    f"setting ({100 * ONEBIT_WARMUP / PHASE1_STEPS:.0f}%): {pct(mine['grads'], mine):.1f}% of its "
+                    f"bytes here, {100 * large['onebit_full_share']:.1f}% at BERT-Large's shapes.")
+    said.append(net(row["optimizer"], got, settings.get(bert), res, large,
+                    [key for key in ("params", "dense", "warmup") if share_of["kind"][key] > max(
+                        share_of["res"][key], share_of["large"][key])]))
+    return "Which in-kind sizes inflate SLAMB's bytes against the paper's settings:\n\n" + "\n".join(
+        f"- {x}" for x in said) + "\n"
+
+
+def net(name: str, digits: dict, bert: dict | None, res: dict, large: dict, inflated: list[str]) -> str:
+    """SLAMB's bytes over 1-bit LAMB's in kind and at the paper's settings, and whether the order carries over:
+    said from the ratios, naming the roles that the in-kind sizes inflated."""
+    fp16 = ledger_setting("BERT-Large", LEDGER_SLAMB.replace("fp32", "fp16"))
+    kind = [x["vs_onebit"] for x in (digits, bert) if x is not None and not math.isnan(x["vs_onebit"])]
+    paper = [res["vs_onebit"], large["vs_onebit"]]
+    def ratio(x: dict) -> str:  # a task without a 1-bit LAMB row has no ratio in kind
+        return "no 1-bit LAMB row" if math.isnan(x["vs_onebit"]) else f"{x['vs_onebit']:.2f}x 1-bit LAMB's bytes"
+
+    text = (f"Net: {name} on the digits: {ratio(digits)}"
+            + (f" (BERT in kind: {ratio(bert)})" if bert is not None else "")
+            + f"; at the paper's settings the ledger gives {res['vs_onebit']:.2f}x at ResNet-110's shapes and "
+              f"{large['vs_onebit']:.2f}x at BERT-Large's with fp32 momentum"
+            + (f" ({fp16['vs_onebit']:.2f}x with the paper's fp16 momentum)" if fp16 else "") + ". ")
+    names = [{"params": "parameter syncs", "dense": "always-averaged tensors", "warmup": "compression warm-up"}[key]
+             for key in inflated]
+    roles_ = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+    if kind and min(kind) > 1 and max(paper) < 1:
+        return text + ("So SLAMB's bytes are above 1-bit LAMB's in kind and below them at the paper's settings: the "
+                       "in-kind comparison of bytes does not carry to the paper's setting" + (
+                           f"; the roles the in-kind sizes inflate are the {roles_}." if inflated else "."))
+    if kind and max(kind) < 1 and max(paper) < 1:
+        return text + "SLAMB sends fewer bytes than 1-bit LAMB in kind and at the paper's settings alike."
+    if kind and min(kind) > 1 and min(paper) > 1:
+        return text + "SLAMB sends more bytes than 1-bit LAMB in kind and at the paper's settings alike."
+    if not kind:
+        return text + "Nothing in kind to set beside them."
+    return text + "The order of SLAMB's and 1-bit LAMB's bytes differs between the settings compared here."
 
 
 # ------------------------------------------------------------------------------------------- pages
@@ -476,16 +883,19 @@ def digits_plateau(rows_: list[dict]) -> str:
             "epochs: " + ", ".join(parts) + ".\n")
 
 
-def digits_section(runs: list[dict], out: Path) -> tuple[str, list[str]]:
+def digits_section(runs: list[dict], out: Path, grid_records: Path) -> tuple[str, list[str], dict]:
+    """The digits part of the page, its verdicts, and the learning-rate grid's record (:func:`grid_section`)."""
     from cifar10.demo import bytes_markdown
 
     build_tables(runs, out)
     rows_ = comparison_rows(runs)
     lines = verdicts(rows_, "digits")
-    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), digits_plateau(rows_), bytes_markdown(rows_),
-                      other_kinds(rows_),
+    grid, grid_record = grid_section(load_runs(grid_records, log=lambda _: None) if grid_records.exists() else [],
+                                     rows_)
+    text = "\n".join([(out / f"{TABLES['digits']}.md").read_text(), digits_plateau(rows_), *([grid] if grid else []),
+                      bytes_markdown(rows_), other_kinds(rows_),
                       f"![accuracy vs epoch and vs bytes]({TABLES['digits']}_curves.png)", ""])
-    return text, lines
+    return text, lines, grid_record
 
 
 def bert_section(runs: list[dict], out: Path, data: dict) -> tuple[str, list[str]]:
@@ -539,6 +949,23 @@ def bert_learning(rows_: list[dict], data: dict) -> str:
     return "\n\n".join(lines) + "\n"
 
 
+def provenance(metas: list[dict], invocations: list[dict], now: dict) -> str:
+    """The commits the page's runs ran at (each run's meta.json), the one that wrote the page, and the machine's
+    1-minute load average at the start and end of each invocation that ran runs (``invocations.json``)."""
+    def commit(git: dict) -> str:
+        return str(git.get("commit", "unknown"))[:10] + (" (with uncommitted changes)" if git.get("dirty") else "")
+
+    counts: dict[str, int] = {}
+    for meta in metas:
+        counts[commit(meta.get("git") or {})] = counts.get(commit(meta.get("git") or {}), 0) + 1
+    ran = "; ".join(f"{c}: {n} run{'s' if n > 1 else ''}" for c, n in sorted(counts.items(), key=lambda x: -x[1]))
+    loads = [x for x in invocations if x.get("load_avg")]
+    load = ("The machine's 1-minute load average at the start and end of each invocation that ran runs: "
+            + ", ".join(f"{x['load_avg'][0]:g} to {x['load_avg'][1]:g} ({x['started']})" for x in loads) + "."
+            if loads else "The machine's load was not recorded for these runs.")
+    return f"Commits: the runs ran at {ran or 'no recorded commit'}; this page was written at {commit(now)}. {load}"
+
+
 def page(parts: dict, args, times: dict) -> str:
     cmd = "make study" if not args.quick else "python scripts/study.py --quick"
     run_args = [a for a in args.argv if a != "--report-only"]
@@ -547,14 +974,16 @@ def page(parts: dict, args, times: dict) -> str:
         del run_args[i:i + 2]
     lines = ["# SLAMB vs LAMB, reproduced in kind on a CPU", "",
              "Written by `scripts/study.py` from the runs it started: every table, curve and verdict is computed from them.", "",
-             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', *run_args])}`)"
+             f"Command: `{cmd}` (`{' '.join(['python scripts/study.py', shown_command(run_args)]).strip()}`)"
              + ("; this page rebuilt from its runs with `--report-only`" if args.report_only else "") + ". "
              f"Wall time: {sum(times.values()) / 60:.1f} min in all ("
-             + ", ".join(f"{k} {v / 60:.1f} min" for k, v in times.items()) + f") on {args.machine}.", "",
+             + ", ".join(f"{'learning-rate grid' if k == 'tune' else k} {v / 60:.1f} min" for k, v in times.items())
+             + f") on {args.machine}.", "", provenance(args.metas, args.invocations, args.commit), "",
              "## Verdicts", ""]
     for task, (_, verdict_lines) in parts.items():
         lines += [f"- **{task}**: {v}" for v in verdict_lines]
-    lines += ["", "95% CI: Welch t-interval over the seeds of the difference SLAMB − LAMB (scipy.stats.ttest_ind, "
+    lines += ["", "95% CI: Welch t-interval over the seeds of the difference SLAMB − LAMB (or − tuned AdamW; "
+              "scipy.stats.ttest_ind, "
               "unequal variances); bytes: each worker's payload over the whole run, ratio of the rows' means.", "",
               "## What differs from the paper", ""]
     differs = {
@@ -571,10 +1000,12 @@ def page(parts: dict, args, times: dict) -> str:
                 "gradients (the paper exchanges fp16 in both).",
     }
     lines += [differs[task] for task in parts]
-    lines += ["- Every row uses the published hyper-parameters of its optimizer, not ones tuned on these tasks.", "",
-              RERUN_DRIFT, ""]
+    lines += ["- Every row uses the published hyper-parameters of its optimizer, not ones tuned on these tasks"
+              + (", but AdamW's learning rate, chosen on a validation split by a grid that also ran LAMB's (the "
+                 "digits section)." if args.grid else "."), "", RERUN_DRIFT, ""]
     for task, (text, _) in parts.items():
         lines += [f"## {'Images: digits, ResNet-8' if task == 'digits' else 'Text: BERT pre-training'}", "", text]
+    lines += [bytes_section(args.rows_by_task)] if args.rows_by_task else []
     return "\n".join(lines)
 
 
@@ -614,6 +1045,11 @@ def main(argv=None) -> int:
                         "configs/experiment/study/, without .yaml) beside the runs already under --runs; their time "
                         "is added to the task's")
     parser.add_argument("--report-only", action="store_true", help="rebuild the page from the existing runs")
+    parser.add_argument("--tune", action="store_true", help="run the learning-rate grid of AdamW and LAMB on the "
+                        "digits recipe with a validation split held out of the training set (its records under "
+                        "<out>/runs/tune), and no task's rows; the page is rebuilt from the records")
+    parser.add_argument("--tune-rows", nargs="+", choices=list(GRID_ROWS), default=None, help="the grid of these "
+                        "rows only (two invocations side by side, one row each, with their own --runs)")
     parser.add_argument("--machine", default=None, help="where the runs ran, for the page's wall time "
                         "(default: the number of CPU cores)")
     args = parser.parse_args(argv)
@@ -640,6 +1076,10 @@ def main(argv=None) -> int:
         now[task] = now.get(task, 0.0) + seconds
         times_path.write_text(json.dumps(now))
     parts, data, record = {}, None, {}
+    args.grid, args.rows_by_task, args.metas = {}, {}, []
+    # what this invocation leaves in the records: its commit and the load it ran under, when it runs anything
+    started, load0 = time.strftime("%Y-%m-%d %H:%M"), round(os.getloadavg()[0], 2)
+    times_before = times_path.read_text() if times_path.exists() else None
     data_root = runs_root / "data"
 
     if "digits" in args.tasks:
@@ -648,24 +1088,41 @@ def main(argv=None) -> int:
         digits_dir = data_root / "digits-cifar10-layout"
         sweep = runs_root / "digits"
         todo = QUICK["digits_rows"] if args.quick else rows("digits", args.rows)
-        if not args.report_only and todo:
+        if not args.report_only and not args.tune and todo:
             write_digits(digits_dir)
             overrides = [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])]
             compared, context = verdict_rows_first(todo)
             spent = functools.partial(add_time, "digits")
             run_missing("cifar10.train", compared, seeds["digits"], sweep, records / "digits", overrides, spent)
             top_up("cifar10.train", sweep, records / "digits", "digits", overrides, cap["digits"], spent)
-            run_missing("cifar10.train", context, seeds["digits"], sweep, records / "digits", overrides, spent)
+            # the tuned AdamW row, which SLAMB v1 is compared with too, at LAMB's seeds (those it had top-ups to)
+            matched = [e for e in context if e.endswith("_adamw")]
+            lamb_seeds = sorted({r["config"]["seed"] for r in task_runs(records / "digits", "digits")
+                                 if r["config"]["name"] == "study_digits_lamb"}) or seeds["digits"]
+            run_missing("cifar10.train", matched, lamb_seeds, sweep, records / "digits", overrides, spent)
+            run_missing("cifar10.train", [e for e in context if e not in matched], seeds["digits"], sweep,
+                        records / "digits", overrides, spent)
+        if args.tune:
+            write_digits(digits_dir)
+            grid = QUICK_GRID if args.quick else {}
+            tune(runs_root / "tune", records / "tune",
+                 [f"data.dir={digits_dir}", *(QUICK["digits"] if args.quick else [])],
+                 functools.partial(add_time, "tune"), rows_=args.tune_rows, **grid)
         keep_records(sweep, records / "digits")
-        runs = task_runs(records / "digits", "digits", chosen["digits"])
-        parts["digits"] = digits_section(runs, out)
-        record["digits"] = per_run(runs, "digits")
+        runs = task_runs(records / "digits", "digits", chosen["digits"]) if (records / "digits").exists() else []
+        if runs:  # (a grid run before any row has only its records to show)
+            text, lines, args.grid = digits_section(runs, out, records / "tune")
+            parts["digits"] = (text, lines)
+            args.rows_by_task["digits"] = comparison_rows(runs)
+            args.metas += [r["meta"] for r in runs]
+            record["digits"] = per_run(runs, "digits")
+            record["lr_grid"] = args.grid
 
     if "bert" in args.tasks:
         sweep, bert_root = runs_root / "bert", data_root / "bert"
         data_json, record_json = bert_root / "data.json", records / "bert_data.json"
         todo = QUICK["bert_rows"] if args.quick else rows("bert", args.rows)
-        if not args.report_only and todo:
+        if not args.report_only and not args.tune and todo:
             tic = time.perf_counter()
             if data_json.exists():  # a continued study trains on the data its first runs had
                 data = json.loads(data_json.read_text())
@@ -697,13 +1154,27 @@ def main(argv=None) -> int:
         data = json.loads(record_json.read_text())
         runs = task_runs(records / "bert", "bert", chosen["bert"])
         parts["bert"] = bert_section(runs, out, data)
+        args.rows_by_task["bert"] = pretrain_rows(runs)
+        args.metas += [r["meta"] for r in runs]
         record["bert"] = per_run(runs, "bert")
 
+    if "digits" in args.tasks and args.grid:
+        args.metas += [r["meta"] for r in load_runs(records / "tune", log=lambda _: None)]
+    invocations_path = records / "invocations.json"
+    args.invocations = json.loads(invocations_path.read_text()) if invocations_path.exists() else []
+    args.commit = git_revision(ROOT)
+    if (times_path.read_text() if times_path.exists() else None) != times_before:  # it ran runs
+        args.invocations.append({"started": started, "command": shown_command(args.argv), **args.commit,
+                                 "load_avg": [load0, round(os.getloadavg()[0], 2)]})
+        invocations_path.write_text(json.dumps(args.invocations, indent=1))
     times = json.loads(times_path.read_text()) if times_path.exists() else {}
-    text = page(parts, args, {task: times[task] for task in parts if task in times})
+    text = page(parts, args, {task: times[task] for task in [*parts, "tune"] if task in times and
+                              (task != "tune" or args.grid)})
     (out / "README.md").write_text(text)
+    # the data's folders as the page would show them: the json names no folder of the machine either
+    shown_data = data and {k: shown_path(v) if isinstance(v, str) and v.startswith("/") else v for k, v in data.items()}
     (out / "study.json").write_text(json.dumps({"runs": record, "verdicts": {k: v[1] for k, v in parts.items()},
-                                                "wall_time_s": times, "bert_data": data}, indent=1))
+                                                "wall_time_s": times, "bert_data": shown_data}, indent=1))
     print(text)
     return 0
 

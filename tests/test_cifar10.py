@@ -105,6 +105,33 @@ def test_malformed_dataset_is_a_clear_error(tmp_path, content, match):
         cdata.load_cifar10(tmp_path)
 
 
+def test_validation_split_is_held_out_of_the_training_split_and_never_loads_the_test_split(tiny_dir, tmp_path):
+    """data.valid_images: a fixed draw of the training images, the rest trained on; the test split is not loaded
+    (a run tuning on the split cannot see it) and the split is in the run's identity by the images it holds."""
+    from omegaconf import OmegaConf
+
+    from cifar10.train import inputs, splits
+
+    keep, valid = cdata.hold_out(160, 40, 0)
+    assert len(keep) == 120 and len(valid) == 40 and sorted(keep.tolist() + valid.tolist()) == list(range(160))
+    assert all(torch.equal(a, b) for a, b in zip((keep, valid), cdata.hold_out(160, 40, 0)))
+    assert not torch.equal(valid, cdata.hold_out(160, 40, 1)[1])
+    with pytest.raises(ValueError, match=r"invalid data.valid_images=160: the training split has 160 images"):
+        cdata.hold_out(160, 160, 0)
+    folder = shutil.copytree(tiny_dir, tmp_path / "cifar")
+    (folder / "test_batch").write_bytes(b"not a pickle")  # loading the test split would fail
+    (train_x, train_y), (valid_x, valid_y), split = splits(
+        OmegaConf.create({"data": {"dir": str(folder), "valid_images": 40, "valid_seed": 0}}), torch.device("cpu"))
+    x, y = cdata.load_cifar10(tiny_dir)["train"]
+    assert split == "valid" and torch.equal(valid_x, x[valid]) and torch.equal(valid_y, y[valid])
+    assert torch.equal(train_x, x[keep]) and torch.equal(train_y, y[keep])
+    *_, split = splits(OmegaConf.create({"data": {"dir": str(tiny_dir), "valid_images": None}}), torch.device("cpu"))
+    assert split == "test"
+    record = inputs({"data": {"dir": str(tiny_dir), "valid_images": 40, "valid_seed": 0}})["data.valid_images"]
+    other = inputs({"data": {"dir": str(tiny_dir), "valid_images": 40, "valid_seed": 1}})["data.valid_images"]
+    assert record["counts"] == {"train": 120, "valid": 40} and record["digest"] != other["digest"]
+
+
 def test_augment_is_a_padded_crop_and_flip_and_reproducible():
     x = torch.randint(0, 256, (64, 3, 32, 32), dtype=torch.uint8)
     out = cdata.augment(x, cdata.augment_generator(0, 0, 5))

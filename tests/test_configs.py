@@ -440,8 +440,9 @@ def test_each_pipelines_inputs_pass_its_own_checks(inputs, root):
                                             "only"),  # before: first a shard size, then this
     ("cifar10", "+foo=1", "unknown setting foo=1; known: ['data', 'epochs', 'logger', 'model', 'name', "),
     ("cifar10", "+data.augmnt=false", "unknown setting data.augmnt=False (did you mean data.augment?); known: "
-                                      "['augment', 'dir', 'eval_batch', 'micro_batch', 'name']; fix: drop "
-                                      "data.augmnt or correct its name (the pipeline's configs/)"),
+                                      "['augment', 'dir', 'eval_batch', 'micro_batch', 'name', 'valid_images', "
+                                      "'valid_seed']; fix: drop data.augmnt or correct its name (the pipeline's "
+                                      "configs/)"),
     ("cifar10", "+schedule.warmup_fractoin=0.1", "unknown setting schedule.warmup_fractoin=0.1 (did you mean "
                                                  "schedule.warmup_fraction?)"),
     ("bert", "model.num_attention_heads=3", "invalid model.num_attention_heads=3: hidden_size=32 is not a multiple"),

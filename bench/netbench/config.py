@@ -4,6 +4,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import yaml
+
 ROOT = Path(__file__).resolve().parents[2]
 WORKER_FLAG = "--worker"
 IFNAME_ENV = "NETBENCH_IFNAME"
@@ -15,6 +17,9 @@ UNLIMITED = None
 # LAMB's row settings (its warm-up, freeze_step, is set per run to 20% of the steps as in bert.demo), DGC takes
 # the SGD-M demo row's (lr 0.03, momentum 0.9, wd 1e-4) with DGC's own density 0.001 and 4-epoch warm-up.
 HIER = "SLAMB hierarchical"
+RECIPE_H = yaml.safe_load((ROOT / "configs" / "experiment" / "cifar10" / "slamb.yaml").read_text())["optimizer"][
+    "sync_interval"]
+RECIPE_H_ROW = f"SLAMB H={RECIPE_H}"
 # rows sharded with FSDP2 inside each host (HSDP: trainer.shard_size = the processes of a host), BERT only
 HSDP = ("HSDP LAMB", "HSDP SLAMB")
 ROWS = {
@@ -23,6 +28,10 @@ ROWS = {
     "SLAMB": {"cifar10": ["experiment=cifar10/demo_slamb"],
               "bert": ["experiment=bert/phase1_slamb", "optimizer.sync_interval=10",
                        "optimizer.min_compress_numel=2000"]},
+    # the demo row with its momentum exchanged in int8 (one float32 scale per 256 entries), and at the CIFAR-10
+    # recipe's sync interval instead of the demo's 10 (bench.time_to_accuracy's rows)
+    "SLAMB int8": {"cifar10": ["experiment=cifar10/demo_slamb", "optimizer.comm_dtype=int8"]},
+    RECIPE_H_ROW: {"cifar10": ["experiment=cifar10/demo_slamb", f"optimizer.sync_interval={RECIPE_H}"]},
     # the fused step (torch.compile'd passes): its optimizer time beside the multi-tensor step's
     "LAMB fused": {"cifar10": ["experiment=cifar10/demo_lamb", "optimizer.fused=true"],
                    "bert": ["experiment=bert/phase1_lamb", "optimizer.fused=true"]},
