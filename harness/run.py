@@ -178,11 +178,11 @@ def shown_path(path: str) -> str:
 
 
 def shown_args(args) -> list[str]:
-    """:func:`shown_path` of each argument that is a path, or ``key=path`` (a Hydra override)."""
+    """:func:`shown_path` of each argument that is a path, or ``key=path`` (a Hydra override, ``--out=path``)."""
     out = []
     for arg in map(str, args):
         key, eq, value = arg.partition("=")
-        out.append(f"{key}={shown_path(value)}" if eq and not key.startswith("-") else shown_path(arg))
+        out.append(f"{key}={shown_path(value)}" if eq and not arg.startswith("/") else shown_path(arg))
     return out
 
 

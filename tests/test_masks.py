@@ -140,7 +140,7 @@ def count_worker(rank, world):
     torch.manual_seed(0)
     model = torch.nn.Linear(200, 100)
     for p in model.parameters():
-        p.grad = torch.ones_like(p)
+        p.grad = torch.full_like(p, rank + 1.0)  # each rank its own (the same on every rank would be refused first)
     opt = slamb.SLAMB(model.parameters(), compress_ratio=0.1, min_compress_numel=1000, seed=rank)
     try:
         opt.step()

@@ -83,7 +83,7 @@ def test_an_unwritable_checkpoint_directory_is_refused_before_training(tmp_path)
     run.mkdir()
     (run / "ckpt").write_text("a file where the checkpoints go")  # unwritable, even for root
     data = write_digits(tmp_path / "digits", 64, 32)
-    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={data}"], run)
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={data}", "data.micro_batch=16"], run)
     assert stderr.startswith(f"error: checkpoint directory {run / 'ckpt'} is not writable ({run / 'ckpt'}: Not a "
                              "directory): make it writable, choose another run directory"), stderr
     # a run without checkpoints has nothing to write there: it gets past this check (to the data it lacks, which
@@ -100,9 +100,10 @@ def test_resuming_with_other_inputs_or_another_world_size_is_refused_before_any_
     # the checkpoint of a run of two workers on data/
     two = harness.DistEnv(0, 2, 0, 2, torch.device("cpu"))
     Checkpointer(run, two, inputs={"data.dir": str(data)}).save({"epoch": 1, "step": 4}, {}, {})
-    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'other'}"], run)
+    stderr = refused("cifar10.train", [*CIFAR, f"data.dir={tmp_path / 'other'}", "data.micro_batch=16"], run)
     assert f"was trained with data.dir='{data}' and this run has data.dir='{tmp_path / 'other'}'" in stderr
-    stderr = refused("cifar10.train", [*CIFAR[:1], "trainer.nproc_per_node=3", f"data.dir={data}"], run)
+    stderr = refused("cifar10.train", [*CIFAR[:1], "trainer.nproc_per_node=3", f"data.dir={data}", "data.micro_batch=16"],
+                     run)
     assert f"the run in {run / 'ckpt'} takes each step in 2 micro-batches of data.micro_batch samples" in stderr
     assert not (run / "run.lock").exists()  # released on the way out
 
@@ -154,7 +155,7 @@ def test_data_the_run_cannot_take_a_step_on_ends_the_command_before_any_worker(t
                 "fix: set data.micro_batch to an allowed value (command line or the pipeline's configs/data/*.yaml)")
     elif module == "swin.train":  # 32 training images
         args = ["experiment=swin_b/slamb", "model=swin_tiny_test", f"data.dir={write_tiny_imagenet(tmp_path / 'in')}",
-                "data.micro_batch=20", "data.workers=0", "epochs=2", "schedule.warmup_epochs=1",
+                "data.micro_batch=20", "data.global_batch=40", "data.workers=0", "epochs=2", "schedule.warmup_epochs=1",
                 "trainer.nproc_per_node=2"]
         line = ("error: invalid data.micro_batch=20: the 32 training samples give each of a step's 2 micro-batches 16, "
                 "not a full batch: no step would be taken; set data.micro_batch to at most 16, or run on fewer workers")

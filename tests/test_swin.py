@@ -203,6 +203,9 @@ def test_warmup_cosine_matches_timms_per_step_scheduler():
 
 def steps_worker(rank, world, tiny_dir):
     """The fp16 skip cases and the repeated-batch runs in one launch (process start-up dominates)."""
+    from slamb.optim.slamb import SLAMB
+
+    SLAMB.allow_same_gradients = True  # the tiny set's images alike on both ranks: their gradients may agree
     return {"fp16": {name: fp16_skip_case(rank, name) for name in ("slamb", "adamw")},
             "repeated": {name: repeated_batch_case(rank, world, name, precision, lr, tiny_dir)
                          for name, precision, lr in REPEATED}}

@@ -92,7 +92,7 @@ def test_targets_and_verdicts_per_host_count_against_lamb_and_onebit_lamb():
 
 
 def test_the_page_records_the_commit_and_no_folder_of_the_machine(tmp_path):
-    from harness.records import shown_command
+    from harness.run import shown_command
 
     assert shown_command(["--workdir", str(ROOT / "runs" / "tta"), f"--out={tmp_path / 'x.md'}", "--seeds", "3"]) == \
         "--workdir runs/tta --out=.../x.md --seeds 3"
