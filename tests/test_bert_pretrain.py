@@ -287,10 +287,11 @@ def _worker(rank, world, jobs):
         if resume_from is not None:  # a copy of a finished run, rolled back to its step-4 checkpoint
             if rank == 0:
                 shutil.copytree(resume_from, run_dir)
-                latest = json.loads((Path(run_dir) / "ckpt" / "latest.json").read_text())
-                out["latest_before"] = dict(latest)
-                latest.update(dir="step000000004", step=4)
-                (Path(run_dir) / "ckpt" / "latest.json").write_text(json.dumps(latest))
+                ckpt = Path(run_dir) / "ckpt"
+                out["latest_before"] = json.loads((ckpt / "latest.json").read_text())
+                # latest.json is its checkpoint's record (complete.json: the step, each file's digest)
+                latest = {"dir": "step000000004", **json.loads((ckpt / "step000000004" / "complete.json").read_text())}
+                (ckpt / "latest.json").write_text(json.dumps(latest))
             barrier()
         out["summaries"].append(train(cfg, run_dir))
     return out
