@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is usable here")),
     # before: Hydra's report of 6 lines and more, exit status 1
     ("data.augmnt=false", "error: unknown setting data.augmnt='false' (did you mean data.augment?); known: ['augment', "
-                          "'dir', 'eval_batch', 'micro_batch', 'name']; fix: drop data.augmnt or correct its name (the "
+                          "'dir', 'eval_batch', 'micro_batch', 'name', 'valid_images', 'valid_seed']; fix: drop "
+                          "data.augmnt or correct its name (the "
                           "pipeline's configs/); +data.augmnt=... adds a setting the pipeline reads"),
     ("experiment=cifar10/slamm", "error: unknown option experiment='cifar10/slamm' (did you mean "
                                  "experiment=cifar10/slamb?); known: ['bert/phase1_lamb', "),
