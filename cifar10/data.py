@@ -95,11 +95,11 @@ def load_batches(path: Path, names) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def train_samples(path) -> int | None:
-    """The training images of the CIFAR-10 set at ``path`` (its batches' labels, counted before any worker starts);
-    None where it is missing or unreadable, which :func:`load_cifar10` says in the workers."""
+    """The training images of the CIFAR-10 set at ``path``, before any worker starts: its :func:`fingerprint`'s
+    count (kept beside the data, so the batches are read once, for the run's identity too); None where it is
+    missing or unreadable, which the launcher's look at the data and :func:`load_cifar10` say."""
     try:
-        path = resolve_dir(path)
-        return sum(len(_unpickle(path / name).get(b"labels", ())) for name in TRAIN_FILES)
+        return fingerprint(path)["counts"]["train"]
     except (OSError, ValueError):
         return None
 
